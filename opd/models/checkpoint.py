@@ -1,0 +1,78 @@
+"""Safe loading of LlamaGen checkpoints (`c2i_*.pt`, `vq_ds16_c2i.pt`) and of our own weights.
+
+`torch.load(weights_only=True)` only rebuilds tensors and plain containers; we allow exactly one
+extra class, `argparse.Namespace`, which LlamaGen's training checkpoints pickle under `args`.
+A file whose pickle asks for anything else (a function call, an arbitrary class) is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+WEIGHT_KEYS = ("model", "module", "state_dict")       # where LlamaGen files keep the weights
+STRIP_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
+IGNORED_KEYS = ("freqs_cis",)                          # older LlamaGen files carry the RoPE table
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, unsafe or does not fit the model."""
+
+
+def load_state_dict_safely(path: str | Path) -> dict[str, Tensor]:
+    """Return the weights of a LlamaGen-style file: under `model`, else `module`, else
+    `state_dict`, else the file itself; DDP/compile prefixes stripped, `freqs_cis` dropped."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path "
+                              "(model.student_ckpt / model.teacher_ckpt in the config)")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"refused to load {path}: its pickle asks for code or classes a weights file does "
+            f"not need ({reason[:200]}); re-save it as a plain state dict if you trust it"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
+    state = obj
+    if isinstance(obj, dict):
+        for key in WEIGHT_KEYS:
+            if isinstance(obj.get(key), dict):
+                state = obj[key]
+                break
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} holds no state dict of tensors (looked under "
+                              f"{', '.join(WEIGHT_KEYS)} and at the top level)")
+    out = {}
+    for key, value in state.items():
+        for prefix in STRIP_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        if key.split(".")[-1] not in IGNORED_KEYS:
+            out[key] = value
+    return out
+
+
+def load_into(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
+    """Strictly load `state` into `model`; list missing, unexpected and mis-shaped keys."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        def show(items):
+            return ", ".join(items[:6]) + (f" (+{len(items) - 6} more)" if len(items) > 6 else "")
+        parts = [f"{name} [{show(items)}]" for name, items in
+                 (("missing keys", missing), ("unexpected keys", unexpected),
+                  ("mis-shaped keys", shapes)) if items]
+        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(parts)
+                              + "; check that the preset (and vocab/grid overrides) match the file")
+    with torch.no_grad():
+        model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)

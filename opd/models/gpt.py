@@ -1,0 +1,223 @@
+"""LlamaGen class-conditional GPT with a per-row KV cache.
+
+Parameter names and shapes are LlamaGen's (FACTS.md §1), so official `c2i_*.pt` state dicts load
+strictly.  What differs is the cache: LlamaGen writes one position vector for the whole batch;
+here every row has its own positions and every call names the physical cache rows it uses, which
+is what the rollout engines' protocol (`rollout/protocol.py`) asks for.
+
+Sequence layout: class token at position 0, image token i at position i + 1; logits at position p
+are the distribution of image token p.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from opd.models.args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dt)
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.ffn_dropout = nn.Dropout(args.ffn_dropout_p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+def rope_2d_table(grid_size: int, head_dim: int, base: float) -> Tensor:
+    """(1 + grid², head_dim // 2, 2) float64 (cos, sin).  Half of the rotary pairs encode the
+    row, half the column; position 0 (class token) is all zeros, as in LlamaGen."""
+    half = head_dim // 2
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2, dtype=torch.float64)[: half // 2] / half))
+    t = torch.arange(grid_size, dtype=torch.float64)
+    freqs = torch.outer(t, freqs)                                       # (G, hd/4)
+    grid = torch.cat([freqs[:, None, :].expand(-1, grid_size, -1),      # row
+                      freqs[None, :, :].expand(grid_size, -1, -1)], -1)  # column -> (G, G, hd/2)
+    table = torch.stack([torch.cos(grid), torch.sin(grid)], -1).flatten(0, 1)
+    return torch.cat([torch.zeros(1, half, 2, dtype=torch.float64), table])
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """x: (B, S, H, hd); rope: (B, S, hd/2, 2) cos/sin for each row's own positions."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xs = x.to(dt).reshape(*x.shape[:-1], -1, 2)
+    r = rope.to(dt).unsqueeze(2)                                        # (B, S, 1, hd/2, 2)
+    out = torch.stack([xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
+                       xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
+        total = (args.n_head + 2 * args.kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, total, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        self.resid_dropout = nn.Dropout(args.resid_dropout_p)
+        self.k_cache: Tensor | None = None   # (max_batch, n_kv_head, max_len, head_dim)
+        self.v_cache: Tensor | None = None
+
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor | None,
+                rows: Tensor | None, use_cache: bool) -> Tensor:
+        """x: (B, S, D); positions: (B, S) or None for 0..S-1 causal; rows: (B,) or None."""
+        B, S, _ = x.shape
+        hd, kvd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([hd, kvd, kvd], dim=-1)
+        q = apply_rope(q.view(B, S, self.n_head, self.head_dim), rope)
+        k = apply_rope(k.view(B, S, self.n_kv_head, self.head_dim), rope)
+        v = v.view(B, S, self.n_kv_head, self.head_dim)
+        q = q.transpose(1, 2)                                           # (B, H, S, hd)
+        gqa = self.n_kv_head != self.n_head
+        if not use_cache:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            assert self.k_cache is not None, "call setup_cache() before a cached forward"
+            kc, vc = self.k_cache, self.v_cache
+            length = int(positions.max()) + 1
+            if rows is None:                                            # rows 0..B-1: no gather
+                kc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = k
+                vc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = v
+                keys, values = kc[:B, :, :length], vc[:B, :, :length]
+            else:
+                kc[rows[:, None], :, positions] = k                     # (B, S, Hkv, hd) scatter
+                vc[rows[:, None], :, positions] = v
+                keys, values = kc[rows, :, :length], vc[rows, :, :length]
+            key_pos = torch.arange(length, device=x.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B,1,S,L)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, S, hd)
+        return self.resid_dropout(self.wo(y))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor | None, rows: Tensor | None,
+                use_cache: bool) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions, rows, use_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding with one extra row (index num_classes) for the null class of CFG."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
+
+    def forward(self, labels: Tensor) -> Tensor:
+        if self.training and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape, device=labels.device) < self.dropout_prob
+            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels)
+
+
+class GPT(nn.Module):
+    """Class-conditional LlamaGen GPT.  Implements `rollout.protocol.RolloutModel`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.vocab_size, self.num_classes = args.vocab_size, args.num_classes
+        self.grid_size, self.block_size = args.grid_size, args.block_size
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.cls_embedding = LabelEmbedder(args.num_classes, args.dim, args.class_dropout_prob)
+        self.tok_dropout = nn.Dropout(args.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self._rope64 = rope_2d_table(args.grid_size, args.head_dim, args.rope_base)
+        self._rope: dict[tuple, Tensor] = {}
+        self.max_batch = 0
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """LlamaGen init: normal(0, 0.02) linears and embeddings, zero output head."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.output.weight)
+
+    def _rope_table(self, device: torch.device) -> Tensor:
+        key = (device.type, device.index)
+        if key not in self._rope:
+            self._rope[key] = self._rope64.to(device)
+        return self._rope[key]
+
+    def _run(self, h: Tensor, positions: Tensor | None, rows: Tensor | None,
+             use_cache: bool) -> Tensor:
+        table = self._rope_table(h.device)
+        if positions is None:
+            rope = table[: h.shape[1]].unsqueeze(0).expand(h.shape[0], -1, -1, -1)
+        else:
+            rope = table[positions]
+        h = self.tok_dropout(h)
+        for layer in self.layers:
+            h = layer(h, rope, positions, rows, use_cache)
+        return self.output(self.norm(h)).float()
+
+    def forward(self, labels: Tensor, tokens: Tensor) -> Tensor:
+        """Teacher forcing.  labels: (B,) int64; tokens: (B, T) int64 with T <= block_size.
+        Returns logits (B, T + 1, V) float32; logits[:, i] is the distribution of image token i.
+        Label dropout (CFG training) applies in train mode only."""
+        if tokens.shape[1] > self.block_size:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds block_size "
+                             f"{self.block_size}")
+        h = torch.cat([self.cls_embedding(labels).unsqueeze(1), self.tok_embeddings(tokens)], 1)
+        return self._run(h, None, None, use_cache=False)
+
+    # ---- rollout protocol -------------------------------------------------------------
+    def setup_cache(self, max_batch: int, max_len: int) -> None:
+        if max_len > self.block_size + 1:
+            raise ValueError(f"max_len {max_len} exceeds block_size + 1 = {self.block_size + 1}")
+        p = next(self.parameters())
+        shape = (max_batch, self.args.kv_heads, max_len, self.args.head_dim)
+        for layer in self.layers:
+            layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.max_batch = max_batch
+
+    def release_cache(self) -> None:
+        for layer in self.layers:
+            layer.attention.k_cache = layer.attention.v_cache = None
+        self.max_batch = 0
+
+    def prefill(self, labels: Tensor, prefix: Tensor, rows: Tensor | None) -> Tensor:
+        """labels: (B,), prefix: (B, P), rows: (B,) or None (rows 0..B-1).
+        Returns logits (B, P + 1, V); the last row is the distribution of image token P."""
+        B, P = prefix.shape
+        h = torch.cat([self.cls_embedding(labels).unsqueeze(1), self.tok_embeddings(prefix)], 1)
+        positions = torch.arange(P + 1, device=prefix.device).expand(B, -1)
+        return self._run(h, positions, rows, use_cache=True)
+
+    def forward_cached(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+        """tokens, positions: (B, S) int64; rows: (B,) or None (rows 0..B-1).
+        Returns logits (B, S, V) float32 for the image tokens at indices `positions`."""
+        return self._run(self.tok_embeddings(tokens), positions, rows, use_cache=True)
