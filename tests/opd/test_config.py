@@ -1,0 +1,231 @@
+"""Run config: defaults, presets, overrides of every type, and the exact error messages."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from opd.config import (CONFIG_DIR, ConfigError, RunConfig, apply_overrides, available_presets,
+                        config_from_dict, config_hash, config_to_dict, config_to_yaml,
+                        default_run_dir, load_config, save_config, validate)
+
+
+def error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# --- defaults and presets -------------------------------------------------------------------
+
+def test_defaults_are_the_digits_setup_and_valid():
+    cfg = RunConfig()
+    assert validate(cfg) == cfg
+    assert load_config() == cfg
+    assert (cfg.model.student, cfg.model.teacher, cfg.model.vocab_size) == ("GPT-digits-S", "GPT-digits-T", 17)
+    assert (cfg.rollout.engine, cfg.rollout.window, cfg.distill.objective) == ("hbsjd", 16, "gkd")
+    assert cfg.learner.betas == (0.9, 0.95) and cfg.learner.weight_decay == 0.0
+    assert cfg.cluster.address is None and cfg.run.dir is None
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import opd.config as mod
+    tree = ast.parse(inspect.getsource(mod))
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name.endswith(("Config", "Options"))):
+            continue
+        cls = getattr(mod, node.name)
+        if cls is RunConfig or not dataclasses.is_dataclass(cls):
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{node.name}.{stmt.target.id} has no docstring"
+
+
+def test_default_preset_equals_dataclass_defaults():
+    assert "default" in available_presets() and "tiny" in available_presets()
+    assert load_config("default") == RunConfig()
+
+
+def test_tiny_preset_merges_over_defaults():
+    cfg = load_config("tiny")
+    assert cfg.distill.steps == 3 and cfg.data.batch_size == 4 and cfg.run.name == "tiny"
+    assert cfg.cluster.include_dashboard is False
+    # keys the preset leaves out keep their defaults
+    assert cfg.rollout.engine == "hbsjd" and cfg.learner.lr == 1e-3 and cfg.model.grid_size == 16
+
+
+def test_preset_by_name_relative_path_or_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # configs/tiny.yaml must resolve to the repo's configs dir anyway
+    a = load_config("tiny")
+    assert load_config("configs/tiny.yaml") == a == load_config("tiny.yaml")
+    assert load_config(str(CONFIG_DIR / "tiny.yaml")) == a
+
+
+def test_user_preset_with_extends(tmp_path):
+    (tmp_path / "mine.yaml").write_text("extends: tiny\nrollout:\n  window: 5\nlearner:\n  lr: 2e-4\n")
+    cfg = load_config(str(tmp_path / "mine.yaml"))
+    assert cfg.rollout.window == 5 and cfg.learner.lr == 2e-4  # "2e-4" is text to PyYAML
+    assert cfg.distill.steps == 3                               # from tiny
+
+
+def test_missing_preset_names_it_and_lists_presets():
+    msg = error([], path="nope")
+    assert "'nope' not found" in msg and "available presets: " in msg and "tiny" in msg
+
+
+def test_preset_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  windw: 3\n")
+    msg = error([], path=str(bad))
+    assert str(bad) in msg and "unknown config key 'rollout.windw'; did you mean 'rollout.window'?" in msg
+    bad.write_text("rollout: [1, 2\n")
+    assert "invalid YAML" in error([], path=str(bad))
+
+
+# --- overrides --------------------------------------------------------------------------------
+
+def test_overrides_of_every_scalar_type():
+    cfg = load_config("tiny", [
+        "rollout.window=8",                    # int
+        "learner.lr=3e-4",                     # float written without a dot
+        "rollout.cfg_scale=2",                 # int into a float field
+        "teacher.guided=true",                 # bool
+        "rollout.engine=cached_ar",            # enum
+        "run.name=1.10",                       # str field keeps the text, not the float 1.1
+        "run.dir=/tmp/x",                      # str | None
+        "model.student_ckpt=null",             # None
+        "rollout.history_offset=None",         # None spelled the Python way
+        "learner.betas=[0.8,0.9]",             # tuple from a YAML list
+        "rollout.gamma=30",                    # int | "auto"
+        "distill.objective_options.gate=0.25", # free-form dict entry
+    ])
+    assert cfg.rollout.window == 8 and cfg.learner.lr == 3e-4
+    assert cfg.rollout.cfg_scale == 2.0 and isinstance(cfg.rollout.cfg_scale, float)
+    assert cfg.teacher.guided is True and cfg.rollout.engine == "cached_ar"
+    assert cfg.run.name == "1.10" and cfg.run.dir == "/tmp/x"
+    assert cfg.model.student_ckpt is None and cfg.rollout.history_offset is None
+    assert cfg.learner.betas == (0.8, 0.9) and cfg.rollout.gamma == 30
+    assert cfg.distill.objective_options == {"gate": 0.25}
+    assert load_config(None, ["rollout.gamma=auto"]).rollout.gamma == "auto"
+    assert load_config(None, ["learner.betas=0.5,0.6"]).learner.betas == (0.5, 0.6)
+    assert load_config(None, ["rollout.history_offset=24"]).rollout.history_offset == 24
+
+
+def test_later_override_wins_and_section_mapping_override():
+    cfg = load_config(None, ["rollout.window=3", "rollout.window=7", "data={batch_size: 2}"])
+    assert cfg.rollout.window == 7 and cfg.data.batch_size == 2 and cfg.data.prefix_ratio == 0.5
+
+
+def test_num_workers_range():
+    assert load_config(None, ["rollout.num_workers=2..6"]).rollout.num_workers == (2, 6)
+    assert load_config(None, ["rollout.num_workers=[1, 3]"]).rollout.num_workers == (1, 3)
+    assert load_config(None, ["rollout.num_workers=4"]).rollout.num_workers == 4
+    assert error(["rollout.num_workers=5..2"]) == "rollout.num_workers='5..2': min must be <= max"
+    assert error(["rollout.num_workers=0..2"]) == "rollout.num_workers='0..2': must be >= 1"
+
+
+def test_apply_overrides_copies():
+    base = load_config("tiny")
+    new = apply_overrides(base, ["distill.beta=0.1"])
+    assert new.distill.beta == 0.1 and base.distill.beta == 0.5
+
+
+# --- error messages ------------------------------------------------------------------------------
+
+def test_unknown_key_suggests_the_closest():
+    assert error(["rollout.windw=3"]) == "unknown config key 'rollout.windw'; did you mean 'rollout.window'?"
+    assert error(["rolout.window=3"]) == "unknown config key 'rolout.window'; did you mean 'rollout.window'?"
+    assert error(["window=3"]) == "unknown config key 'window'; did you mean 'rollout.window'?"
+    assert error(["rollout.lr=3"]) == ("unknown config key 'rollout.lr'; "
+                                       "did you mean 'learner.lr' or 'pretrain.lr'?")
+    msg = error(["rollout.zzz=1"])
+    assert msg.startswith("unknown config key 'rollout.zzz'; valid keys in 'rollout': engine, ")
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"teacher": {"top_k": 4}})
+    assert str(e.value) == "unknown config key 'teacher.top_k'; did you mean 'teacher.topk'?"
+    assert e.value.key == "teacher.top_k"
+
+
+def test_wrong_type_names_key_value_and_type():
+    assert error(["rollout.window=abc"]) == "rollout.window='abc': expected int"
+    assert error(["rollout.window=2.5"]) == "rollout.window=2.5: expected int"
+    assert error(["teacher.guided=maybe"]) == "teacher.guided='maybe': expected bool (true/false)"
+    assert error(["learner.lr=fast"]) == "learner.lr='fast': expected float"
+    assert error(["learner.betas=[0.9]"]) == "learner.betas=[0.9]: expected a list of 2 floats"
+    assert error(["rollout.gamma=abc"]) == "rollout.gamma='abc': expected int or 'auto'"
+    assert error(["distill.objective_options=3"]) == "distill.objective_options=3: expected a mapping"
+    assert error(["rollout=3"]) == "'rollout' is a section; set one of its keys, e.g. rollout.engine=..."
+    assert error(["rollout.window.x=3"]) == ("'rollout.window' is a value, not a section; "
+                                             "set rollout.window=VALUE")
+    assert error(["rollout.window"]).startswith("override 'rollout.window' must look like")
+
+
+def test_out_of_range_names_key_value_and_range():
+    assert error(["rollout.window=0"]) == "rollout.window=0: must be >= 1"
+    assert error(["data.prefix_ratio=1.5"]) == "data.prefix_ratio=1.5: must be >= 0 and < 1"
+    assert error(["data.prefix_ratio=1"]) == "data.prefix_ratio=1: must be >= 0 and < 1"
+    assert error(["rollout.top_p=0"]) == "rollout.top_p=0: must be > 0 and <= 1"
+    assert error(["learner.zero_stage=4"]) == "learner.zero_stage=4: must be >= 0 and <= 3"
+    assert error(["learner.betas=[0.9,1.5]"]) == "learner.betas=[0.9, 1.5]: must be >= 0 and < 1"
+    assert error(["rollout.gamma=-1"]) == "rollout.gamma=-1: must be >= 0"
+
+
+def test_enum_names_key_value_and_choices():
+    assert error(["rollout.engine=foo"]) == ("rollout.engine='foo': must be one of 'hbsjd', "
+                                             "'cached_ar', 'sjd_sync', 'sjd_independent'")
+    assert error(["distill.objective=kl"]) == ("distill.objective='kl': must be one of 'gkd', "
+                                               "'varkd', 'kd', 'seqkd'")
+    assert error(["eval.engine=x"]) == ("eval.engine='x': expected one of 'hbsjd', 'cached_ar', "
+                                        "'sjd_sync', 'sjd_independent' or null")
+
+
+def test_cross_field_checks():
+    assert error(["teacher.transport=topk"]) == ("teacher.topk=0: teacher.transport='topk' needs "
+                                                 "1 <= teacher.topk <= model.vocab_size (17)")
+    assert load_config(None, ["teacher.transport=topk", "teacher.topk=8"]).teacher.topk == 8
+    assert error(["rollout.top_k=18"]).startswith("rollout.top_k=18: must be <= model.vocab_size (17)")
+    assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
+    assert error(["rollout.history_offset=256"]) == ("rollout.history_offset=256: must be < the "
+                                                     "sequence length model.grid_size ** 2 (256)")
+
+
+def test_validate_catches_bad_values_built_in_code():
+    cfg = RunConfig()
+    cfg.rollout.window = 0
+    with pytest.raises(ConfigError, match=r"^rollout.window=0: must be >= 1$"):
+        validate(cfg)
+
+
+# --- serialization -----------------------------------------------------------------------------
+
+def test_yaml_round_trip_and_save(tmp_path):
+    cfg = load_config("tiny", ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
+                               "run.name=1.10", "distill.objective_options.gate=0.5"])
+    text = config_to_yaml(cfg)
+    assert "betas: [0.8, 0.9]" in text
+    assert config_from_dict(yaml.safe_load(text)) == cfg
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(str(path)) == cfg
+
+
+def test_config_hash_is_stable_and_sensitive():
+    a = load_config("tiny")
+    assert config_hash(a) == config_hash(load_config("tiny")) == config_hash(config_to_dict(a))
+    assert len(config_hash(a)) == 12 and int(config_hash(a), 16) >= 0
+    assert config_hash(a.pretrain) != config_hash(apply_overrides(a, ["pretrain.seed=1"]).pretrain)
+    assert config_hash({"a": 1, "b": (1, 2)}) == config_hash({"b": [1, 2], "a": 1})
+
+
+def test_default_run_dir():
+    cfg = load_config(None, ["run.name=x"])
+    assert str(default_run_dir(cfg, now=0.0)).startswith("runs/x-19")
+    assert str(default_run_dir(apply_overrides(cfg, ["run.dir=/r"]))) == "/r"
