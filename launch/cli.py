@@ -13,6 +13,8 @@ from types import ModuleType
 USER_ERRORS = [
     ("opd.config", "ConfigError"),
     ("opd.data", "DataError"),
+    ("opd.models.checkpoint", "CheckpointError"),
+    ("opd.rundir", "RunDirError"),
 ]
 """(module, class) of errors a user causes: shown as `opd: error: <message>`, exit 2."""
 

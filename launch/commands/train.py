@@ -1,0 +1,43 @@
+"""`opd train`: on-policy distillation, distributed on Ray (mode=ray) or in one process
+(mode=reference).
+
+    opd train                                   # the embedded digits default
+    opd train --config tiny run.mode=reference
+    opd train --resume runs/digits-gkd-20261130-101500
+"""
+from __future__ import annotations
+
+import argparse
+
+from launch.commands import add_config_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train", help="on-policy distillation (Ray, or reference loop)",
+                              description="Distill the teacher into the student on-policy: "
+                                          "student rollouts (HB-SJD), teacher scores, student "
+                                          "updates. Writes a run directory.")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its latest checkpoint")
+    add_config_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from opd.config import load_config
+    from opd.rundir import prepare_run_dir
+    from opd.summary import print_summary
+
+    cfg = args.cfg
+    if args.resume:
+        cfg = load_config(f"{args.resume}/config.yaml", [f"run.dir={args.resume}"])
+    run_dir = prepare_run_dir(cfg, resume=bool(args.resume))
+    print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})")
+    if cfg.run.mode == "reference":
+        from opd.reference import run_reference
+        rows = run_reference(cfg, run_dir, resume=bool(args.resume))
+    else:
+        from actors.pipeline import run_distributed
+        rows = run_distributed(cfg, run_dir, resume=bool(args.resume))
+    print_summary(rows, run_dir)
+    return 0

@@ -1,0 +1,61 @@
+"""Per-step metrics of a run, kept in `metrics.parquet` in the run directory.
+
+One row per learner step; columns are whatever the step reports (floats, ints, strings).  The
+file is rewritten atomically after every `log_every` steps, so a run that stops keeps what it
+measured, and a resumed run appends to the rows it already had.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FILE = "metrics.parquet"
+
+
+class MetricsLog:
+    """Rows of per-step metrics, flushed to `<run_dir>/metrics.parquet`."""
+
+    def __init__(self, run_dir: str | Path, *, flush_every: int = 1, resume: bool = False):
+        self.path = Path(run_dir) / FILE
+        self.flush_every = max(1, flush_every)
+        self.rows: list[dict] = read_metrics(self.path) if resume and self.path.is_file() else []
+
+    def truncate(self, step: int) -> None:
+        """Drop rows of steps >= `step` (a resumed run repeats them)."""
+        self.rows = [r for r in self.rows if r.get("step", -1) < step]
+
+    def append(self, row: dict) -> None:
+        self.rows.append({k: _plain(v) for k, v in row.items()})
+        if len(self.rows) % self.flush_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        keys: dict[str, None] = {}
+        for row in self.rows:
+            keys.update(dict.fromkeys(row))
+        table = pa.table({k: [r.get(k) for r in self.rows] for k in keys})
+        tmp = self.path.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.path)
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.parquet file (or of the one in a run directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILE
+    return pq.read_table(path).to_pylist()

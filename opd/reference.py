@@ -1,0 +1,142 @@
+"""The single-process reference OPD loop: the algorithm every distributed run is checked against.
+
+Per step k (policy version k = the number of updates the student has had):
+
+    batch  = next prefix batch from the Parquet data           (real prefix, prefix_ratio · T)
+    source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
+    traj   = rollout(current student, engine, batch)           (eval mode, no label dropout)
+    traj   = score(teacher, traj)                              (teacher log-probs, full or top-k)
+    learn(student, optimizer, traj, objective)                 (loss on the generated suffix)
+
+Deterministic for a seed: batches come from a seeded order, rollout random numbers are keyed
+by (seed, batch id, image, position, attempt), and the loop itself draws nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.config import RunConfig
+from opd.data import PrefixBatcher
+from opd.metrics import MetricsLog
+from opd.models.checkpoint import load_state_dict_safely
+from opd.pretrain import load_role_model, open_dataset
+from opd.steps import (RolloutJob, batch_source, build_engine, build_objective, learn,
+                       make_optimizer, needs_teacher_scores, prefix_len_for, rollout, score)
+
+CHECKPOINTS = "checkpoints"
+
+
+def check_objective(cfg: RunConfig, objective) -> None:
+    """The teacher transport must be one the objective's loss supports."""
+    if needs_teacher_scores(objective) and not objective.supports(cfg.teacher.transport):
+        from opd.config import ConfigError
+        raise ConfigError(f"teacher.transport={cfg.teacher.transport!r} is not supported by "
+                          f"distill.objective={objective.name!r}; use one of {objective.needs}")
+
+
+def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
+    """The metrics.parquet row of one step."""
+    s = traj.rollout_stats
+    gen = traj.num_generated_tokens
+    roll = seconds.get("rollout", 0.0)
+    return {"step": step, "batch_id": traj.batch_id, "policy_version": traj.policy_version,
+            "source": traj.source, **{k: v for k, v in metrics.items()},
+            "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
+            "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
+            "rounds": s.get("rounds", 0), "mean_committed": s.get("mean_committed", 0.0),
+            "generated_tokens": gen,
+            "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
+
+
+def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher) -> Path:
+    """checkpoints/step_<n>/ with the student and optimizer (torch) and a JSON state."""
+    path = run_dir / CHECKPOINTS / f"step_{step:06d}"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": student.state_dict(), "optimizer": optimizer.state_dict()},
+               tmp / "state.pt")
+    (tmp / "state.json").write_text(json.dumps(
+        {"step": step, "policy_version": step, "data": batcher.state_dict()}, indent=2))
+    if path.exists():
+        import shutil
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted((run_dir / CHECKPOINTS).glob("step_*[0-9]"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:
+    """Restore the student, the optimizer and the data cursor; returns the next step."""
+    state = json.loads((path / "state.json").read_text())
+    with torch.serialization.safe_globals([]):
+        blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    student.load_state_dict(blob["model"])
+    optimizer.load_state_dict(blob["optimizer"])
+    batcher.load_state_dict(state["data"])
+    return int(state["step"])
+
+
+def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
+                  resume: bool = False, stop_after: int | None = None) -> list[dict]:
+    """Run cfg.distill.steps OPD steps in this process; returns the per-step metric rows (also
+    in run_dir/metrics.parquet).  `resume` continues from the run's latest checkpoint;
+    `stop_after` ends the loop early after that many steps (tests of exact resume)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = cfg.run.seed
+    torch.manual_seed(seed)
+    teacher = load_role_model(cfg, "teacher", progress=progress)
+    student = load_role_model(cfg, "student", progress=progress)
+    objective = build_objective(cfg)
+    check_objective(cfg, objective)
+    engine = build_engine(cfg)
+    train = open_dataset(cfg, "train")
+    batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
+    optimizer = make_optimizer(student, cfg)
+    prefix_len = prefix_len_for(cfg.data.prefix_ratio, train.seq_len)
+    start = 0
+    log = MetricsLog(run_dir, flush_every=cfg.run.log_every, resume=resume)
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            start = load_checkpoint(ckpt, student, optimizer, batcher)
+        log.truncate(start)
+    steps = cfg.distill.steps if stop_after is None else min(cfg.distill.steps, start + stop_after)
+    bar = tqdm(range(start, steps), desc="opd reference", disable=not progress,
+               dynamic_ncols=True, initial=start, total=cfg.distill.steps)
+    for step in bar:
+        pb = next(batcher)
+        source = batch_source(objective, step, seed)
+        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, prefix_len, source, seed)
+        seconds = {}
+        t0 = time.perf_counter()
+        traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
+                       policy_version=step)
+        seconds["rollout"] = time.perf_counter() - t0
+        if needs_teacher_scores(objective):
+            t0 = time.perf_counter()
+            traj = score(teacher, traj, cfg)
+            seconds["teacher"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
+                        dropout=cfg.learner.student_dropout)
+        seconds["learner"] = time.perf_counter() - t0
+        row = step_row(step, traj, metrics, seconds)
+        log.append(row)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                        commit=f"{row['mean_committed']:.2f}")
+        every = cfg.run.checkpoint_every
+        if (every and (step + 1) % every == 0) or step + 1 == cfg.distill.steps:
+            save_checkpoint(run_dir, step + 1, student, optimizer, batcher)
+    log.flush()
+    return log.rows

@@ -1,0 +1,160 @@
+"""The roles of one OPD step as pure functions: rollout → score → learn.
+
+The single-process reference loop (`opd.reference`) and the Ray actors (`actors/`) call exactly
+these functions, so a distributed run computes what the reference computes (invariant 5).
+Every random choice is keyed by (run seed, step or batch id), never drawn in call order.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from opd.batch import TrajectoryBatch
+from opd.config import RunConfig
+from opd.objectives import Objective, get_objective
+from rollout import make_engine
+
+
+def prefix_len_for(ratio: float, seq_len: int) -> int:
+    """Real prefix tokens per sequence: round(ratio · T), at most T − 1 (one token generated)."""
+    return min(int(round(ratio * seq_len)), seq_len - 1)
+
+
+def keyed_seed(*keys: int) -> int:
+    """A 62-bit seed from integer keys (seed, batch id, ...), independent of call order."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def build_objective(cfg: RunConfig) -> Objective:
+    """The configured objective with its knobs (distill.* and distill.objective_options)."""
+    d = cfg.distill
+    common = {"gkd": dict(lmbda=d.lam, beta=d.beta, temperature=d.temperature),
+              "kd": dict(temperature=d.temperature),
+              "seqkd": {},
+              "varkd": dict(beta=d.beta, temperature=d.temperature)}[d.objective]
+    return get_objective(d.objective, **{**common, **d.objective_options})
+
+
+def batch_source(objective: Objective, step: int, seed: int) -> str:
+    """Where step `step`'s sequences come from: "student", "data" or "teacher"."""
+    return objective.choose_source(step, seed)
+
+
+def build_engine(cfg: RunConfig, engine: str | None = None):
+    """The configured rollout engine (options that the engine does not take are left out)."""
+    r = cfg.rollout
+    name = engine or r.engine
+    options = {"decoding": r.decoding}
+    if name != "cached_ar":
+        options.update(W=r.window, H=r.history_offset)
+    if name == "hbsjd":
+        options.update(execution=r.execution, gamma=r.gamma)
+    return make_engine(name, **options)
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """What a rollout worker needs to produce one trajectory batch."""
+    batch_id: int
+    labels: Tensor          # (B,) int64
+    tokens: Tensor          # (B, T) int64 data sequences (prefix source; the suffix for "data")
+    prefix_len: int
+    source: str             # "student" | "data" | "teacher"
+    seed: int               # run seed; the rollout's RNG key is (seed, batch_id)
+    image_ids: Tensor | None = None  # (B,) int64 rows of the prefix batch (None = 0..B-1); a
+    #                                  sub-batch keeps its rows' ids so its random numbers match
+
+
+def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
+    """Complete the real prefixes of `job` with `model` (the student, or the teacher for
+    SeqKD).  A "data" job takes its suffix from the dataset and runs no model."""
+    if job.source == "data":
+        return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
+                               policy_version, "data", {"rollout_seconds": 0.0})
+    r = cfg.rollout
+    P, T = job.prefix_len, job.tokens.shape[1]
+    device = next(model.parameters()).device
+    result = engine.generate(
+        model, job.labels.to(device), job.tokens[:, :P].to(device), T - P,
+        cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
+        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids)
+    stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds,
+             "mean_committed": result.mean_committed, "engine": result.engine,
+             "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
+             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum())}
+    tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
+    return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
+                           job.source, stats)
+
+
+@torch.no_grad()
+def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: float) -> Tensor:
+    """(B, L, V) float32 teacher logits of every token of the batch given its predecessors;
+    CFG-guided (uncond + (cond − uncond)·scale) when `guided`."""
+    device = next(teacher.parameters()).device
+    labels, tokens = batch.labels.to(device), batch.tokens.to(device)
+    logits = teacher(labels, tokens[:, :-1])
+    if guided and cfg_scale != 1.0:
+        null = torch.full_like(labels, teacher.num_classes)
+        uncond = teacher(null, tokens[:, :-1])
+        logits = uncond + (logits - uncond) * cfg_scale
+    return logits.float()
+
+
+def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
+    """The batch with the teacher's scores attached: full-vocabulary log-probs, or top-k
+    log-probs (normalised over the full vocabulary) with their token ids."""
+    start = time.perf_counter()
+    t = cfg.teacher
+    logp = F.log_softmax(teacher_logits(teacher, batch, guided=t.guided,
+                                        cfg_scale=cfg.rollout.cfg_scale), -1).cpu()
+    if t.transport == "full":
+        out = batch.with_teacher(logprobs=logp)
+    else:
+        values, indices = logp.topk(t.topk, dim=-1)
+        out = batch.with_teacher(topk_values=values.contiguous(), topk_indices=indices.contiguous())
+    out.rollout_stats["teacher_seconds"] = time.perf_counter() - start
+    return out
+
+
+def needs_teacher_scores(objective: Objective) -> bool:
+    return objective.needs != ("tokens",)
+
+
+def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
+                 dropout: bool) -> tuple[Tensor, dict]:
+    """The objective on the student's teacher-forced logits of the batch.  With
+    `dropout=False` the forward runs in eval mode (no label or residual dropout), so the
+    student sees the same conditions as during its rollout and the teacher's scoring."""
+    student.train(dropout)
+    device = next(student.parameters()).device
+    batch = batch.to(device)
+    logits = student(batch.labels, batch.tokens[:, :-1])
+    return objective.loss(logits, batch)
+
+
+def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
+          grad_clip: float, dropout: bool) -> dict:
+    """One optimizer step on one scored batch (the reference learner; the DeepSpeed learner
+    does the same through its engine).  Returns the objective's metrics plus grad_norm."""
+    loss, metrics = student_loss(student, batch, objective, dropout=dropout)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = (torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip) if grad_clip > 0
+            else torch.sqrt(sum((p.grad ** 2).sum() for p in student.parameters()
+                                if p.grad is not None)))
+    optimizer.step()
+    student.eval()
+    return {**metrics, "loss": float(loss.detach()), "grad_norm": float(norm)}
+
+
+def make_optimizer(student, cfg: RunConfig) -> torch.optim.Optimizer:
+    lr = cfg.learner
+    return torch.optim.AdamW(student.parameters(), lr=lr.lr, weight_decay=lr.weight_decay,
+                             betas=tuple(lr.betas))
