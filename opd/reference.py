@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.artifacts import plot_training, sample_grid
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
@@ -112,6 +113,9 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             start = load_checkpoint(ckpt, student, optimizer, batcher)
         log.truncate(start)
     steps = cfg.distill.steps if stop_after is None else min(cfg.distill.steps, start + stop_after)
+    if start == 0:
+        sample_grid(teacher, cfg, run_dir / "samples" / "teacher.png")
+        sample_grid(student, cfg, run_dir / "samples" / "student_step_000000.png")
     bar = tqdm(range(start, steps), desc="opd reference", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.distill.steps)
     for step in bar:
@@ -138,5 +142,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
         every = cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.distill.steps:
             save_checkpoint(run_dir, step + 1, student, optimizer, batcher)
+            sample_grid(student, cfg, run_dir / "samples" / f"student_step_{step + 1:06d}.png")
+            plot_training(log.rows, run_dir / "training.png")
     log.flush()
     return log.rows

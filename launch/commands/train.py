@@ -25,12 +25,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from opd.config import load_config
+    from opd.preflight import check_inputs
     from opd.rundir import prepare_run_dir
     from opd.summary import print_summary
 
     cfg = args.cfg
     if args.resume:
         cfg = load_config(f"{args.resume}/config.yaml", [f"run.dir={args.resume}"])
+    check_inputs(cfg)
     run_dir = prepare_run_dir(cfg, resume=bool(args.resume))
     print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})")
     if cfg.run.mode == "reference":
