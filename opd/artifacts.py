@@ -2,7 +2,8 @@
 
 - `samples/teacher.png` once, `samples/student_step_<n>.png` at every checkpoint: one image
   per class (up to 10 classes, two rows), generated from the class token alone with the
-  configured rollout engine, greedy decoding (comparable across steps).
+  configured rollout engine, sampling at temperature 1 with fixed RNG keys (comparable across
+  steps; greedy decoding of digits from the class token alone mostly paints background).
 - `training.png`: loss and rollout speed (generated tokens / s) over steps.
 Digits tokens are grey levels; LlamaGen tokens are decoded with the VQ-16 decoder when
 `model.vq_ckpt` is set (otherwise no grid is drawn).
@@ -38,10 +39,8 @@ def sample_grid(model, cfg: RunConfig, path: Path, *, per_class: int = 2, seed: 
     """Generate `per_class` images for each of the first 10 classes and save them as a PNG."""
     classes = min(10, model.num_classes)
     labels = torch.arange(classes).repeat(per_class)
-    engine = build_engine(cfg)
-    if engine.sampled:
-        from dataclasses import replace
-        engine = build_engine(replace(cfg, rollout=replace(cfg.rollout, decoding="greedy")))
+    from dataclasses import replace
+    engine = build_engine(replace(cfg, rollout=replace(cfg.rollout, decoding="sample")))
     device = next(model.parameters()).device
     result = engine.generate(model, labels.to(device), None, model.block_size,
                              cfg_scale=cfg.rollout.cfg_scale, seed=seed)
