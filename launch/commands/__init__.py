@@ -17,6 +17,9 @@ from types import ModuleType
 
 COMMANDS = [
     "prepare",
+    "pretrain",
+    "train",
+    "calibrate", "bench",
 ]
 """Command modules in launch/commands/, in `opd --help` order. Adding a command is one line."""
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `opd bench <what>`: rollout engines (rollout.py), more to come."""

@@ -1,0 +1,348 @@
+"""`opd bench rollout`: every rollout engine on the same model, labels, prefixes and seed.
+
+A preset (configs/bench/*.yaml) names a model and the grid to sweep:
+
+    model: GPT-digits-S          # opd.models preset
+    overrides: {}                # ModelArgs overrides (e.g. grid_size: 24)
+    checkpoint: null             # weights file, "pretrained" (opd pretrain's cached digits
+                                 # student) or null (random init, see random_init_std)
+    device: cpu | cuda           dtype: float32 | bfloat16 | float16 | float64
+    prefix: data | random        # data: real digits prefixes (digits-shaped models only)
+    prefix_ratio: 0.25           batch_sizes: [1, 4, 16]     windows: [2, 4, 8, 16]
+    engines: [sjd_sync, sjd_independent, hbsjd-full, hbsjd-compact, hbsjd-hybrid]
+    decodings: [greedy]          gamma: measure | <int>     repeats: 3    warmup: 1
+
+Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up round, then
+`repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
+rounds, tokens per image-round, latency mean and P95, speedup over Cached AR with the same
+decoding and batch, and (greedy) whether the tokens equal Cached AR's.  Full vs Compact verifier
+latency is measured per (batch, W) (rollout.calibrate); `gamma: measure` uses its gamma.
+"""
+from __future__ import annotations
+
+import difflib
+import platform
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from opd.config import CONFIG_DIR, ConfigError
+from rollout import make_engine
+from rollout.calibrate import choose_gamma, measure_verifier_latency
+
+VARIANTS = {
+    "sjd_sync": ("sjd_sync", {}),
+    "sjd_independent": ("sjd_independent", {}),
+    "hbsjd-full": ("hbsjd", {"execution": "full"}),
+    "hbsjd-compact": ("hbsjd", {"execution": "compact"}),
+    "hbsjd-hybrid": ("hbsjd", {"execution": "hybrid"}),
+}
+"""Benchmarked engine variants (name -> make_engine name and options); Cached AR is the
+baseline and always runs."""
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class RolloutBench:
+    model: str = "GPT-digits-S"
+    overrides: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    random_init_std: float = 0.02
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    prefix: str = "random"
+    prefix_ratio: float = 0.25
+    batch_sizes: list = field(default_factory=lambda: [1, 4, 16])
+    windows: list = field(default_factory=lambda: [2, 4, 8, 16])
+    H: int | None = None
+    engines: list = field(default_factory=lambda: list(VARIANTS))
+    decodings: list = field(default_factory=lambda: ["greedy"])
+    cfg_scale: float | None = 2.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gamma: int | str = "measure"
+    repeats: int = 3
+    warmup: int = 1
+    calibration_repeats: int = 3
+    seed: int = 0
+
+
+def _fail(key: str, value, need: str) -> ConfigError:
+    return ConfigError(f"bench preset key {key}={value!r}: {need}", key)
+
+
+def check_bench(b: RolloutBench) -> RolloutBench:
+    """Raise ConfigError naming the key of the first invalid value."""
+    def ints(key, lo):
+        v = getattr(b, key)
+        if not (isinstance(v, list) and v and all(isinstance(x, int) and x >= lo for x in v)):
+            raise _fail(key, v, f"must be a non-empty list of ints >= {lo}")
+    ints("batch_sizes", 1)
+    ints("windows", 1)
+    for key, allowed in (("engines", VARIANTS), ("decodings", ("greedy", "sample"))):
+        v = getattr(b, key)
+        bad = [x for x in v if x not in allowed] if isinstance(v, list) else [v]
+        if bad or not v:
+            raise _fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
+    if b.dtype not in DTYPES:
+        raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
+    if b.device != "cpu" and not b.device.startswith("cuda"):
+        raise _fail("device", b.device, "must be cpu or cuda[:N]")
+    if b.prefix not in ("data", "random"):
+        raise _fail("prefix", b.prefix, "must be data or random")
+    if not (isinstance(b.prefix_ratio, (int, float)) and 0 <= b.prefix_ratio < 1):
+        raise _fail("prefix_ratio", b.prefix_ratio, "must be in [0, 1)")
+    if not (b.gamma == "measure" or (isinstance(b.gamma, int) and b.gamma >= 0)):
+        raise _fail("gamma", b.gamma, "must be 'measure' or an int >= 0")
+    for key in ("repeats", "calibration_repeats"):
+        if not (isinstance(getattr(b, key), int) and getattr(b, key) >= 1):
+            raise _fail(key, getattr(b, key), "must be an int >= 1")
+    if not (isinstance(b.warmup, int) and b.warmup >= 0):
+        raise _fail("warmup", b.warmup, "must be an int >= 0")
+    if not isinstance(b.overrides, dict):
+        raise _fail("overrides", b.overrides, "must be a mapping of ModelArgs fields")
+    return b
+
+
+def resolve_bench_preset(name: str | Path) -> Path:
+    """`digits`, `digits.yaml` or a path -> the preset file under configs/bench/."""
+    p = Path(name).expanduser()
+    for c in (p, CONFIG_DIR / "bench" / p.name, CONFIG_DIR / "bench" / f"{p.name}.yaml"):
+        if c.is_file():
+            return c
+    have = ", ".join(sorted(x.stem for x in (CONFIG_DIR / "bench").glob("*.yaml")))
+    raise ConfigError(f"bench preset {str(name)!r} not found; available: {have}")
+
+
+def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
+    """Read and validate a bench preset (unknown keys are named, with a suggestion)."""
+    path = resolve_bench_preset(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"bench preset {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"bench preset {path} must be a mapping of keys")
+    data.update(overrides or {})
+    known = [f.name for f in fields(RolloutBench)]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown bench preset key {key!r} in {path}{hint}", key)
+    return check_bench(RolloutBench(**data))
+
+
+# ---- model and inputs ------------------------------------------------------------------------
+
+def build_model(b: RolloutBench):
+    """The preset's model on its device and dtype, in eval mode."""
+    from opd.models import create_model, load_llamagen_checkpoint
+    if b.checkpoint == "pretrained":
+        from opd.config import load_config
+        from opd.pretrain import pretrained_model
+        model, _ = pretrained_model(load_config(None), "student")
+    elif b.checkpoint:
+        model = load_llamagen_checkpoint(b.checkpoint, b.model, **b.overrides)
+    else:
+        torch.manual_seed(b.seed)
+        model = create_model(b.model, **b.overrides)
+        for p in model.parameters():        # the LlamaGen init zeroes the head: all ties
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=b.random_init_std)
+    return model.to(device=b.device, dtype=DTYPES[b.dtype]).eval()
+
+
+def make_inputs(model, b: RolloutBench, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels (B,), prefix (B, P) with P = round(prefix_ratio * block_size)."""
+    P = min(int(round(b.prefix_ratio * model.block_size)), model.block_size - 1)
+    g = torch.Generator().manual_seed(b.seed + B)
+    if b.prefix == "data":
+        from sklearn.datasets import load_digits
+
+        from opd.data import digits_images_to_tokens
+        if (model.vocab_size, model.block_size, model.num_classes) != (17, 256, 10):
+            raise ConfigError("bench preset key prefix=data needs a digits-shaped model "
+                              "(vocab 17, 16x16 grid, 10 classes); use prefix: random", "prefix")
+        d = load_digits()
+        pick = torch.randint(0, len(d.target), (B,), generator=g).numpy()
+        tokens = torch.as_tensor(digits_images_to_tokens(d.images[pick])).long().reshape(B, -1)
+        labels = torch.as_tensor(d.target[pick]).long()
+    else:
+        labels = torch.randint(0, model.num_classes, (B,), generator=g)
+        tokens = torch.randint(0, model.vocab_size, (B, model.block_size), generator=g)
+    return labels.to(b.device), tokens[:, :P].to(b.device)
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+
+def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int | None, dict]]:
+    """(label, decoding, W, make_engine kwargs) of every configuration at batch B."""
+    out = [("cached_ar", d, None, dict(name="cached_ar", decoding=d)) for d in b.decodings]
+    for d in b.decodings:
+        for W in b.windows:
+            for label in b.engines:
+                name, opts = VARIANTS[label]
+                opts = dict(opts, W=W, H=b.H, decoding=d)
+                if label == "hbsjd-hybrid":
+                    opts["gamma"] = gammas[B, W]
+                out.append((label, d, W, dict(name=name, **opts)))
+    return out
+
+
+def run_bench(b: RolloutBench, log=print) -> dict:
+    """Run the sweep; returns {"config", "environment", "rows", "curves", "progress"}."""
+    if b.threads:
+        torch.set_num_threads(b.threads)
+    model = build_model(b)
+    cfg_on = b.cfg_scale is not None and b.cfg_scale != 1.0
+    rows, curves, progress = [], [], {}
+    for B in b.batch_sizes:
+        gammas = {}
+        for W in b.windows:
+            c = measure_verifier_latency(model, B, W, cfg=cfg_on, repeats=b.calibration_repeats)
+            gammas[B, W] = choose_gamma(**c) if b.gamma == "measure" else b.gamma
+            curves.append({"batch": B, "W": W, "gamma": gammas[B, W], **c})
+        labels, prefix = make_inputs(model, b, B)
+        N = model.block_size - prefix.shape[1]
+        configs = _engines(b, B, gammas)
+        engines = [make_engine(**kw) for *_, kw in configs]
+
+        def once(i):
+            return engines[i].generate(model, labels, prefix, N, cfg_scale=b.cfg_scale,
+                                       temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
+                                       seed=b.seed)
+        for _ in range(b.warmup):
+            for i in range(len(configs)):
+                once(i)
+        times = [[] for _ in configs]
+        last = [None] * len(configs)
+        for r in range(b.repeats):
+            order = list(range(len(configs)))
+            order = order[r % len(order):] + order[: r % len(order)]
+            for i in order:
+                last[i] = once(i)
+                times[i].append(last[i].wall_time)
+        base = {d: (np.mean(times[i]), last[i].tokens) for i, (lab, d, _, _) in
+                enumerate(configs) if lab == "cached_ar"}
+        for i, (label, d, W, kw) in enumerate(configs):
+            res, t = last[i], np.asarray(times[i])
+            rows.append({
+                "batch": B, "engine": label, "verification": d, "W": W,
+                "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
+                "gamma": kw.get("gamma"), "rounds": res.rounds,
+                "mean_committed": round(res.mean_committed, 3),
+                "latency_ms": float(t.mean() * 1e3),
+                "p95_ms": float(np.percentile(t, 95) * 1e3),
+                "speedup": float(base[d][0] / t.mean()),
+                "equal_ar": (bool(torch.equal(res.tokens, base[d][1])) if d == "greedy"
+                             else None),
+                "compact_rounds": sum(m == "compact" for m in res.modes),
+            })
+            if label == "hbsjd-hybrid":
+                progress[B, W, d] = res.progress.cpu().tolist()
+        log(f"batch {B}: {len(configs)} configurations x {b.repeats} repeats done")
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": b.device, "threads": torch.get_num_threads(),
+           "cpu": platform.processor() or platform.machine(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if b.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(b.device))
+    best = best_progress(rows, progress)
+    return {"config": asdict(b), "environment": env, "block_size": model.block_size,
+            "prefix_len": prefix.shape[1], "rows": rows, "curves": curves,
+            "progress": best}
+
+
+def best_progress(rows: list[dict], progress: dict) -> dict | None:
+    """The fastest hbsjd-hybrid run at the largest batch: its per-image progress."""
+    cand = [r for r in rows if r["engine"] == "hbsjd-hybrid"]
+    if not cand:
+        return None
+    B = max(r["batch"] for r in cand)
+    r = min((r for r in cand if r["batch"] == B), key=lambda r: r["latency_ms"])
+    return {"batch": B, "W": r["W"], "verification": r["verification"],
+            "progress": progress[B, r["W"], r["verification"]]}
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "verify", "{}"),
+           ("execution", "exec", "{}"), ("W", "W", "{}"), ("gamma", "γ", "{}"),
+           ("rounds", "rounds", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
+           ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
+           ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}")]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of the result rows, plus the best speedup per batch."""
+    def cell(r, key, fmt):
+        v = r[key]
+        if v is None:
+            return "-"
+        if key == "equal_ar":
+            return "yes" if v else "NO"
+        return fmt.format(v)
+    body = [[h for _, h, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in body]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for B in sorted({r["batch"] for r in rows}):
+        for d in sorted({r["verification"] for r in rows}):
+            cand = [r for r in rows if r["batch"] == B and r["verification"] == d
+                    and r["engine"] != "cached_ar"]
+            if cand:
+                r = max(cand, key=lambda r: r["speedup"])
+                lines.append(f"best at batch {B} ({d}): {r['engine']} W={r['W']} "
+                             f"{r['speedup']:.2f}x over Cached AR")
+    return "\n".join(lines)
+
+
+def save_figures(report: dict, out_dir: str | Path) -> list[Path]:
+    """progress.png (committed length vs round, one line per image) and
+    verifier_latency.png (Full vs Compact forward latency over active count)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    best = report.get("progress")
+    if best:
+        prog = np.asarray(best["progress"])                     # (R + 1, B)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(np.arange(prog.shape[0]), prog, lw=1)
+        ax.axhline(report["block_size"], color="k", ls=":", lw=0.8)
+        ax.plot([0, report["block_size"] - report["prefix_len"]],
+                [report["prefix_len"], report["block_size"]], "k--", lw=0.8, label="Cached AR")
+        ax.set(xlabel="round (verifier forward)", ylabel="committed tokens",
+               title=f"HB-SJD hybrid per-image progress (batch {best['batch']}, W={best['W']}, "
+                     f"{best['verification']})")
+        ax.legend(loc="lower right")
+        paths.append(out / "progress.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    B = max(c["batch"] for c in report["curves"])
+    for c in (c for c in report["curves"] if c["batch"] == B):
+        line, = ax.plot(c["active"], np.asarray(c["full_s"]) * 1e3, "-", label=f"Full W={c['W']}")
+        ax.plot(c["active"], np.asarray(c["compact_s"]) * 1e3, "--", color=line.get_color(),
+                label=f"Compact W={c['W']} (γ={c['gamma']})")
+    ax.set(xlabel="active images", ylabel="verifier forward (ms)",
+           title=f"Full vs Compact verifier latency, batch {B}")
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    paths.append(out / "verifier_latency.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,39 @@
+"""Cached AR: one token per forward with the static KV cache (the reference every engine must
+match in greedy mode).  Always Full execution (rows 0..B-1)."""
+from __future__ import annotations
+
+import torch
+
+from rollout.engine import Engine, Request, cfg_rows, choose_token, prefill_token, register
+from rollout.sampling import guide
+from rollout.stats import RolloutResult
+
+
+def decode_tokens(model, req: Request, first: torch.Tensor) -> torch.Tensor:
+    """first: (B,) token P -> (B, P + N) int64, decoding tokens P+1 .. T-1 one per forward."""
+    B, P, T = req.batch, req.prefix_len, req.total
+    out = torch.empty(B, T, dtype=torch.long, device=first.device)
+    out[:, :P] = req.prefix
+    out[:, P] = first
+    zero = torch.zeros(B, dtype=torch.long, device=first.device)
+    for j in range(P + 1, T):
+        x = out[:, j - 1: j]                                     # input token j-1 ...
+        pos = torch.full((B, 1), j, dtype=torch.long, device=x.device)   # ... at position j
+        logits = model.forward_cached(cfg_rows(x, req), cfg_rows(pos, req), None)[:, 0]
+        out[:, j] = choose_token(guide(logits, req.cfg_scale), req, pos[:, 0], zero)
+    return out
+
+
+@register("cached_ar")
+class CachedAR(Engine):
+    """Options: decoding = greedy (argmax) | sample (keyed inverse-CDF sampling)."""
+    DEFAULTS = dict(decoding="greedy")
+
+    def run(self, model, req: Request) -> RolloutResult:
+        B, N = req.batch, req.num_new
+        tokens = decode_tokens(model, req, prefill_token(model, req))
+        ones = torch.ones(N, B, dtype=torch.long, device=tokens.device)
+        zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        return RolloutResult(tokens=tokens, prefix_len=req.prefix_len, committed=ones,
+                             accepted=zeros, rejected=zeros.clone(), active=[B] * N,
+                             modes=["full"] * N, wall_time=0.0)

@@ -1,0 +1,174 @@
+"""gamma calibration for Hybrid execution: measure the verifier forward on this hardware.
+
+For a model, a batch of B images and a window W, Full execution costs one forward of all B
+physical rows (2B with CFG) whatever the active count A; Compact costs a forward of the A active
+rows, gathered from the KV cache.  We time both for A = 1..B (median over repeats, device
+synchronised) and choose
+
+    gamma = the smallest measured A such that Full is at least as fast as Compact at A and at
+            every larger measured active count
+
+so Hybrid runs Compact exactly where Compact measured faster (active < gamma).  gamma = B + 1
+means Compact was faster even with every image active; gamma = 1 means never Compact.
+
+The JSON file holds a list of entries keyed by (model signature, batch, W, cfg); writing an
+entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` uses.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rollout.engine import model_device, synchronize
+
+FORMAT = 1
+
+
+def model_signature(model) -> str:
+    """A key for 'this model on this hardware': parameter count, vocabulary, sequence
+    length, parameter dtype and device type, e.g. 'p185600-v17-t256-float32-cpu'."""
+    params = list(model.parameters()) if hasattr(model, "parameters") else []
+    n = sum(p.numel() for p in params)
+    dtype = str(params[0].dtype).replace("torch.", "") if params else "unknown"
+    device = params[0].device.type if params else "cpu"
+    return f"p{n}-v{model.vocab_size}-t{model.block_size}-{dtype}-{device}"
+
+
+def _device(model) -> torch.device:
+    return model_device(model, torch.device("cpu"))
+
+
+def default_active_counts(batch: int, points: int = 24) -> list[int]:
+    """Every count up to `points`, else an even spread that includes 1 and B."""
+    if batch <= points:
+        return list(range(1, batch + 1))
+    step = (batch - 1) / (points - 1)
+    return sorted({1 + round(i * step) for i in range(points)})
+
+
+def measure_verifier_latency(model, batch: int, W: int, *, cfg: bool = False,
+                             active: list[int] | None = None, repeats: int = 5,
+                             warmup: int = 2, context: int | None = None,
+                             seed: int = 0) -> dict:
+    """Median seconds of Full and Compact verifier forwards of width W over active counts.
+
+    The cache is filled to `context` positions (default half the sequence) by a prefill of
+    random tokens, so attention spans a realistic length.  Returns
+    {"active": [A...], "full_s": [...], "compact_s": [...]}."""
+    if batch < 1 or W < 1 or repeats < 1:
+        raise ValueError(f"batch, W and repeats must be >= 1, got {batch}, {W}, {repeats}")
+    T = model.block_size
+    W = min(W, T - 1)
+    ctx = min(context if context is not None else T // 2, T - W)
+    active = active or default_active_counts(batch)
+    if min(active) < 1 or max(active) > batch:
+        raise ValueError(f"active counts must be in [1, batch={batch}], got {active}")
+    dev, rows = _device(model), batch * (2 if cfg else 1)
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, model.vocab_size, (rows, ctx - 1), generator=g).to(dev)
+    labels = torch.randint(0, model.num_classes, (rows,), generator=g).to(dev)
+    tokens = torch.randint(0, model.vocab_size, (rows, W), generator=g).to(dev)
+    positions = (ctx + torch.arange(W, device=dev)).expand(rows, W)
+    perm = torch.randperm(batch, generator=g).to(dev)
+
+    def full():
+        model.forward_cached(tokens, positions, None)
+
+    def compact(a):
+        idx = perm[:a].sort().values
+        r = torch.cat([idx, idx + batch]) if cfg else idx
+        model.forward_cached(tokens[: len(r)], positions[: len(r)], r)
+
+    def timed(fn) -> float:
+        synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        synchronize(dev)
+        return time.perf_counter() - t
+
+    with torch.no_grad():
+        model.setup_cache(rows, T)
+        model.prefill(labels, prefix, None)
+        for _ in range(warmup):
+            full()
+            compact(max(active))
+        full_s, compact_s = [], []
+        for a in active:
+            f, c = [], []
+            for _ in range(repeats):               # interleaved: drift hits both alike
+                f.append(timed(full))
+                c.append(timed(lambda: compact(a)))
+            full_s.append(statistics.median(f))
+            compact_s.append(statistics.median(c))
+    return {"active": list(active), "full_s": full_s, "compact_s": compact_s}
+
+
+def choose_gamma(active: list[int], full_s: list[float], compact_s: list[float]) -> int:
+    """Compact runs when active < gamma; see the module docstring."""
+    if not active or not (len(active) == len(full_s) == len(compact_s)):
+        raise ValueError("choose_gamma needs equally long, non-empty curves")
+    order = sorted(range(len(active)), key=lambda i: active[i])
+    gamma = active[order[-1]] + 1
+    for i in reversed(order):
+        if full_s[i] > compact_s[i]:
+            break
+        gamma = active[i]
+    return gamma
+
+
+def calibrate(model, batch: int, W: int, *, cfg: bool = False, preset: str | None = None,
+              **measure_kw) -> dict:
+    """Measure and choose gamma -> one calibration entry (JSON-serialisable)."""
+    curves = measure_verifier_latency(model, batch, W, cfg=cfg, **measure_kw)
+    return {"model": model_signature(model), "preset": preset, "batch": batch, "W": W,
+            "cfg": bool(cfg), "gamma": choose_gamma(**curves), **curves,
+            "device": str(_device(model)), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _key(entry: dict) -> tuple:
+    return entry["model"], entry["batch"], entry["W"], entry["cfg"]
+
+
+def read_calibration(path: str | Path) -> list[dict]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path} is not valid JSON ({e}); delete it and "
+                         f"run `opd calibrate` again") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or \
+            not isinstance(data.get("entries"), list):
+        raise ValueError(f"calibration file {path} is not an `opd calibrate` file "
+                         f"(format {FORMAT})")
+    return data["entries"]
+
+
+def save_calibration(path: str | Path, entry: dict) -> None:
+    """Add `entry` to the JSON file at `path` (replacing one with the same key)."""
+    path = Path(path)
+    entries = read_calibration(path) if path.exists() else []
+    entries = [e for e in entries if _key(e) != _key(entry)] + [entry]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
+
+
+def load_gamma(path: str | Path, model, batch: int, W: int, cfg: bool) -> int:
+    """gamma for (this model, batch, W, cfg) from `opd calibrate`'s file; ValueError if the
+    file or the entry is missing, saying how to make it."""
+    path = Path(path)
+    sig = model_signature(model)
+    hint = (f"run `opd calibrate --model PRESET --batch {batch} --window {W}"
+            f"{' --cfg-scale 2.0' if cfg else ''} --out {path}`")
+    if not path.exists():
+        raise ValueError(f"gamma='auto': calibration file {path} does not exist; {hint}")
+    for e in read_calibration(path):
+        if _key(e) == (sig, batch, W, bool(cfg)):
+            return int(e["gamma"])
+    have = sorted({f"batch={e['batch']} W={e['W']} cfg={e['cfg']}" for e in
+                   read_calibration(path) if e["model"] == sig}) or ["none for this model"]
+    raise ValueError(f"gamma='auto': no calibration for model {sig} with batch={batch} W={W} "
+                     f"cfg={bool(cfg)} in {path} (it has: {', '.join(have)}); {hint}")

@@ -1,0 +1,240 @@
+"""Engine registry, option checks and what every engine shares (request, prefill, token choice).
+
+    engine = make_engine("hbsjd", W=16, decoding="greedy", execution="hybrid", gamma=24)
+    result = engine.generate(model, labels, prefix, num_new_tokens, cfg_scale=2.0, seed=0)
+
+An engine is a small object holding its options; `generate` validates the call, puts the model
+in eval mode (no label dropout), sizes the KV cache itself (B rows, 2B with CFG: conditional
+rows first, then the null-class rows) and returns a `RolloutResult`.
+"""
+from __future__ import annotations
+
+import difflib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, sample_from,
+                              uniform, uses_cfg, warp)
+from rollout.stats import RolloutResult
+
+ENGINES: dict[str, type[Engine]] = {}
+"""Engine classes by name: cached_ar, sjd_sync, sjd_independent, hbsjd."""
+
+DECODINGS = ("greedy", "sample")
+EXECUTIONS = ("full", "compact", "hybrid")
+DEFAULT_CALIBRATION = ".opd_cache/calibration.json"
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        ENGINES[name] = cls
+        return cls
+    return wrap
+
+
+def make_engine(name: str, **options) -> Engine:
+    """The engine registered under `name`, with its options checked (ValueError naming the
+    option on a bad one)."""
+    if name not in ENGINES:
+        close = difflib.get_close_matches(str(name), ENGINES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown engine {name!r}{hint}; known engines: {', '.join(ENGINES)}")
+    return ENGINES[name](**options)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_options(engine: str, options: dict, allowed: dict) -> dict:
+    """Merge `options` over the engine's defaults `allowed`; ValueError naming a bad option."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"engine {engine!r} has no option {unknown[0]!r}; "
+                         f"its options are: {', '.join(allowed) or 'none'}")
+    o = {**allowed, **options}
+    if "W" in o and not (_is_int(o["W"]) and o["W"] >= 1):
+        raise ValueError(f"option W (window) must be an int >= 1, got {o['W']!r}")
+    if "H" in o and o["H"] is not None and not (_is_int(o["H"]) and o["H"] >= 1):
+        raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
+    if "decoding" in o and o["decoding"] not in DECODINGS:
+        raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
+    if "execution" in o and o["execution"] not in EXECUTIONS:
+        raise ValueError(f"option execution must be one of {EXECUTIONS}, got {o['execution']!r}")
+    g = o.get("gamma")
+    if "gamma" in o and g is not None and g != "auto" and not (_is_int(g) and g >= 0):
+        raise ValueError(f"option gamma must be an int >= 0, 'auto' or None, got {g!r}")
+    return o
+
+
+@dataclass
+class Request:
+    """A validated generate call.  B images, P prefix tokens, N new tokens, T = P + N."""
+    labels: Tensor        # (B,) int64
+    prefix: Tensor        # (B, P) int64
+    num_new: int          # N
+    cfg_scale: float | None
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    sampled: bool         # decoding == "sample"
+    seeds: Tensor         # (B,) int64 RNG seed of each image
+    ids: Tensor           # (B,) int64 RNG image id of each image
+    keys: Tensor          # (B,) int64 image_key(seed, id): every uniform hashes it
+
+    @property
+    def batch(self) -> int:
+        return self.labels.shape[0]
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix.shape[1]
+
+    @property
+    def total(self) -> int:
+        return self.prefix.shape[1] + self.num_new
+
+    @property
+    def cfg(self) -> bool:
+        return uses_cfg(self.cfg_scale)
+
+
+def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
+                 cfg_scale, temperature, top_k, top_p, seed, image_ids, sampled) -> Request:
+    """Check a generate call against the model; ValueError naming the bad argument."""
+    if not (torch.is_tensor(labels) and labels.dim() == 1 and labels.numel() >= 1):
+        raise ValueError(f"labels must be a non-empty (B,) tensor, got "
+                         f"{tuple(labels.shape) if torch.is_tensor(labels) else type(labels)}")
+    B, device = labels.shape[0], model_device(model, labels.device)
+    labels = labels.long().to(device)
+    if bool(((labels < 0) | (labels >= model.num_classes)).any()):
+        raise ValueError(f"labels must be in [0, num_classes={model.num_classes}); "
+                         f"got {labels.tolist()}")
+    if prefix is None:
+        prefix = torch.zeros(B, 0, dtype=torch.long, device=device)
+    if not (torch.is_tensor(prefix) and prefix.dim() == 2 and prefix.shape[0] == B):
+        raise ValueError(f"prefix must be a (B={B}, P) tensor, got "
+                         f"{tuple(prefix.shape) if torch.is_tensor(prefix) else type(prefix)}")
+    prefix = prefix.long().to(device)
+    if prefix.numel() and bool(((prefix < 0) | (prefix >= model.vocab_size)).any()):
+        raise ValueError(f"prefix tokens must be in [0, vocab_size={model.vocab_size})")
+    P = prefix.shape[1]
+    if P >= model.block_size:
+        raise ValueError(f"prefix of {P} tokens is longer than the sequence allows: a model "
+                         f"with block_size {model.block_size} needs P <= {model.block_size - 1}")
+    if not _is_int(num_new_tokens) or num_new_tokens < 1:
+        raise ValueError(f"num_new_tokens must be an int >= 1, got {num_new_tokens!r}")
+    if P + num_new_tokens > model.block_size:
+        raise ValueError(f"num_new_tokens={num_new_tokens} overflows the sequence: prefix {P} + "
+                         f"{num_new_tokens} > block_size {model.block_size}")
+    check_sampling(model.vocab_size, cfg_scale, temperature, top_k, top_p, sampled)
+    seeds = _per_image("seed", seed, B, device)
+    ids = (torch.arange(B, device=device) if image_ids is None
+           else _per_image("image_ids", image_ids, B, device))
+    return Request(labels, prefix, num_new_tokens, cfg_scale, temperature, top_k, top_p,
+                   sampled, seeds, ids, image_key(seeds, ids))
+
+
+def model_device(model, default: torch.device) -> torch.device:
+    """The device of the model's parameters (inputs are moved there), else `default`."""
+    params = getattr(model, "parameters", None)
+    p = next(params(), None) if callable(params) else None
+    return p.device if p is not None else default
+
+
+def _per_image(name: str, value, B: int, device) -> Tensor:
+    if _is_int(value):
+        return torch.full((B,), value, dtype=torch.long, device=device)
+    if torch.is_tensor(value) and value.shape == (B,) and not value.is_floating_point():
+        return value.long().to(device)
+    raise ValueError(f"{name} must be an int or a (B={B},) integer tensor, got {value!r}")
+
+
+# ---- shared steps ----------------------------------------------------------------------------
+
+def cfg_rows(x: Tensor, req: Request) -> Tensor:
+    """(B, ...) -> (2B, ...) the same inputs for the unconditional rows when CFG is on."""
+    return torch.cat([x, x]) if req.cfg else x
+
+
+def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor) -> Tensor:
+    """guided: (B, V) logits; position, attempt: (B,) -> (B,) int64 argmax (greedy) or a
+    sample keyed by (seed, image, position, attempt)."""
+    if not req.sampled:
+        return guided.argmax(-1)
+    p = warp(guided, req.temperature, req.top_k, req.top_p)
+    u = uniform(req.keys, position, attempt, STREAM_TOKEN)
+    return sample_from(p, u)
+
+
+def prefill_token(model, req: Request) -> Tensor:
+    """Round 0: prefill (class token + prefix) and choose image token P.  -> (B,) int64."""
+    labels = req.labels
+    if req.cfg:
+        labels = torch.cat([labels, torch.full_like(labels, model.num_classes)])
+    logits = model.prefill(labels, cfg_rows(req.prefix, req), None)[:, -1]
+    pos = torch.full((req.batch,), req.prefix_len, dtype=torch.long, device=labels.device)
+    return choose_token(guide(logits, req.cfg_scale), req, pos, torch.zeros_like(pos))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Base class: option handling and the timed, validated `generate` wrapper."""
+    name = "engine"
+    DEFAULTS: dict = {}
+
+    def __init__(self, **options):
+        self.options = check_options(self.name, options, self.DEFAULTS)
+
+    def __repr__(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+    @property
+    def sampled(self) -> bool:
+        return self.options.get("decoding") == "sample"
+
+    def generate(self, model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
+                 cfg_scale: float | None = None, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 seed: int | Tensor = 0, image_ids: Tensor | None = None) -> RolloutResult:
+        """labels: (B,) class ids, prefix: (B, P) image tokens (or None), N = num_new_tokens.
+        Returns a RolloutResult whose `tokens` are (B, P + N) int64.  `seed` and `image_ids`
+        (default 0..B-1) key the random numbers of each image."""
+        req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                           image_ids=image_ids, sampled=self.sampled)
+        self.check_model(model, req)
+        was_training = bool(getattr(model, "training", False))
+        if was_training:
+            model.eval()
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():    # not inference_mode: results stay normal tensors
+                model.setup_cache(req.batch * (2 if req.cfg else 1), req.total)
+                result = self.run(model, req)
+            synchronize(req.labels.device)
+            result.wall_time = time.perf_counter() - start
+        finally:
+            if was_training:
+                model.train()
+        result.engine, result.options = self.name, dict(self.options)
+        return result
+
+    def check_model(self, model, req: Request) -> None:
+        """Engine-specific checks of a call (ValueError)."""
+
+    def run(self, model, req: Request) -> RolloutResult:
+        raise NotImplementedError
+
+
+def calibration_path(options: dict) -> Path:
+    return Path(options.get("calibration") or DEFAULT_CALIBRATION)

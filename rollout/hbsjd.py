@@ -1,0 +1,136 @@
+"""HB-SJD: Hybrid Batched Speculative Jacobi Decoding, and the round loop the SJD engines share.
+
+Every image has its own cursor and draft window; one batched verifier forward per round runs
+the windows of images at different positions (positions (B, W) per row).  Execution of a round:
+
+    Full      all physical rows (rows=None), finished images logically inactive
+    Compact   only the active images' rows (rows = index tensor; CFG: idx and idx + B)
+    Hybrid    Full while the active count >= gamma, Compact below it
+
+Independent Batched SJD (`sjd_independent`) is HB-SJD with Full execution and no switching.
+The loop synchronises with the device once per round (the active count; Compact rounds also
+`nonzero` the active mask); everything per image is vectorised.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rollout.engine import (Engine, Request, calibration_path, cfg_rows, prefill_token,
+                            register, synchronize)
+from rollout.jacobi import init_state, jacobi_update, make_plan, window_inputs
+from rollout.sampling import guide
+from rollout.stats import RolloutResult
+
+
+def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool) -> RolloutResult:
+    """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
+    gamma: Compact execution when fewer than gamma images are active (0 = always Full,
+    > B = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD)."""
+    B, T, dev = req.batch, req.total, req.labels.device
+    times = [time.perf_counter()]          # round boundaries (each follows a device sync)
+    first = prefill_token(model, req)
+    ones = torch.ones(B, dtype=torch.long, device=dev)
+    committed, active_log, modes = [ones], [B], ["full"]
+    accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
+    if req.num_new == 1:
+        synchronize(dev)
+        times.append(time.perf_counter())
+        return _result(req, torch.cat([req.prefix, first[:, None]], 1), committed, accepted,
+                       rejected, active_log, modes, times)
+    W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
+    plan = make_plan(T, W, H, sync, dev)
+    st = init_state(req, first, plan, model.vocab_size)
+    while True:
+        live = st.cur < T
+        A = int(live.sum())                                   # the one sync of the round
+        times.append(time.perf_counter())
+        if A == 0:
+            break
+        compact = A < gamma
+        if compact:
+            idx = live.nonzero().squeeze(1)
+            sub, rows = st.select(idx), (torch.cat([idx, idx + B]) if req.cfg else idx)
+        else:
+            sub, rows = st, None
+        tokens, positions, offset = window_inputs(sub, plan)
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+        counts = torch.stack(jacobi_update(sub, guide(logits, req.cfg_scale), offset, req,
+                                           plan))                     # (3, A or B)
+        if compact:
+            st.assign(idx, sub)
+            counts = torch.zeros(3, B, dtype=torch.long, device=dev).index_copy_(1, idx, counts)
+        committed.append(counts[0])
+        accepted += counts[1]
+        rejected += counts[2]
+        active_log.append(A)
+        modes.append("compact" if compact else "full")
+    return _result(req, st.seq[:, :T], committed, accepted, rejected, active_log, modes, times)
+
+
+def _result(req, tokens, committed, accepted, rejected, active, modes, times) -> RolloutResult:
+    return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
+                         committed=torch.stack(committed), accepted=accepted,
+                         rejected=rejected, active=active, modes=modes, wall_time=0.0,
+                         round_times=[b - a for a, b in zip(times, times[1:])])
+
+
+class JacobiEngine(Engine):
+    """Shared option handling: W (window = tokens per verifier forward, [last committed,
+    W - 1 drafts]), H (history offset; None = one grid row), decoding."""
+    SYNC = False
+    DEFAULT_H_IS_ONE = False
+
+    def history(self, model) -> int:
+        H = self.options["H"]
+        return (1 if self.DEFAULT_H_IS_ONE else model.grid_size) if H is None else H
+
+    def check_model(self, model, req: Request) -> None:
+        H = self.history(model)
+        if H >= model.block_size:
+            raise ValueError(f"option H={H} is outside the sequence: the history offset must "
+                             f"be in [1, block_size - 1 = {model.block_size - 1}]")
+
+    def gamma(self, model, req: Request) -> int:
+        return 0
+
+    def run(self, model, req: Request) -> RolloutResult:
+        return run_jacobi(model, req, self.options["W"], self.history(model),
+                          self.gamma(model, req), self.SYNC)
+
+
+@register("sjd_independent")
+class IndependentSJD(JacobiEngine):
+    """Independent Batched SJD: per-image cursors, Full execution, no switching."""
+    DEFAULTS = dict(W=16, H=None, decoding="greedy")
+
+
+@register("hbsjd")
+class HBSJD(JacobiEngine):
+    """HB-SJD.  execution: full | compact | hybrid; gamma: Compact below this many active
+    images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`), or None
+    (uncalibrated fallback: half the batch, rounded up)."""
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", execution="hybrid", gamma=None,
+                    calibration=None)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._auto: dict[tuple, int] = {}
+
+    def gamma(self, model, req: Request) -> int:
+        execution, g = self.options["execution"], self.options["gamma"]
+        if execution == "full":
+            return 0
+        if execution == "compact":
+            return req.batch + 1
+        if g is None:
+            return (req.batch + 1) // 2
+        if g == "auto":
+            from rollout.calibrate import load_gamma, model_signature
+            key = (model_signature(model), req.batch, self.options["W"], req.cfg)
+            if key not in self._auto:
+                self._auto[key] = load_gamma(calibration_path(self.options), model, req.batch,
+                                             self.options["W"], req.cfg)
+            return self._auto[key]
+        return g

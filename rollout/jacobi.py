@@ -1,0 +1,160 @@
+"""One Jacobi round for a batch of images at different positions, fully vectorised.
+
+Per image b (B images; `cur[b]` committed tokens; T = P + N):
+
+    seq[b, :cur]          committed tokens
+    seq[b, cur:cur+W-1]   the current drafts (seq is T + W wide; past T is scratch)
+    q[b, i]               (sample mode) the distribution draft cur + i was drawn from
+
+A round feeds the window [token cur-1, drafts] at positions cur .. cur+W-1 (image token j sits
+at position j + 1).  Near the end the window is clipped: a row whose window would pass token
+T - 1 starts earlier instead (start = T - W) and re-feeds committed tokens, so every forward
+has the fixed shape (B, W); only predictions of tokens < T are used.  W is at most N - 1.
+
+After verification (rollout/verify.py) `m` tokens are committed (`a` accepted drafts plus the
+replacement / bonus token; the batch minimum for Batch-Synchronous SJD).  The next drafts are
+this round's predictions after the committed point (argmax, or a fresh sample with q = p), and
+the rest of the window is filled from history: token j gets the token H positions earlier,
+following the chain j - H, j - 2H, ... back to a defined token (committed or predicted); H = 1
+copies the left neighbour.  Where the chain leaves the sequence the last defined token is used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from rollout.engine import Request
+from rollout.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TOKEN, sample_from, uniform,
+                              warp)
+from rollout.verify import verify_greedy, verify_sample
+
+
+@dataclass
+class Plan:
+    """Constants of one generate call, built once so a round allocates no index tensors."""
+    T: int               # P + N
+    W: int               # window (<= N - 1)
+    H: int               # history offset
+    sync: bool           # commit the batch minimum (Batch-Synchronous SJD)
+    ar: Tensor           # (W,) 0..W-1
+    fill: Tensor         # (F,) 0..F-1 with F = max(W - 1, 1): offsets of history-filled drafts
+    fill_mod: Tensor     # (F,) fill % H
+    streams: Tensor      # (3, 1, 1) the streams of a round's uniforms: token, accept, draft
+
+
+def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device) -> Plan:
+    ar = torch.arange(W, device=device)
+    fill = torch.arange(max(W - 1, 1), device=device)
+    streams = torch.tensor([STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT], device=device)
+    return Plan(T, W, H, sync, ar, fill, fill % H, streams.view(3, 1, 1))
+
+
+@dataclass
+class JacobiState:
+    seq: Tensor          # (B, T + W) int64 committed tokens, then drafts; past T scratch
+    cur: Tensor          # (B,) int64 committed length
+    rounds: Tensor       # (B,) int64 rounds taken so far (= attempt number of the next round)
+    key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
+    q: Tensor | None     # (B, W - 1, V) proposal of each draft (sample mode), else None
+
+    def select(self, idx: Tensor) -> JacobiState:
+        """The sub-batch of rows idx (copies)."""
+        return JacobiState(*(None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                             for f in fields(self)))
+
+    def assign(self, idx: Tensor, sub: JacobiState) -> None:
+        """Write a sub-batch back into rows idx (`key` never changes)."""
+        for name in ("seq", "cur", "rounds", "q"):
+            if getattr(self, name) is not None:
+                getattr(self, name)[idx] = getattr(sub, name)
+
+
+def fill_history(seq: Tensor, defined: Tensor, stop: Tensor, plan: Plan) -> None:
+    """In place: for j in [defined, stop) (at most F tokens per row) set seq[b, j] =
+    seq[b, j - k*H] with the smallest k that lands below `defined`, i.e.
+    defined - H + (j - defined) % H, or seq[b, defined - 1] when that is negative."""
+    j = defined[:, None] + plan.fill                                       # (B, F)
+    src = (defined - plan.H)[:, None] + plan.fill_mod
+    src = torch.where(src < 0, (defined - 1)[:, None], src)
+    src = torch.where(j < stop[:, None], src, j)                           # others: unchanged
+    seq.scatter_(1, j, seq.gather(1, src))
+
+
+def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
+    """(...) int64 -> (..., V) one-hot of `dtype`."""
+    out = torch.zeros(*tokens.shape, V, dtype=dtype, device=tokens.device)
+    return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+def init_state(req: Request, first: Tensor, plan: Plan, V: int) -> JacobiState:
+    """State after round 0 (prefill chose token P): cur = P + 1, drafts from history."""
+    B, P, T, W = req.batch, req.prefix_len, req.total, plan.W
+    seq = torch.zeros(B, T + W, dtype=torch.long, device=first.device)
+    seq[:, :P] = req.prefix
+    seq[:, P] = first
+    cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
+    fill_history(seq, cur, cur + W - 1, plan)
+    q = None
+    if req.sampled:
+        q = one_hot(seq[:, P + 1: P + W], V, torch.float32)
+    return JacobiState(seq, cur, torch.ones_like(cur), req.keys, q)
+
+
+def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """-> tokens (B, W) int64, positions (B, W) int64, offset (B,) int64: window index of the
+    prediction of token cur (offset > 0 only for clipped windows, = W for finished rows)."""
+    start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
+    positions = start[:, None] + plan.ar
+    return st.seq.gather(1, positions - 1), positions, st.cur - start
+
+
+def commit_count(accepted: Tensor, live: Tensor, sync: bool) -> Tensor:
+    """Tokens to commit per row: accepted + 1 (the batch minimum when sync); 0 if finished."""
+    m = accepted + 1
+    if sync:
+        m = torch.where(live, m, torch.iinfo(m.dtype).max).amin().expand_as(m)
+    return m * live
+
+
+def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
+                  plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """Verify this round's window and advance `st` in place.
+
+    guided: (B, W, V) guided logits of the window forward; offset from `window_inputs`.
+    Returns committed (B,), accepted (B,) and rejected (B,) int64 counts of the round."""
+    W, ar = plan.W, plan.ar
+    width = (plan.T - st.cur).clamp_(min=0, max=W)                       # valid predictions
+    live, n_drafts = width > 0, width - 1
+    pos = st.cur[:, None] + ar                                            # tokens cur + i
+    drafts = st.seq.gather(1, pos[:, :-1])                                # (B, W - 1)
+    idx = (offset[:, None] + ar).clamp_(max=W - 1)                        # aligned index
+    if not req.sampled:
+        pred = guided.argmax(-1).gather(1, idx)                           # (B, W)
+        accepted = verify_greedy(pred, drafts, n_drafts)
+        m = commit_count(accepted, live, plan.sync)
+        content = pred        # committed = argmax[:m] (= accepted drafts), then reused argmax
+    else:
+        V = guided.shape[-1]
+        p = warp(guided, req.temperature, req.top_k, req.top_p)
+        p = p.gather(1, idx[..., None].expand(-1, -1, V))                 # (B, W, V) aligned
+        u = uniform(st.key[:, None], pos, st.rounds[:, None], plan.streams)   # (3, B, W)
+        accepted, token = verify_sample(p, drafts, st.q, n_drafts, u[1, :, :-1], u[0])
+        m = commit_count(accepted, live, plan.sync)
+        fresh = sample_from(p, u[2])                                      # (B, W) new drafts
+        committed = torch.where(ar < accepted[:, None], torch.cat([drafts, token[:, None]], 1),
+                                token[:, None])
+        content = torch.where(ar < m[:, None], committed, fresh)
+    st.seq.scatter_(1, pos, content)
+    fill_history(st.seq, st.cur + width, st.cur + m + (W - 1), plan)
+    if req.sampled:
+        nxt = m[:, None] + ar[:-1]                                        # aligned index
+        q_pred = p.gather(1, nxt.clamp(max=W - 1)[..., None].expand(-1, -1, V))
+        q_fill = one_hot(st.seq.gather(1, st.cur[:, None] + nxt), V, p.dtype)
+        st.q = torch.where((nxt < width[:, None])[..., None], q_pred, q_fill)
+    took = torch.minimum(accepted, m)
+    rejected = ((accepted < m) & (accepted < n_drafts)).long()
+    st.cur += m
+    st.rounds += live
+    return m, took, rejected

@@ -1,0 +1,131 @@
+"""Sampling shared by every engine: CFG, temperature / top-k / top-p, keyed random numbers.
+
+Order (LlamaGen): guided logits `uncond + (cond - uncond) * scale`, then temperature, then
+top-k, then top-p, then softmax.  Greedy decoding is the argmax of the guided logits (the
+warps never move the argmax).
+
+Random numbers are not drawn from a generator in batch order.  Every uniform is a hash of
+
+    (seed, image id, token index, attempt, stream)
+
+(splitmix64 in int64 tensor ops, vectorised), so an image's tokens never depend on which
+other images share its batch, on their order, or on Full / Compact execution.  `attempt` is the
+image's own round counter (0 = the prefill round) and `stream` separates the uses of one
+(image, token, attempt): the committed token, the acceptance test and a fresh draft.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+STREAM_TOKEN = 0    # a token drawn and committed directly (AR step, residual / bonus sample)
+STREAM_ACCEPT = 1   # acceptance test of a draft
+STREAM_DRAFT = 2    # a draft drawn for the next round
+
+_U64 = 1 << 64
+
+
+def _s64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return c - _U64 if c >= 1 << 63 else c
+
+
+_GOLDEN = _s64(0x9E3779B97F4A7C15)
+_MIX1 = _s64(0xBF58476D1CE4E5B9)
+_MIX2 = _s64(0x94D049BB133111EB)
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); any shape."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def image_key(seed: Tensor, image: Tensor) -> Tensor:
+    """int64 key of (seed, image id); computed once per image and generate call."""
+    return splitmix64(splitmix64(seed) ^ image)
+
+
+def uniform(key: Tensor, position: Tensor, attempt: Tensor, stream: Tensor | int) -> Tensor:
+    """Uniforms in [0, 1), float64, one per (image key, position, attempt, stream); int64
+    arguments broadcast together (e.g. key (B, 1), position (B, S), stream (3, 1, 1)).
+    Keys must satisfy 0 <= position < 2**32, 0 <= attempt < 2**24, 0 <= stream < 8."""
+    h = splitmix64(key ^ ((position << 27) | (attempt << 3) | stream))
+    return _shr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def keyed_uniform(seed: Tensor, image: Tensor, position: Tensor, attempt: Tensor,
+                  stream: Tensor | int) -> Tensor:
+    """`uniform(image_key(seed, image), position, attempt, stream)`."""
+    return uniform(image_key(seed, image), position, attempt, stream)
+
+
+# ---- logits -> distribution ------------------------------------------------------------------
+
+def uses_cfg(cfg_scale: float | None) -> bool:
+    """CFG is on unless the scale is None or 1.0 (then no unconditional rows exist)."""
+    return cfg_scale is not None and float(cfg_scale) != 1.0
+
+
+def guide(logits: Tensor, cfg_scale: float | None) -> Tensor:
+    """logits: (2B, ...) conditional rows first, then unconditional rows -> (B, ...) guided;
+    without CFG (B, ...) is returned unchanged."""
+    if not uses_cfg(cfg_scale):
+        return logits
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + (cond - uncond) * cfg_scale
+
+
+def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
+    """logits: (..., V) guided -> probabilities (..., V) float32 after temperature, top-k
+    (keep the k largest; 0/None = off) and top-p (keep the smallest prefix of the sorted
+    distribution whose mass reaches top_p, as in HF/LlamaGen; 1.0/None = off)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum > top_p
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample_from(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling.  probs: (..., V) non-negative (need not be normalised),
+    u: (...) float64 uniforms -> tokens (...) int64.  A zero-probability token is never
+    chosen (first index whose cumulative mass exceeds u * total)."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    x = (u * cdf[..., -1]).unsqueeze(-1)
+    tok = torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).squeeze(-1)
+    return tok.clamp_(max=probs.shape[-1] - 1)
+
+
+# ---- argument checks -------------------------------------------------------------------------
+
+def check_sampling(vocab_size: int, cfg_scale: float | None, temperature: float,
+                   top_k: int | None, top_p: float | None, sampled: bool) -> None:
+    """Raise ValueError naming the bad argument."""
+    if cfg_scale is not None and not math.isfinite(float(cfg_scale)):
+        raise ValueError(f"cfg_scale must be a finite number or None, got {cfg_scale!r}")
+    if sampled and not (isinstance(temperature, (int, float)) and temperature > 0
+                        and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 for decoding='sample', got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)
+                              or top_k < 0 or top_k > vocab_size):
+        raise ValueError(f"top_k must be an int in [0, vocab_size={vocab_size}] (0 = off), "
+                         f"got {top_k!r}")
+    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (1.0 = off), got {top_p!r}")

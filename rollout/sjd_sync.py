@@ -1,0 +1,18 @@
+"""Batch-Synchronous SJD (the original SJD batched naively): one shared window position for the
+whole batch, which advances by the minimum number of tokens any image can commit.  Drafts
+follow SJD's own initialisation (H = 1: copy the left neighbour) unless H is given.
+
+Greedy output equals Cached AR's.  With decoding='sample' every image's tokens follow the
+model's distribution, but they depend on the batch (the batch minimum decides which accepted
+drafts are kept), unlike the independent engines."""
+from __future__ import annotations
+
+from rollout.engine import register
+from rollout.hbsjd import JacobiEngine
+
+
+@register("sjd_sync")
+class SyncSJD(JacobiEngine):
+    DEFAULTS = dict(W=16, H=None, decoding="greedy")
+    SYNC = True
+    DEFAULT_H_IS_ONE = True

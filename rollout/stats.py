@@ -1,0 +1,64 @@
+"""The result of one `engine.generate` call: tokens plus per-round rollout statistics.
+
+A *round* is one sequential model forward (the prefill counts as round 0): Cached AR needs N
+rounds for N new tokens, a Jacobi engine fewer when drafts are accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutResult:
+    tokens: Tensor          # (B, P + N) int64: the prefix, then the generated tokens
+    prefix_len: int         # P
+    committed: Tensor       # (R, B) int64 tokens committed per image per round (0 = inactive)
+    accepted: Tensor        # (B,) int64 drafts accepted and committed
+    rejected: Tensor        # (B,) int64 drafts rejected (the first failing draft of a round)
+    active: list[int]       # (R,) images active in each round
+    modes: list[str]        # (R,) execution of each round: "full" | "compact"
+    wall_time: float        # seconds for the whole generate call (device synchronised)
+    round_times: list[float] = field(default_factory=list)  # (R,) s per round; Jacobi only
+    engine: str = ""
+    options: dict = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        """Sequential verifier forwards, the prefill included."""
+        return self.committed.shape[0]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.tokens.shape[1] - self.prefix_len
+
+    @property
+    def image_rounds(self) -> Tensor:
+        """(B,) int64 rounds in which each image was active."""
+        return (self.committed > 0).sum(0)
+
+    @property
+    def mean_committed(self) -> float:
+        """Tokens committed per image per active round (1.0 for Cached AR)."""
+        return float(self.committed.sum()) / max(1, int(self.image_rounds.sum()))
+
+    @property
+    def progress(self) -> Tensor:
+        """(R + 1, B) int64 committed length of every image after each round (row 0 = P)."""
+        zero = torch.zeros_like(self.committed[:1])
+        return self.prefix_len + torch.cat([zero, self.committed]).cumsum(0)
+
+    def summary(self) -> dict:
+        """Plain-Python statistics (JSON-serialisable)."""
+        return {
+            "engine": self.engine, **{k: v for k, v in self.options.items()},
+            "batch": int(self.tokens.shape[0]), "prefix_len": self.prefix_len,
+            "new_tokens": self.num_new_tokens, "rounds": self.rounds,
+            "image_rounds": self.image_rounds.tolist(),
+            "mean_committed": self.mean_committed,
+            "accepted": int(self.accepted.sum()), "rejected": int(self.rejected.sum()),
+            "compact_rounds": sum(m == "compact" for m in self.modes),
+            "wall_time_s": self.wall_time,
+        }

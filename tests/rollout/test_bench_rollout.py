@@ -1,0 +1,106 @@
+"""`opd bench rollout` (opd/bench/rollout.py) and `opd calibrate`: presets, the sweep, the
+table, the figures and the CLI wiring, on GPT-tiny."""
+import json
+
+import pytest
+import yaml
+
+from opd.bench.rollout import (VARIANTS, format_table, load_bench, resolve_bench_preset,
+                               run_bench, save_figures)
+from opd.config import CONFIG_DIR, ConfigError
+
+TINY = dict(model="GPT-tiny", dtype="float64", prefix="random", prefix_ratio=0.25,
+            batch_sizes=[3], windows=[2, 5], decodings=["greedy", "sample"], repeats=2,
+            warmup=0, calibration_repeats=1, threads=1, random_init_std=0.5)
+
+
+@pytest.fixture
+def tiny_preset(tmp_path):
+    path = tmp_path / "tiny_bench.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+@pytest.mark.parametrize("name", ["digits", "llamagen_b_256", "llamagen_b_576"])
+def test_shipped_presets_load(name):
+    b = load_bench(name)
+    assert resolve_bench_preset(name) == CONFIG_DIR / "bench" / f"{name}.yaml"
+    if name == "digits":
+        assert b.model == "GPT-digits-S" and b.batch_sizes == [1, 4, 16]
+        assert b.windows == [2, 4, 8, 16] and b.device == "cpu"
+    else:
+        assert b.model == "GPT-B" and b.device == "cuda" and b.dtype == "bfloat16"
+        assert b.overrides["grid_size"] == (16 if name.endswith("256") else 24)
+
+
+@pytest.mark.parametrize("override,word", [
+    (dict(batch_size=[1]), "unknown bench preset key 'batch_size'.*did you mean 'batch_sizes'"),
+    (dict(windows=[0]), "windows"),
+    (dict(engines=["hbsjd-fast"]), "engines"),
+    (dict(decodings="greedy"), "decodings"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(prefix_ratio=1.0), "prefix_ratio"),
+    (dict(gamma="auto"), "gamma"),
+    (dict(repeats=0), "repeats"),
+    (dict(device="tpu"), "device"),
+])
+def test_bad_presets_name_the_key(tiny_preset, override, word):
+    with pytest.raises(ConfigError, match=word):
+        load_bench(tiny_preset, override)
+
+
+def test_missing_preset():
+    with pytest.raises(ConfigError, match="not found; available: .*digits"):
+        load_bench("no_such_bench")
+
+
+def test_sweep_table_and_figures(tiny_preset, tmp_path):
+    report = run_bench(load_bench(tiny_preset), log=lambda *_: None)
+    rows = report["rows"]
+    assert len(rows) == 2 * (1 + len(VARIANTS) * 2)          # decodings x (AR + variants x W)
+    for r in rows:
+        assert r["batch"] == 3 and r["rounds"] >= 1 and r["latency_ms"] > 0
+        assert r["p95_ms"] >= r["latency_ms"] * 0.5
+        if r["verification"] == "greedy":
+            assert r["equal_ar"] is True, r
+        else:
+            assert r["equal_ar"] is None
+        if r["engine"] == "cached_ar":
+            assert r["speedup"] == pytest.approx(1.0) and r["rounds"] == 12
+    hybrid = [r for r in rows if r["engine"] == "hbsjd-hybrid"]
+    assert all(isinstance(r["gamma"], int) for r in hybrid)
+    assert {(c["batch"], c["W"]) for c in report["curves"]} == {(3, 2), (3, 5)}
+    table = format_table(rows)
+    assert "speedup" in table and "hbsjd-hybrid" in table and "best at batch 3 (greedy)" in table
+    paths = save_figures(report, tmp_path / "figs")
+    assert [p.name for p in paths] == ["progress.png", "verifier_latency.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    json.dumps(report)                                          # serialisable
+
+
+def test_cli_bench_and_calibrate(tiny_preset, tmp_path, capsys):
+    from launch.cli import main
+    out, js = tmp_path / "figs", tmp_path / "report.json"
+    assert main(["bench", "rollout", "--config", str(tiny_preset), "--json", str(js),
+                 "--out", str(out), "windows=[3]", "decodings=[greedy]", "repeats=1"]) == 0
+    text = capsys.readouterr().out
+    assert "cached_ar" in text and "hbsjd-compact" in text
+    report = json.loads(js.read_text())
+    assert {r["W"] for r in report["rows"]} == {None, 3}
+    assert (out / "progress.png").is_file() and (out / "verifier_latency.png").is_file()
+
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", "GPT-tiny", "--batch", "3", "--window", "4",
+                 "--cfg-scale", "2.0", "--device", "cpu", "--repeats", "1", "--threads", "1",
+                 "--out", str(cal)]) == 0
+    entry = json.loads(cal.read_text())["entries"][0]
+    assert entry["batch"] == 3 and entry["W"] == 4 and entry["cfg"] is True
+    assert "gamma = " in capsys.readouterr().out
+    assert main(["calibrate", "--config", "tiny", "rollout.window=3", "--device", "cpu",
+                 "--repeats", "1", "--threads", "1", "--out", str(cal)]) == 0
+    entries = json.loads(cal.read_text())["entries"]              # the run config's student
+    assert len(entries) == 2 and entries[1]["preset"] == "GPT-digits-S"
+    assert (entries[1]["batch"], entries[1]["W"], entries[1]["cfg"]) == (4, 3, False)
+    capsys.readouterr()
+    assert main(["bench", "rollout", "--config", str(tiny_preset), "nonsense=1"]) == 2
+    assert "unknown bench preset key 'nonsense'" in capsys.readouterr().err

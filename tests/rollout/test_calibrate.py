@@ -1,0 +1,73 @@
+"""gamma calibration: curves, the gamma rule, the JSON file and gamma='auto'."""
+import json
+
+import pytest
+import torch
+
+from rollout import make_engine
+from rollout.calibrate import (calibrate, choose_gamma, default_active_counts, load_gamma,
+                               measure_verifier_latency, model_signature, save_calibration)
+
+
+@pytest.mark.parametrize("full,compact,gamma", [
+    ([5, 5, 5, 5], [1, 2, 6, 7], 3),        # Compact faster below 3 active images
+    ([5, 5, 5, 5], [6, 6, 6, 6], 1),        # never Compact
+    ([5, 5, 5, 5], [1, 2, 3, 4], 5),        # always Compact (gamma = B + 1)
+    ([5, 5, 5, 5], [1, 6, 4, 6], 4),        # a noisy dip at 3: only a Full-wins tail counts
+    ([5, 5, 5, 5], [1, 5, 6, 7], 2),        # a tie goes to Full
+])
+def test_choose_gamma(full, compact, gamma):
+    assert choose_gamma([1, 2, 3, 4], full, compact) == gamma
+
+
+def test_choose_gamma_sorts_by_active_count():
+    assert choose_gamma([4, 1, 3, 2], [5] * 4, [7, 1, 6, 2]) == 3
+
+
+def test_default_active_counts():
+    assert default_active_counts(5) == [1, 2, 3, 4, 5]
+    spread = default_active_counts(64)
+    assert spread[0] == 1 and spread[-1] == 64 and len(spread) == 24
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+def test_measure_gives_positive_curves(tiny, cfg):
+    curves = measure_verifier_latency(tiny(0), 4, 3, cfg=cfg, repeats=2, warmup=1)
+    assert curves["active"] == [1, 2, 3, 4]
+    assert all(t > 0 for t in curves["full_s"] + curves["compact_s"])
+    with pytest.raises(ValueError, match="active counts"):
+        measure_verifier_latency(tiny(0), 4, 3, active=[5])
+
+
+def test_calibration_file_round_trip_and_gamma_auto(tiny, batch, tmp_path):
+    model = tiny(0)
+    path = tmp_path / "cal" / "calibration.json"
+    entry = calibrate(model, 4, 5, cfg=True, preset="GPT-tiny", repeats=1, warmup=0)
+    assert entry["model"] == model_signature(model) and 1 <= entry["gamma"] <= 5
+    save_calibration(path, entry)
+    save_calibration(path, {**entry, "gamma": 3})                    # same key: replaced
+    save_calibration(path, {**entry, "W": 8, "gamma": 2})
+    data = json.loads(path.read_text())
+    assert data["format"] == 1 and len(data["entries"]) == 2
+    assert load_gamma(path, model, 4, 5, True) == 3
+    assert load_gamma(path, model, 4, 8, True) == 2
+
+    engine = make_engine("hbsjd", W=5, gamma="auto", calibration=str(path))
+    labels, prefix = batch(model, 4, 0)
+    res = engine.generate(model, labels, prefix, 16, cfg_scale=2.0)
+    ref = make_engine("hbsjd", W=5, gamma=3).generate(model, labels, prefix, 16, cfg_scale=2.0)
+    assert torch.equal(res.tokens, ref.tokens) and res.modes == ref.modes
+    with pytest.raises(ValueError, match=r"no calibration .* batch=4 W=5 cfg=False.*opd calibrate"):
+        engine.generate(model, labels, prefix, 16)                    # no CFG entry
+    with pytest.raises(ValueError, match="does not exist"):
+        make_engine("hbsjd", gamma="auto", calibration=str(tmp_path / "x.json")).generate(
+            model, labels, prefix, 16)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_gamma(tmp_path / "bad.json", model, 4, 5, True)
+
+
+def test_signature_separates_models(tiny):
+    assert model_signature(tiny(0)) == model_signature(tiny(1))      # same shape and dtype
+    assert model_signature(tiny(0)) != model_signature(tiny(0, vocab_size=5))
+    assert model_signature(tiny(0)).endswith("float64-cpu")

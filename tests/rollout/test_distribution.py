@@ -1,0 +1,132 @@
+"""Invariant 2: probabilistic verification preserves the sampling distribution.
+
+Vocabulary 3, grid 2 (4 image tokens): the exact joint distribution of the generated tokens is
+enumerated with teacher-forced forwards (guided, warped), and the empirical distribution of
+thousands of rollouts (one batch of images with distinct ids) is compared by a chi-square test.
+The same test rejects a subtly wrong rule: resampling from p instead of norm(max(0, p - q))
+after a rejection.
+"""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+import rollout.verify
+from rollout import make_engine
+from rollout.sampling import guide, warp
+
+V, GRID = 3, 2
+SAMPLES = 4000
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(7)
+    from opd.models import create_model
+    m = create_model("GPT-tiny", vocab_size=V, grid_size=GRID).double().eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.6)
+    return m
+
+
+def exact_distribution(model, label, prefix, N, cfg, temperature=1.0, top_k=None, top_p=None):
+    """-> (V**N,) float64 probability of each generated sequence (lexicographic order)."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=N)))
+    M = seqs.shape[0]
+    tokens = torch.cat([prefix.expand(M, -1), seqs], 1)
+    labels = torch.full((M,), label)
+    with torch.no_grad():
+        logits = model(labels, tokens[:, :-1])
+        if cfg is not None and cfg != 1.0:
+            null = torch.full((M,), model.num_classes)
+            logits = torch.cat([logits, model(null, tokens[:, :-1])])
+    P = prefix.shape[1]
+    probs = warp(guide(logits, cfg)[:, P:], temperature, top_k, top_p).double()   # (M, N, V)
+    return probs.gather(2, seqs[..., None]).squeeze(2).prod(1)
+
+
+def sample_counts(model, engine, label, prefix, N, cfg, seed, **warps):
+    labels = torch.full((SAMPLES,), label)
+    res = engine.generate(model, labels, prefix.expand(SAMPLES, -1), N, cfg_scale=cfg,
+                          seed=seed, **warps)
+    gen = res.tokens[:, prefix.shape[1]:]
+    code = (gen * V ** torch.arange(N - 1, -1, -1)).sum(1)
+    return torch.bincount(code, minlength=V ** N).double(), res
+
+
+def chi2_pvalue(counts, probs) -> float:
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+CASES = [  # engine, options, P, cfg, warps
+    ("cached_ar", {}, 0, None, {}),
+    ("sjd_independent", dict(W=4), 0, None, {}),
+    ("hbsjd", dict(W=4, execution="compact"), 0, 2.0, {}),
+    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2), 1, None, {}),
+    ("hbsjd", dict(W=4, H=1), 0, 1.5, dict(temperature=0.7, top_k=2)),
+    ("hbsjd", dict(W=4), 0, None, dict(temperature=1.3, top_p=0.8)),
+]
+
+
+@pytest.mark.parametrize("name,opts,P,cfg,warps", CASES)
+def test_samples_follow_the_exact_ar_distribution(model, name, opts, P, cfg, warps):
+    prefix = torch.tensor([[2]])[:, :P]
+    N = GRID * GRID - P
+    engine = make_engine(name, decoding="sample", **opts)
+    counts, res = sample_counts(model, engine, 1, prefix, N, cfg, seed=11, **warps)
+    probs = exact_distribution(model, 1, prefix, N, cfg, **warps)
+    assert torch.isclose(probs.sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert chi2_pvalue(counts, probs) > 1e-3
+    tv = 0.5 * (counts / SAMPLES - probs).abs().sum()
+    assert tv < 0.05
+    if name != "cached_ar":
+        assert int(res.accepted.sum()) > SAMPLES // 4 and int(res.rejected.sum()) > SAMPLES // 10
+
+
+def test_sync_sjd_samples_follow_the_exact_distribution(model):
+    """Batch-Synchronous SJD in small batches (a huge batch would almost never accept)."""
+    engine = make_engine("sjd_sync", W=4, decoding="sample")
+    prefix, N, B = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, 4
+    counts = torch.zeros(V ** N, dtype=torch.float64)
+    accepted = 0
+    for s in range(SAMPLES // (4 * B)):       # fewer samples: the loop is slower
+        res = engine.generate(model, torch.full((B,), 2), prefix.expand(B, -1), N, seed=s)
+        code = (res.tokens * V ** torch.arange(N - 1, -1, -1)).sum(1)
+        counts += torch.bincount(code, minlength=V ** N).double()
+        accepted += int(res.accepted.sum())
+    probs = exact_distribution(model, 2, prefix, N, None)
+    assert accepted > 0
+    assert chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_a_wrong_resampling_rule_is_detected(model, monkeypatch):
+    """Resampling from p after a rejection (instead of norm(max(0, p - q))) biases the
+    distribution; the same statistics must reject it."""
+    prefix, N, cfg = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, None
+    probs = exact_distribution(model, 1, prefix, N, cfg)
+    monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
+    counts, _ = sample_counts(model, make_engine("hbsjd", W=4, decoding="sample"), 1, prefix,
+                              N, cfg, seed=11)
+    assert chi2_pvalue(counts, probs) < 1e-8
+    assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
+
+
+def test_a_wrong_acceptance_rule_is_detected(model, monkeypatch):
+    """Accepting every draft with probability p(x) (ignoring q) is also caught."""
+    prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
+    probs = exact_distribution(model, 1, prefix, N, None)
+    real = rollout.verify.verify_sample
+
+    def ignore_q(p, drafts, q, *args):
+        return real(p, drafts, torch.ones_like(q), *args)
+    monkeypatch.setattr("rollout.jacobi.verify_sample", ignore_q)
+    counts, _ = sample_counts(model, make_engine("hbsjd", W=4, decoding="sample"), 1, prefix,
+                              N, None, seed=11)
+    assert chi2_pvalue(counts, probs) < 1e-8

@@ -1,0 +1,69 @@
+"""make_engine and generate reject bad options and arguments with a ValueError naming them."""
+import pytest
+import torch
+
+from rollout import ENGINES, RolloutModel, make_engine
+
+
+def test_registry_and_protocol(tiny):
+    assert set(ENGINES) == {"cached_ar", "sjd_sync", "sjd_independent", "hbsjd"}
+    assert isinstance(tiny(0), RolloutModel)
+    e = make_engine("hbsjd", W=8, H=2, decoding="sample", execution="compact")
+    assert e.options["W"] == 8 and e.options["execution"] == "compact" and "hbsjd" in repr(e)
+    assert make_engine("sjd_sync").options == dict(W=16, H=None, decoding="greedy")
+
+
+@pytest.mark.parametrize("name,options,word", [
+    ("hbsjd", dict(W=0), "option W"),
+    ("hbsjd", dict(W=2.5), "option W"),
+    ("sjd_sync", dict(W=True), "option W"),
+    ("sjd_independent", dict(H=0), "option H"),
+    ("hbsjd", dict(decoding="beam"), "option decoding"),
+    ("cached_ar", dict(decoding="topk"), "option decoding"),
+    ("hbsjd", dict(execution="half"), "option execution"),
+    ("hbsjd", dict(gamma=-1), "option gamma"),
+    ("hbsjd", dict(gamma="fast"), "option gamma"),
+    ("cached_ar", dict(W=4), "no option 'W'"),
+    ("sjd_independent", dict(execution="compact"), "no option 'execution'"),
+    ("hbsjd", dict(window=4), "no option 'window'"),
+    ("hbsdj", {}, "unknown engine 'hbsdj' \\(did you mean 'hbsjd'"),
+])
+def test_bad_options(name, options, word):
+    with pytest.raises(ValueError, match=word):
+        make_engine(name, **options)
+
+
+def call(model, engine="hbsjd", B=2, P=3, N=None, opts=None, **kw):
+    labels = kw.pop("labels", torch.zeros(B, dtype=torch.long))
+    prefix = kw.pop("prefix", torch.zeros(B, P, dtype=torch.long))
+    N = model.block_size - P if N is None else N
+    return make_engine(engine, **(opts or {})).generate(model, labels, prefix, N, **kw)
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(N=0), "num_new_tokens"),
+    (dict(P=3, N=14), "num_new_tokens=14 overflows"),
+    (dict(P=16, N=1), "prefix of 16 tokens is longer"),
+    (dict(top_k=12), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(opts=dict(decoding="sample"), temperature=0.0), "temperature"),
+    (dict(labels=torch.tensor([0, 4])), "labels"),
+    (dict(labels=torch.zeros(2, 1, dtype=torch.long)), "labels"),
+    (dict(prefix=torch.full((2, 3), 11)), "prefix tokens"),
+    (dict(prefix=torch.zeros(3, 3, dtype=torch.long)), "prefix must be"),
+    (dict(seed=1.5), "seed"),
+    (dict(image_ids=torch.arange(3)), "image_ids"),
+    (dict(opts=dict(H=16)), "option H=16 is outside the sequence"),
+    (dict(engine="sjd_sync", opts=dict(H=99)), "option H=99"),
+])
+def test_bad_generate_arguments(tiny, kw, word):
+    with pytest.raises(ValueError, match=word):
+        call(tiny(0), **kw)
+
+
+def test_boundary_arguments_are_accepted(tiny):
+    model = tiny(0)
+    assert call(model, P=15, N=1).tokens.shape == (2, 16)          # all but one token
+    assert call(model, P=0, N=16, top_k=11, top_p=1.0).tokens.shape == (2, 16)
+    assert call(model, opts=dict(H=15, W=100)).tokens.shape == (2, 16)
+    assert call(model, prefix=None, N=5).tokens.shape == (2, 5)
