@@ -7,8 +7,10 @@ Every random choice is keyed by (run seed, step or batch id), never drawn in cal
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,11 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
     return objective.choose_source(step, seed)
 
 
+def calibration_file() -> Path:
+    """Where `gamma=auto` reads and writes γ: $OPD_CACHE/calibration.json."""
+    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "calibration.json"
+
+
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine (options that the engine does not take are left out)."""
     r = cfg.rollout
@@ -54,7 +61,8 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
     if name != "cached_ar":
         options.update(W=r.window, H=r.history_offset)
     if name == "hbsjd":
-        options.update(execution=r.execution, gamma=r.gamma)
+        options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
+                       calibrate_missing=True)
     return make_engine(name, **options)
 
 

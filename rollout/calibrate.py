@@ -17,6 +17,7 @@ entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` u
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -153,7 +154,9 @@ def save_calibration(path: str | Path, entry: dict) -> None:
     entries = read_calibration(path) if path.exists() else []
     entries = [e for e in entries if _key(e) != _key(entry)] + [entry]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")     # workers may share the file
+    tmp.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def load_gamma(path: str | Path, model, batch: int, W: int, cfg: bool) -> int:

@@ -109,10 +109,11 @@ class IndependentSJD(JacobiEngine):
 @register("hbsjd")
 class HBSJD(JacobiEngine):
     """HB-SJD.  execution: full | compact | hybrid; gamma: Compact below this many active
-    images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`), or None
-    (uncalibrated fallback: half the batch, rounded up)."""
+    images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`; with
+    calibrate_missing=True a missing entry is measured here, a few forwards, and saved), or
+    None (uncalibrated fallback: half the batch, rounded up)."""
     DEFAULTS = dict(W=16, H=None, decoding="greedy", execution="hybrid", gamma=None,
-                    calibration=None)
+                    calibration=None, calibrate_missing=False)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -127,10 +128,19 @@ class HBSJD(JacobiEngine):
         if g is None:
             return (req.batch + 1) // 2
         if g == "auto":
-            from rollout.calibrate import load_gamma, model_signature
+            from rollout.calibrate import calibrate, load_gamma, model_signature, save_calibration
             key = (model_signature(model), req.batch, self.options["W"], req.cfg)
             if key not in self._auto:
-                self._auto[key] = load_gamma(calibration_path(self.options), model, req.batch,
-                                             self.options["W"], req.cfg)
+                path = calibration_path(self.options)
+                try:
+                    self._auto[key] = load_gamma(path, model, req.batch, self.options["W"],
+                                                 req.cfg)
+                except ValueError:
+                    if not self.options["calibrate_missing"]:
+                        raise
+                    entry = calibrate(model, req.batch, self.options["W"], cfg=req.cfg,
+                                      repeats=3)
+                    save_calibration(path, entry)
+                    self._auto[key] = int(entry["gamma"])
             return self._auto[key]
         return g

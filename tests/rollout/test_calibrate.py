@@ -71,3 +71,21 @@ def test_signature_separates_models(tiny):
     assert model_signature(tiny(0)) == model_signature(tiny(1))      # same shape and dtype
     assert model_signature(tiny(0)) != model_signature(tiny(0, vocab_size=5))
     assert model_signature(tiny(0)).endswith("float64-cpu")
+
+
+def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
+    model, path = tiny(0), tmp_path / "cal.json"
+    labels, prefix = torch.tensor([0, 1, 2]), torch.zeros(3, 2, dtype=torch.long)
+    strict = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path))
+    with pytest.raises(ValueError, match="does not exist"):
+        strict.generate(model, labels, prefix, 6)
+    engine = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path),
+                         calibrate_missing=True)
+    out = engine.generate(model, labels, prefix, 6)
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 1 and entries[0]["batch"] == 3 and entries[0]["W"] == 4
+    assert load_gamma(path, model, 3, 4, False) == entries[0]["gamma"]
+    ref = make_engine("cached_ar").generate(model, labels, prefix, 6)
+    assert torch.equal(out.tokens, ref.tokens)
+    strict.generate(model, labels, prefix, 6)                 # the entry now exists
+    assert len(json.loads(path.read_text())["entries"]) == 1
