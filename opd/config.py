@@ -119,10 +119,10 @@ class RolloutConfig:
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
     window: int = bounded(16, ge=1)
-    """Jacobi window W: draft tokens verified per forward."""
+    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts)."""
     history_offset: int | None = bounded(None, ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
-    decoding: Literal["greedy", "sample"] = "greedy"
+    decoding: Literal["greedy", "sample"] = "sample"
     """Greedy verification (lossless vs greedy AR) or probabilistic (sampling) verification."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
@@ -140,6 +140,8 @@ class RolloutConfig:
     """Ray CPUs per rollout worker."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per rollout worker (fractions share a device)."""
+    sub_batches: int = bounded(0, ge=0)
+    """Sub-batches a step's prefix batch is split into across rollout workers (Ray); 0 = one per worker."""
 
 
 @dataclass
@@ -184,6 +186,10 @@ class LearnerConfig:
     """Ray CPUs per learner rank."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per learner rank."""
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    """How new student weights reach rollout workers: one object-store put per version, or a broadcast group (nccl on GPUs, gloo on CPUs)."""
+    weight_bucket_mb: float = bounded(64.0, gt=0.0)
+    """Bucket size of the collective weight broadcast (MiB of parameters per broadcast call)."""
 
 
 @dataclass
@@ -204,6 +210,8 @@ class DistillConfig:
     """Max policy-version lag of consumed trajectories; 0 = strict on-policy."""
     broadcast_every: int = bounded(1, ge=1)
     """Publish student weights to rollout workers every this many steps."""
+    queue_capacity: int = bounded(4, ge=1)
+    """Prefix batches buffered between rollout/teacher workers and the learner (Ray pipeline backpressure)."""
     objective_options: dict[str, Any] = field(default_factory=dict)
     """Objective-specific options (e.g. VarKD gates), validated by the objective."""
 
@@ -212,11 +220,11 @@ class DistillConfig:
 class PretrainConfig:
     """Pretraining of the embedded teacher and student when no checkpoint is given."""
 
-    teacher_steps: int = bounded(2000, ge=0)
+    teacher_steps: int = bounded(400, ge=0)
     """Teacher pretraining steps."""
-    student_steps: int = bounded(500, ge=0)
+    student_steps: int = bounded(150, ge=0)
     """Student pretraining steps (short: distillation has room to improve it)."""
-    batch_size: int = bounded(64, ge=1)
+    batch_size: int = bounded(32, ge=1)
     """Pretraining batch size."""
     lr: float = bounded(1e-3, gt=0.0)
     """Pretraining AdamW learning rate."""
@@ -238,6 +246,8 @@ class ClusterConfig:
     """Interface the Ray dashboard binds to."""
     include_dashboard: bool = True
     """Start the Ray dashboard with a local Ray."""
+    max_restarts: int = bounded(3, ge=0)
+    """Restarts of a failed rollout or teacher worker (it reloads the current weights; its work is issued again)."""
 
 
 @dataclass
@@ -254,6 +264,14 @@ class EvalConfig:
     """Local Inception weights file for the inception-v3-compat extractor."""
     engine: Engine | None = None
     """Engine used to sample evaluation images; None = rollout.engine."""
+    decoding: Literal["greedy", "sample"] | None = "sample"
+    """Decoding of evaluation samples: sample (the field's practice; greedy gives one image per class), None = rollout.decoding."""
+    seed: int = 0
+    """Seed of the evaluation samples (image i is keyed by (seed, i)); the same for every run compared."""
+    batch_size: int = bounded(50, ge=1)
+    """Images generated per engine call during evaluation."""
+    reference: str | None = None
+    """Reference statistics file (opd.eval.fidelity.save_reference_statistics); None = the held-out split's images."""
 
 
 @dataclass

@@ -8,7 +8,8 @@ from opd.rundir import RunDirError, prepare_run_dir
 
 
 def cfg_for(tiny_overrides, *extra):
-    return load_config("tiny", [*tiny_overrides, "distill.steps=4", "rollout.gamma=2", *extra])
+    return load_config("tiny", [*tiny_overrides, "distill.steps=4", "rollout.gamma=2",
+                                "rollout.decoding=greedy", *extra])
 
 
 def losses(rows):
