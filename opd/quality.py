@@ -18,7 +18,9 @@ from opd.steps import RolloutJob, build_engine, prefix_len_for, rollout
 
 @torch.no_grad()
 def _log_probs(model, labels, tokens):
-    return F.log_softmax(model(labels, tokens[:, :-1]).double(), -1)        # (B, T, V)
+    device = next(model.parameters()).device
+    labels, tokens = labels.to(device), tokens.to(device)
+    return F.log_softmax(model(labels, tokens[:, :-1]).double(), -1).cpu()  # (B, T, V)
 
 
 @torch.no_grad()
@@ -37,7 +39,7 @@ def quality_report(student, teacher, heldout: TokenDataset, cfg: RunConfig, *,
         labels = torch.from_numpy(heldout.labels[start:end])
         tokens = torch.from_numpy(heldout.tokens[start:end])
         s, t = _log_probs(student, labels, tokens), _log_probs(teacher, labels, tokens)
-        sums["student_nll"] -= s.gather(-1, tokens[..., None]).sum().item()
+        sums["student_nll"] -= s.gather(-1, tokens[..., None]).sum().item()          # CPU
         sums["kl_data"] += (t.exp() * (t - s)).sum().item()
         data_tokens += tokens.numel()
         job = RolloutJob(10**9 + start, labels, tokens, P, "student", seed)

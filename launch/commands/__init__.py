@@ -20,6 +20,7 @@ COMMANDS = [
     "pretrain",
     "train",
     "calibrate", "bench",
+    "eval",
 ]
 """Command modules in launch/commands/, in `opd --help` order. Adding a command is one line."""
 
