@@ -141,7 +141,7 @@ class RolloutConfig:
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per rollout worker (fractions share a device)."""
     sub_batches: int = bounded(0, ge=0)
-    """Sub-batches a step's prefix batch is split into across rollout workers (Ray); 0 = one per worker."""
+    """Parts a step's prefix batch is split into across workers (Ray); 0 = one per worker of the larger pool (rollout or teacher)."""
 
 
 @dataclass
@@ -435,9 +435,12 @@ def default_run_dir(cfg: RunConfig, now: float | None = None) -> Path:
     return Path("runs") / f"{cfg.run.name}-{stamp}"
 
 
+NOT_PRESETS = {"cluster"}
+
+
 def available_presets() -> list[str]:
-    """Preset names in CONFIG_DIR."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """Preset names in CONFIG_DIR (cluster.yaml is the Ray autoscaler's file, not a preset)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in NOT_PRESETS)
 
 
 def resolve_preset(name: str | Path) -> Path:
