@@ -248,6 +248,8 @@ class ClusterConfig:
     """Start the Ray dashboard with a local Ray."""
     max_restarts: int = bounded(3, ge=0)
     """Restarts of a failed rollout or teacher worker (it reloads the current weights; its work is issued again)."""
+    role_resources: bool = False
+    """Workers also ask for one custom resource each: opd_rollout / opd_teacher / opd_learner (the node types of configs/cluster.yaml)."""
 
 
 @dataclass

@@ -3,6 +3,8 @@
 - OPD_CACHE points at one temporary directory for the whole session, so the small pretrained
   teacher and student (configs/tiny.yaml sizes) are trained once and shared by every test.
 - torch uses one thread per process: tests run beside Ray workers on a 2-core machine.
+- `ray_session`: one local Ray for the whole session (loopback, no dashboard, no token auth),
+  started by the first test that asks for it; actors use fractional CPUs so every test fits.
 """
 from __future__ import annotations
 
@@ -36,3 +38,16 @@ def digits_dir(tmp_path_factory) -> Path:
 def tiny_overrides(digits_dir) -> list[str]:
     """Overrides that make configs/tiny.yaml read the session's digits data."""
     return [f"data.data_dir={digits_dir}"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(opd_cache):
+    """A local Ray on 127.0.0.1 shared by the session's tests (started once, ~6 s); metrics
+    are exported every second so tests can read them from the node's metrics port."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,233 @@
+"""`StudentLearner`: one data-parallel rank of the student's DeepSpeed training group.
+
+`learner.world_size` actors form one torch.distributed group (gloo on CPU, nccl on GPU): rank 0
+picks a free port (`master_address`), every rank calls `setup(host, port)` at the same time.
+Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.zero_stage`,
+torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
+`learner.grad_clip`, micro batch = global batch / world size, no gradient accumulation).
+
+`train_step(*parts)` gets the scored sub-batches of one prefix batch (every rank the same
+object-store objects), merges them in row order and trains on rows `shard_rows(B, R)[rank]`.
+The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
+scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
+the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the pipeline forms from
+the ranks' results.  (Exact for token-mean objectives — KD, SeqKD, GKD; VarKD's
+confidence-weighted mean is combined with the same token weights, an approximation for R > 1.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from actors.metrics import RoleMetrics
+from actors.rollout_worker import role_device, worker_info
+from actors.shards import merge_batches, shard_rows, take_rows
+from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
+                            tag_weights)
+from opd.batch import TrajectoryBatch
+from opd.config import RunConfig, config_from_dict
+from opd.pretrain import load_role_model
+from opd.steps import build_objective, make_optimizer, student_loss
+
+STATE_FILE = "state.json"
+
+
+def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
+    lr = cfg.learner
+    micro = cfg.data.batch_size // lr.world_size
+    return {
+        "train_batch_size": micro * lr.world_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": lr.grad_clip,
+        "zero_optimization": {"stage": lr.zero_stage},
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    p = cfg.learner.precision
+    if p == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return p == "bf16"
+
+
+class StudentLearner:
+    """One learner rank (wrapped by `ray.remote` in the pipeline)."""
+
+    def __init__(self, cfg: RunConfig | dict, rank: int = 0):
+        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        self.rank, self.world_size = rank, self.cfg.learner.world_size
+        self.device = role_device(self.cfg.learner.num_gpus)
+        self.engine = None
+        self.objective = build_objective(self.cfg)
+        self.metrics = RoleMetrics("learner", rank)
+        self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
+        self.steps = 0
+
+    def info(self) -> dict:
+        return {**worker_info("learner", self.rank, self.device), "steps": self.steps}
+
+    def master_address(self, loopback: bool) -> tuple[str, int]:
+        """(host, free port) for the group's rendezvous, chosen on this (rank 0's) node."""
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, host: str, port: int) -> dict:
+        """Join the data-parallel group and build the DeepSpeed engine around the starting student."""
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
+                          LOCAL_RANK="0", WORLD_SIZE=str(self.world_size))
+        import deepspeed
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
+                                   auto_mpi_discovery=False, distributed_port=port, verbose=False)
+        student = load_role_model(self.cfg, "student", progress=False).to(self.device)
+        optimizer = make_optimizer(student, self.cfg)
+        self.bf16 = use_bf16(self.cfg, self.device)
+        self.engine, *_ = deepspeed.initialize(model=student, optimizer=optimizer,
+                                               config=deepspeed_config(self.cfg, self.bf16))
+        self.engine.eval()
+        return self.info()
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _grad_norm(self) -> float | None:
+        """Pre-clip global gradient norm where DeepSpeed does not record one (ZeRO 0, fp32)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
+
+    def train_step(self, *parts: dict) -> dict:
+        """One optimizer step on the scored sub-batches `parts` (to_numpy_dict, row order) of
+        one prefix batch.  Returns this rank's metrics: loss (its shard's), tokens, grad_norm
+        (global), seconds; rank 0 also the batch summary (`batch`: the trajectory without
+        teacher scores, as to_numpy_dict)."""
+        start = time.perf_counter()
+        batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in parts])
+        a, b = shard_rows(batch.batch_size, self.world_size)[self.rank]
+        shard = take_rows(batch, a, b)
+        loss, metrics = student_loss(self.engine, shard, self.objective,
+                                     dropout=self.cfg.learner.student_dropout)
+        scale = self.world_size * shard.num_generated_tokens / batch.num_generated_tokens
+        self.engine.backward(loss * scale if scale != 1.0 else loss)
+        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
+        self.engine.step()
+        if norm is None:
+            g = self.engine.get_global_grad_norm()
+            norm = float(g) if g is not None else float("nan")
+        self.engine.eval()
+        self.steps += 1
+        seconds = time.perf_counter() - start
+        out = {**metrics, "rank": self.rank, "loss": float(loss.detach()),
+               "tokens": float(shard.num_generated_tokens), "grad_norm": norm, "seconds": seconds}
+        if self.rank == 0:
+            out["batch"] = batch.with_teacher().to_numpy_dict()
+        self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
+                            learner_samples_per_s=shard.batch_size / seconds)
+        return out
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def get_weights(self, version: int) -> dict | None:
+        """Rank 0: the full student weights, tagged {"version", "weights": flat float32 numpy
+        dict}; other ranks None.  Every rank must call it (ZeRO-3 gathers collectively)."""
+        module = self.engine.module
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                flat = state_dict_to_numpy(module) if self.rank == 0 else None
+        else:
+            flat = state_dict_to_numpy(module) if self.rank == 0 else None
+        return None if flat is None else tag_weights(flat, version)
+
+    def bucket_plan(self) -> list[Bucket]:
+        """The buckets of the collective weight broadcast (sorted names, learner.weight_bucket_mb)."""
+        shapes = {k: tuple(v.shape) for k, v in self.engine.module.state_dict().items()}
+        return make_buckets(shapes, int(self.cfg.learner.weight_bucket_mb * 2 ** 20))
+
+    def join_broadcast(self, host: str, port: int, size: int, backend: str) -> bool:
+        """Rank 0: become the sender (member 0) of the collective weight-broadcast group."""
+        self.broadcast = (BroadcastGroup(host, port, 0, size, backend), self.bucket_plan())
+        return True
+
+    def leave_broadcast(self) -> bool:
+        """Drop the broadcast group (its connections close, so no member waits on it)."""
+        self.broadcast = None
+        return True
+
+    def send_weights(self, version: int) -> int:
+        """Broadcast the current weights (rank 0 sends; every rank must call it, ZeRO-3 gathers
+        collectively).  Returns the bytes sent (0 on ranks > 0)."""
+        module = self.engine.module
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return self._send(module.state_dict())
+        return self._send(module.state_dict())
+
+    def _send(self, state: dict) -> int:
+        if self.rank != 0:
+            return 0
+        if self.broadcast is None:
+            raise RuntimeError("send_weights before join_broadcast")
+        group, buckets = self.broadcast
+        return group.send(state, buckets)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
+        """DeepSpeed checkpoint `directory/tag` (every rank calls it) plus `state.json` with
+        `client_state` (rank 0).  Returns the checkpoint path."""
+        self.engine.save_checkpoint(directory, tag=tag, client_state={"opd": client_state})
+        path = Path(directory) / tag
+        if self.rank == 0:
+            tmp = path / (STATE_FILE + ".tmp")
+            tmp.write_text(json.dumps(client_state, indent=2))
+            os.replace(tmp, path / STATE_FILE)
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore weights and optimizer state from a checkpoint written by save_checkpoint;
+        returns its client state (state.json)."""
+        path = Path(path)
+        load_path, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path}")
+        self.engine.eval()
+        state = json.loads((path / STATE_FILE).read_text())
+        self.steps = int(state["step"])
+        return state
+
+
+def combine_rank_metrics(results: list[dict]) -> dict:
+    """One step's metrics from the ranks' results: loss and the objective's other float metrics
+    weighted by each rank's tokens (= the global token mean), tokens summed, the group's
+    grad_norm."""
+    skip = ("batch", "rank", "seconds")
+    if len(results) == 1:
+        return {k: v for k, v in results[0].items() if k not in skip}
+    tokens = [r["tokens"] for r in results]
+    total = sum(tokens)
+    out = {}
+    for key, value in results[0].items():
+        if key in skip:
+            continue
+        if key == "tokens":
+            out[key] = total
+        elif key != "grad_norm" and isinstance(value, float):
+            out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,86 @@
+"""`WorkerPool`: the driver's view of one role's workers — which are up, how busy, when to probe.
+
+Ray restarts a failed actor by itself (`max_restarts`); while it restarts, calls to it fail at
+once with `ActorUnavailableError`.  So a worker that failed is taken out of the rotation
+("down"), probed with a cheap call after a back-off, and put back ("up") when the probe
+answers — for a rollout worker only after its weights reload has been submitted.  A worker
+whose probes keep failing with `ActorDiedError` (its restarts used up) is "dead".
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+UP, DOWN, DEAD = "up", "down", "dead"
+
+
+class WorkerPool:
+    def __init__(self, role: str, actors: list, *, backoff_s: float = 0.5, died_probes: int = 3):
+        self.role, self.actors = role, actors
+        self.state = [UP] * len(actors)
+        self.busy: Counter[int] = Counter()          # tasks in flight per worker
+        self.probe_at: dict[int, float] = {}
+        self.probing: set[int] = set()
+        self.died: Counter[int] = Counter()          # consecutive probes that found it dead
+        self.failures = 0
+        self.backoff_s, self.died_probes = backoff_s, died_probes
+        self._turn = 0
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def up(self) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s == UP]
+
+    def alive(self) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s != DEAD]
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.alive()
+
+    def pick(self) -> int | None:
+        """The up worker with the fewest tasks in flight (taking turns on ties), or None."""
+        up = self.up()
+        if not up:
+            return None
+        self._turn += 1
+        return min(up, key=lambda i: (self.busy[i], (i - self._turn) % len(self.actors)))
+
+    def failed(self, i: int) -> None:
+        """Worker i failed a call: out of the rotation until a probe answers."""
+        if self.state[i] == UP:
+            self.failures += 1
+        if self.state[i] != DEAD:
+            self.state[i] = DOWN
+            if i not in self.probing:
+                self.probe_at.setdefault(i, time.perf_counter() + self.backoff_s)
+
+    def due(self) -> list[int]:
+        """Workers whose probe should be sent now (removed from the schedule)."""
+        now = time.perf_counter()
+        ready = [i for i, t in self.probe_at.items() if t <= now]
+        for i in ready:
+            del self.probe_at[i]
+            self.probing.add(i)
+        return ready
+
+    def next_probe_in(self) -> float | None:
+        if not self.probe_at:
+            return None
+        return max(0.0, min(self.probe_at.values()) - time.perf_counter())
+
+    def probe_answered(self, i: int) -> None:
+        self.probing.discard(i)
+        self.died[i] = 0
+        self.state[i] = UP
+
+    def probe_failed(self, i: int, died: bool) -> None:
+        """A probe failed: restarting (try again later) or, `died_probes` times in a row with
+        ActorDiedError, dead for good."""
+        self.probing.discard(i)
+        self.died[i] = self.died[i] + 1 if died else 0
+        if self.died[i] >= self.died_probes:
+            self.state[i] = DEAD
+            return
+        self.probe_at[i] = time.perf_counter() + self.backoff_s

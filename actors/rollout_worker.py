@@ -1,0 +1,98 @@
+"""`RolloutWorker`: a student copy in eval mode plus the configured engine (HB-SJD by default).
+
+Strict about versions: `generate(job, version)` runs only if the worker holds exactly that
+policy version (loaded by `load_weights` or received by `receive_weights`), else it raises
+`StaleWeightsError`.  Trajectories go back as task results (`TrajectoryBatch.to_numpy_dict()`),
+so the caller owns them and nothing is lost when this worker dies.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from actors.metrics import RoleMetrics
+from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
+from opd.config import RunConfig, config_from_dict
+from opd.models import create_model
+from opd.pretrain import model_overrides
+from opd.steps import RolloutJob, build_engine, rollout
+
+
+class StaleWeightsError(RuntimeError):
+    """A rollout was asked for a policy version the worker does not hold."""
+
+
+def role_device(num_gpus: float) -> torch.device:
+    return torch.device("cuda", 0) if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
+
+
+def worker_info(role: str, index: int, device: torch.device) -> dict:
+    return {"role": role, "index": index, "pid": os.getpid(), "device": str(device),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(), "threads": torch.get_num_threads()}
+
+
+def job_tokens(job: RolloutJob) -> int:
+    return int(job.labels.shape[0]) * (int(job.tokens.shape[1]) - job.prefix_len)
+
+
+class RolloutWorker:
+    """One rollout worker (wrapped by `ray.remote` in the pipeline)."""
+
+    def __init__(self, cfg: RunConfig | dict, index: int = 0):
+        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        self.index = index
+        self.device = role_device(self.cfg.rollout.num_gpus)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        self.model = create_model(self.cfg.model.student, **model_overrides(self.cfg))
+        self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
+        self.engine = build_engine(self.cfg)
+        self.version: int | None = None
+        self.metrics = RoleMetrics("rollout", index)
+        self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
+
+    def info(self) -> dict:
+        return {**worker_info("rollout", self.index, self.device), "version": self.version}
+
+    def load_weights(self, version: int, payload: dict) -> float:
+        """Copy the tagged flat numpy weights of `version` (one object-store object) into the
+        student copy; returns the seconds it took."""
+        start = time.perf_counter()
+        load_numpy_weights(self.model, untag_weights(payload, version))
+        self.version = int(version)
+        return time.perf_counter() - start
+
+    def join_broadcast(self, host: str, port: int, rank: int, size: int, backend: str,
+                       buckets: list[Bucket]) -> bool:
+        """Become member `rank` of the collective weight-broadcast group."""
+        self.broadcast = (BroadcastGroup(host, port, rank, size, backend), buckets)
+        return True
+
+    def receive_weights(self, version: int) -> float:
+        """Receive `version` from the broadcast group (learner rank 0 sends at the same time)."""
+        if self.broadcast is None:
+            raise RuntimeError("receive_weights before join_broadcast")
+        start = time.perf_counter()
+        group, buckets = self.broadcast
+        self.version = None
+        group.receive(self.model, buckets)
+        self.version = int(version)
+        return time.perf_counter() - start
+
+    def generate(self, job: RolloutJob, version: int) -> dict:
+        """The trajectory of `job` by the student of `version`, as `to_numpy_dict()`."""
+        if self.version != version:
+            raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
+                                    f"asked to generate batch {job.batch_id} at version {version}")
+        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
+        s = traj.rollout_stats
+        seconds = float(s.get("rollout_seconds", 0.0))
+        tokens = job_tokens(job)
+        self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
+                            rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+                            rollout_rounds=s.get("rounds", 0),
+                            rollout_mean_committed=s.get("mean_committed", 0.0))
+        return traj.to_numpy_dict()

@@ -1,0 +1,49 @@
+"""`TeacherWorker`: the frozen teacher; scores student-visited states, or (SeqKD) generates
+teacher rollouts with the configured engine.  Results are task results, owned by the caller."""
+from __future__ import annotations
+
+import torch
+
+from actors.metrics import RoleMetrics
+from actors.rollout_worker import job_tokens, role_device, worker_info
+from opd.batch import TrajectoryBatch
+from opd.config import RunConfig, config_from_dict
+from opd.pretrain import load_role_model
+from opd.steps import RolloutJob, build_engine, rollout, score
+
+
+class TeacherWorker:
+    """One teacher worker (wrapped by `ray.remote` in the pipeline)."""
+
+    def __init__(self, cfg: RunConfig | dict, index: int = 0):
+        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        self.index = index
+        self.device = role_device(self.cfg.teacher.num_gpus)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        self.model = load_role_model(self.cfg, "teacher", progress=False)
+        self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
+        self.engine = build_engine(self.cfg)
+        self.metrics = RoleMetrics("teacher", index)
+
+    def info(self) -> dict:
+        return worker_info("teacher", self.index, self.device)
+
+    def score(self, traj: dict) -> dict:
+        """The trajectory (`to_numpy_dict()`) with teacher scores attached, full or top-k as
+        `teacher.transport` says."""
+        batch = TrajectoryBatch.from_numpy_dict(traj)
+        out = score(self.model, batch, self.cfg)
+        seconds = float(out.rollout_stats["teacher_seconds"])
+        tokens = batch.batch_size * batch.seq_len
+        self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
+                            teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        return out.to_numpy_dict()
+
+    def generate(self, job: RolloutJob, version: int) -> dict:
+        """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`."""
+        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
+        seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
+        tokens = job_tokens(job)
+        self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
+                            rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        return traj.to_numpy_dict()

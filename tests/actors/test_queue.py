@@ -1,0 +1,78 @@
+"""TrajectoryQueue: strict on-policy hands out only the current version, bounded staleness
+records lags <= k, backpressure refuses or waits when full."""
+import time
+
+import pytest
+
+from actors.queue import QueueCore, QueueItem, TrajectoryQueue
+
+
+def item(step, version, samples=4):
+    return QueueItem(step=step, batch_id=100 + step, version=version, refs=[], samples=samples)
+
+
+def test_strict_mode_never_hands_out_an_old_version():
+    q = QueueCore(capacity=4, staleness=0)
+    assert q.put(item(3, 2)) and q.put(item(4, 3))
+    got = q.get(learner_version=3)
+    assert (got.step, got.version) == (4, 3)
+    # the version-2 item was too old at version 3: never handed out, kept for re-issue
+    expired = q.take_expired()
+    assert [(i.step, i.version) for i in expired] == [(3, 2)]
+    assert q.get(learner_version=3) is None
+    assert q.lags == [0] * 4 and q.counts["handed_out"] == 1
+
+
+def test_strict_mode_hands_out_the_current_version_by_step():
+    q = QueueCore(capacity=4, staleness=0)
+    q.put(item(6, 5))
+    q.put(item(5, 5))
+    assert q.get(5, step=6).step == 6
+    assert q.get(5).step == 5
+    assert q.get(5) is None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_bounded_staleness_records_lags_up_to_k(k):
+    q = QueueCore(capacity=8, staleness=k)
+    for v in range(5):                       # items of versions 0..4 at learner version 4
+        q.put(item(10 + v, v, samples=2))
+    handed = []
+    while (got := q.get(learner_version=4)) is not None:
+        handed.append(got.version)
+    assert sorted(handed) == list(range(4 - k, 5))
+    assert sorted(set(q.lags)) == list(range(0, k + 1)) and max(q.lags) <= k
+    assert len(q.lags) == 2 * (k + 1)                             # one lag per sample
+    assert sorted(i.version for i in q.take_expired()) == list(range(0, 4 - k))
+    assert q.stats()["max_lag"] == k
+
+
+def test_a_future_version_is_not_handed_out():
+    q = QueueCore(capacity=2, staleness=3)
+    q.put(item(1, 2))
+    assert q.get(learner_version=1) is None
+
+
+def test_backpressure_refuses_when_full():
+    q = QueueCore(capacity=2)
+    assert q.put(item(0, 0)) and q.put(item(1, 0))
+    assert not q.put(item(2, 0))
+    assert q.stats()["refused"] == 1 and q.stats()["depth"] == 2
+    q.get(0)
+    assert q.put(item(2, 0))
+
+
+def test_queue_actor_put_waits_for_room(ray_session):
+    ray = ray_session
+    q = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(1, 0)
+    ref = ray.put({"payload": 1})
+    assert ray.get(q.put.remote(QueueItem(0, 0, 0, [ref], 1)))
+    assert not ray.get(q.put.remote(QueueItem(1, 1, 0, [ref], 1)))          # full: refused
+    start = time.perf_counter()
+    waiting = q.put.remote(QueueItem(1, 1, 0, [ref], 1), timeout=30.0)     # blocks ...
+    ready, _ = ray.wait([waiting], timeout=0.5)
+    assert not ready
+    got = ray.get(q.get.remote(0))                                          # ... until room
+    assert ray.get(waiting) is True and time.perf_counter() - start < 20
+    assert got.batch_id == 0 and ray.get(got.refs[0]) == {"payload": 1}    # refs pass through
+    ray.kill(q)

@@ -1,0 +1,77 @@
+"""Sub-batches: split rollouts with their image ids equal the whole batch's rollout, also when
+sampling (the engines key random numbers by (seed, image id, position)); merge and learner
+shards put the rows back in order."""
+import pytest
+import torch
+
+from actors.shards import merge_batches, merge_stats, row_ranges, shard_rows, split_job, take_rows
+from opd.config import load_config
+from opd.models import create_model
+from opd.steps import RolloutJob, build_engine, rollout, score
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("tiny", ["rollout.decoding=sample", "rollout.temperature=1.5",
+                               "rollout.gamma=2", "rollout.cfg_scale=2.0", "teacher.transport=topk",
+                               "teacher.topk=5"])
+    torch.manual_seed(0)
+    student = create_model("GPT-digits-S", grid_size=4).eval()   # 16 tokens: quick
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 10, (5,), generator=g)
+    tokens = torch.randint(0, 17, (5, 16), generator=g)
+    job = RolloutJob(7, labels, tokens, prefix_len=4, source="student", seed=3)
+    return cfg, student, job
+
+
+def test_row_ranges_cover_the_batch_in_order():
+    assert row_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert row_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert row_ranges(2, 3) == [(0, 1), (1, 2)]            # never an empty part
+    assert shard_rows(8, 2) == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="does not split evenly"):
+        shard_rows(5, 2)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
+    cfg, student, job = setup
+    engine = build_engine(cfg)
+    whole = rollout(student, engine, job, cfg, policy_version=2)
+    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, parts)]
+    merged = merge_batches(subs)
+    assert torch.equal(merged.tokens, whole.tokens)
+    assert torch.equal(merged.labels, whole.labels)
+    assert merged.rollout_stats["generated_tokens"] == whole.rollout_stats["generated_tokens"]
+    # without the image ids every sub-batch would reuse ids 0.. and draw other samples
+    plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
+             for j in split_job(job, parts)]
+    assert not torch.equal(merge_batches(plain).tokens, whole.tokens)
+
+
+def test_scored_parts_merge_to_the_scores_of_the_whole(setup):
+    cfg, student, job = setup
+    engine = build_engine(cfg)
+    whole = score(student, rollout(student, engine, job, cfg, 0), cfg)
+    parts = [score(student, take_rows(whole, a, b), cfg) for a, b in row_ranges(5, 2)]
+    merged = merge_batches(parts)
+    assert torch.equal(merged.teacher_topk_indices, whole.teacher_topk_indices)
+    torch.testing.assert_close(merged.teacher_topk_values, whole.teacher_topk_values,
+                               rtol=0, atol=1e-5)
+
+
+def test_merge_refuses_parts_of_different_batches(setup):
+    cfg, student, job = setup
+    traj = rollout(student, build_engine(cfg), job, cfg, 0)
+    other = take_rows(traj, 0, 2)
+    other.batch_id = 8
+    with pytest.raises(ValueError, match="do not belong together"):
+        merge_batches([take_rows(traj, 2, 5), other])
+
+
+def test_merge_stats_reweights_mean_committed():
+    a = {"generated_tokens": 30, "mean_committed": 3.0, "rounds": 12, "accepted": 5, "engine": "hbsjd"}
+    b = {"generated_tokens": 10, "mean_committed": 1.0, "rounds": 11, "accepted": 1, "engine": "hbsjd"}
+    m = merge_stats([a, b])
+    assert m == {"generated_tokens": 40, "mean_committed": 40 / 20, "rounds": 12, "accepted": 6,
+                 "engine": "hbsjd"}

@@ -1,0 +1,79 @@
+"""Rollout and teacher workers (as plain objects: the Ray wrapper adds nothing to their logic)
+and the weight wire format."""
+import numpy as np
+import pytest
+import torch
+
+from actors.rollout_worker import RolloutWorker, StaleWeightsError
+from actors.teacher_worker import TeacherWorker
+from actors.weights import (load_numpy_weights, make_buckets, state_dict_to_numpy, tag_weights,
+                            weights_nbytes)
+from opd.batch import TrajectoryBatch
+from opd.config import load_config
+from opd.data import PrefixBatcher
+from opd.pretrain import load_role_model, open_dataset
+from opd.steps import RolloutJob, build_engine, prefix_len_for, rollout, score
+
+
+@pytest.fixture(scope="module")
+def setup(ray_session, tiny_overrides):
+    cfg = load_config("tiny", [*tiny_overrides, "rollout.gamma=2", "teacher.transport=topk",
+                               "teacher.topk=4"])
+    train = open_dataset(cfg, "train")
+    pb = next(PrefixBatcher(train, 4, 0))
+    job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, prefix_len_for(0.5, train.seq_len),
+                     "student", 0)
+    return cfg, job, load_role_model(cfg, "student", progress=False)
+
+
+def test_rollout_worker_generates_only_the_version_it_holds(setup):
+    cfg, job, student = setup
+    worker = RolloutWorker(cfg, 0)
+    with pytest.raises(StaleWeightsError, match="holds policy version None"):
+        worker.generate(job, 0)
+    weights = state_dict_to_numpy(student)
+    with pytest.raises(ValueError, match="tagged version 5"):
+        worker.load_weights(4, tag_weights(weights, 5))
+    worker.load_weights(3, tag_weights(weights, 3))
+    got = TrajectoryBatch.from_numpy_dict(worker.generate(job, 3))
+    want = rollout(student, build_engine(cfg), job, cfg, policy_version=3)
+    assert torch.equal(got.tokens, want.tokens) and got.policy_version == 3
+    with pytest.raises(StaleWeightsError, match="holds policy version 3"):
+        worker.generate(job, 4)
+
+
+def test_teacher_worker_scores_like_opd_steps(setup):
+    cfg, job, student = setup
+    traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
+    got = TrajectoryBatch.from_numpy_dict(TeacherWorker(cfg, 0).score(traj.to_numpy_dict()))
+    want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg)
+    assert torch.equal(got.teacher_topk_indices, want.teacher_topk_indices)
+    assert torch.equal(got.teacher_topk_values, want.teacher_topk_values)
+    assert torch.equal(got.tokens, traj.tokens)
+
+
+def test_numpy_weights_round_trip_exactly(setup):
+    _, _, student = setup
+    weights = state_dict_to_numpy(student)
+    assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in weights.values())
+    assert weights_nbytes(weights) == sum(p.numel() * 4 for p in student.state_dict().values())
+    other = load_role_model(setup[0], "teacher", progress=False)     # another shape: refused
+    with pytest.raises((KeyError, ValueError)):
+        load_numpy_weights(other, weights)
+    copy = type(student)(student.args)          # fresh initialisation
+    assert not torch.equal(copy.output.weight, student.output.weight)
+    frozen = {k: v.copy() for k, v in weights.items()}
+    for a in frozen.values():
+        a.setflags(write=False)                  # like object-store buffers
+    load_numpy_weights(copy, frozen)
+    for k, v in copy.state_dict().items():
+        assert torch.equal(v, student.state_dict()[k]), k
+
+
+def test_buckets_cover_every_parameter_once_in_sorted_order():
+    shapes = {"b": (10, 10), "a": (5,), "c": (1000,), "d": (3, 3)}
+    buckets = make_buckets(shapes, bucket_bytes=4 * 120)
+    names = [n for b in buckets for n in b.names]
+    assert names == sorted(shapes)
+    assert [b.names for b in buckets] == [("a", "b"), ("c",), ("d",)]
+    assert all(b.numel == sum(int(np.prod(s)) for s in b.shapes) for b in buckets)

@@ -1,0 +1,21 @@
+"""The committed Grafana dashboard shows every opd metric and matches its generator."""
+import json
+from pathlib import Path
+
+from actors.metrics import ALL, COUNTERS, HISTOGRAMS
+from launch.dashboard import PATH, build_dashboard
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_committed_dashboard_is_current():
+    assert json.loads((ROOT / PATH).read_text()) == build_dashboard(), (
+        "regenerate with: python -m launch.dashboard > " + PATH)
+
+
+def test_every_metric_has_a_panel_with_rays_exported_name():
+    exprs = " ".join(t["expr"] for p in build_dashboard()["panels"] for t in p["targets"])
+    for name in ALL:
+        exported = (f"ray_{name}_total" if name in COUNTERS else
+                    f"ray_{name}_bucket" if name in HISTOGRAMS else f"ray_{name}")
+        assert exported in exprs, name
