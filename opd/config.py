@@ -136,7 +136,7 @@ class RolloutConfig:
     """Keep the k most likely tokens; 0 = off."""
     top_p: float = bounded(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass; 1.0 = off."""
-    num_cpus: float = bounded(1.0, ge=0.0)
+    num_cpus: float = bounded(0.5, ge=0.0)
     """Ray CPUs per rollout worker."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per rollout worker (fractions share a device)."""
@@ -156,7 +156,7 @@ class TeacherConfig:
     """k for transport=topk (1 <= k <= model.vocab_size); unused for full."""
     guided: bool = False
     """Score with CFG-guided teacher logits (scale rollout.cfg_scale) instead of conditional ones."""
-    num_cpus: float = bounded(1.0, ge=0.0)
+    num_cpus: float = bounded(0.5, ge=0.0)
     """Ray CPUs per teacher worker."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per teacher worker."""
@@ -182,7 +182,7 @@ class LearnerConfig:
     """Training precision; auto = bf16 on GPUs that support it, else fp32."""
     student_dropout: bool = False
     """Keep class-label dropout on in the student's training forward (off: it would see other labels than the teacher)."""
-    num_cpus: float = bounded(1.0, ge=0.0)
+    num_cpus: float = bounded(0.5, ge=0.0)
     """Ray CPUs per learner rank."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per learner rank."""
