@@ -1,6 +1,8 @@
 """`opd bench <what>`: benchmarks.  Each benchmark is a sub-command registered in BENCHES.
 
     opd bench rollout --config digits [--json OUT] [--out DIR] [key=value ...]
+    opd bench paper --config digits_paper [--out DIR] [key=value ...]
+    opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [key=value ...]
 """
 from __future__ import annotations
 
@@ -25,7 +27,47 @@ def add_rollout(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_rollout)
 
 
-BENCHES = [add_rollout]
+def add_paper(which: argparse._SubParsersAction) -> None:
+    r = which.add_parser(
+        "paper", help="the paper's ablations side by side: tables, JSON and plots",
+        description="Each of the paper's ablations (engines, execution, rollout length, batch, "
+                    "window, history offset, gamma, checkpoints, verification) on one preset, "
+                    "its variants measured interleaved in this process; writes paper.json, "
+                    "paper.md (a table per ablation with the paper's figure beside ours) and "
+                    "one PNG per ablation.")
+    r.add_argument("--config", default="digits_paper", metavar="PRESET",
+                   help="bench preset: a name in configs/bench/ or a YAML path "
+                        "(default digits_paper)")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="preset overrides, values parsed as YAML (e.g. repeats=1 "
+                        "ablations=[engines,window] device=cpu)")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    r.set_defaults(bench_run=run_paper)
+
+
+def add_step(which: argparse._SubParsersAction) -> None:
+    from launch.commands import add_config_args
+    r = which.add_parser(
+        "step", help="one OPD step's time: rollout, teacher, learner, weight sync",
+        description="Runs a few OPD steps per (mode, engine), interleaved, and splits a step's "
+                    "time into rollout, teacher scoring, learner update and weight sync: Cached "
+                    "AR vs HB-SJD rollouts, in the reference loop and on Ray. Takes a run "
+                    "config like `opd train`.")
+    r.add_argument("--engines", default="cached_ar,hbsjd", metavar="E1,E2",
+                   help="rollout engines, comma-separated (default cached_ar,hbsjd)")
+    r.add_argument("--modes", default="reference,ray", metavar="M1,M2",
+                   help="reference and/or ray, comma-separated (default both)")
+    r.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")
+    r.add_argument("--warmup-steps", type=int, default=1,
+                   help="steps dropped at the start of each run (default 1)")
+    r.add_argument("--repeats", type=int, default=1,
+                   help="runs per (mode, engine), interleaved (default 1)")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/step)")
+    add_config_args(r)
+    r.set_defaults(bench_run=run_step)
+
+
+BENCHES = [add_rollout, add_paper, add_step]
 """Adders of `opd bench` sub-commands; each sets `bench_run` on its parser."""
 
 
@@ -69,4 +111,72 @@ def run_rollout(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
+    return 0
+
+
+def run_paper(args: argparse.Namespace) -> int:
+    from opd.bench.common import resolve_bench_preset
+    from opd.bench.paper import format_markdown, load_paper_bench, run_paper, save_plots
+
+    bench = load_paper_bench(args.config, _overrides(args.overrides))
+    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+    report = run_paper(bench)
+    out.mkdir(parents=True, exist_ok=True)
+    text = format_markdown(report)
+    print(text)
+    (out / "paper.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "paper.md").write_text(text)
+    for path in [out / "paper.json", out / "paper.md", *save_plots(report, out)]:
+        print(f"wrote {path}")
+    return 0
+
+
+def _ray_runner(cfg):
+    """run_distributed on one Ray session that this command starts (or joins) once."""
+    try:
+        from actors.cluster import connect
+        from actors.pipeline import run_distributed
+    except ImportError as e:
+        from opd.config import ConfigError
+        raise ConfigError(f"--modes ray needs actors.pipeline.run_distributed, which does not "
+                          f"import here ({e}); run --modes reference") from None
+    started = connect(cfg)
+
+    def run(cfg, run_dir):
+        return run_distributed(cfg, run_dir, progress=False)
+
+    def close():
+        if started:
+            import ray
+            ray.shutdown()
+    return run, close
+
+
+def run_step(args: argparse.Namespace) -> int:
+    from opd.bench.step import format_step_markdown, run_step_bench, save_step_plot, \
+        check_step_args
+    from opd.reference import run_reference
+
+    engines, modes = check_step_args(args.engines, args.modes, args.steps, args.warmup_steps,
+                                     args.repeats)
+    out = Path(args.out or Path("runs") / "bench" / "step")
+    runners, closers = {}, []
+    if "reference" in modes:
+        runners["reference"] = lambda cfg, run_dir: run_reference(cfg, run_dir, progress=False)
+    try:
+        if "ray" in modes:
+            runners["ray"], close = _ray_runner(args.cfg)
+            closers.append(close)
+        report = run_step_bench(args.cfg, out, runners, engines=engines, modes=modes,
+                                steps=args.steps, warmup_steps=args.warmup_steps,
+                                repeats=args.repeats)
+    finally:
+        for close in closers:
+            close()
+    text = format_step_markdown(report)
+    print(text)
+    (out / "step.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "step.md").write_text(text)
+    for path in [out / "step.json", out / "step.md", save_step_plot(report, out)]:
+        print(f"wrote {path}")
     return 0

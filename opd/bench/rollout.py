@@ -20,17 +20,15 @@ latency is measured per (batch, W) (rollout.calibrate); `gamma: measure` uses it
 """
 from __future__ import annotations
 
-import difflib
-import platform
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from opd.config import CONFIG_DIR, ConfigError
+from opd.bench import common
+from opd.bench.common import DTYPES
+from opd.config import ConfigError
 from rollout import make_engine
 from rollout.calibrate import choose_gamma, measure_verifier_latency
 
@@ -43,10 +41,6 @@ VARIANTS = {
 }
 """Benchmarked engine variants (name -> make_engine name and options); Cached AR is the
 baseline and always runs."""
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
 
 @dataclass
 class RolloutBench:
@@ -112,32 +106,15 @@ def check_bench(b: RolloutBench) -> RolloutBench:
     return b
 
 
-def resolve_bench_preset(name: str | Path) -> Path:
-    """`digits`, `digits.yaml` or a path -> the preset file under configs/bench/."""
-    p = Path(name).expanduser()
-    for c in (p, CONFIG_DIR / "bench" / p.name, CONFIG_DIR / "bench" / f"{p.name}.yaml"):
-        if c.is_file():
-            return c
-    have = ", ".join(sorted(x.stem for x in (CONFIG_DIR / "bench").glob("*.yaml")))
-    raise ConfigError(f"bench preset {str(name)!r} not found; available: {have}")
+resolve_bench_preset = common.resolve_bench_preset
 
 
 def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
     """Read and validate a bench preset (unknown keys are named, with a suggestion)."""
     path = resolve_bench_preset(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"bench preset {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"bench preset {path} must be a mapping of keys")
+    data = common.read_preset(path)
     data.update(overrides or {})
-    known = [f.name for f in fields(RolloutBench)]
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown bench preset key {key!r} in {path}{hint}", key)
+    common.check_known(data, [f.name for f in fields(RolloutBench)], str(path))
     return check_bench(RolloutBench(**data))
 
 
@@ -145,41 +122,13 @@ def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
 
 def build_model(b: RolloutBench):
     """The preset's model on its device and dtype, in eval mode."""
-    from opd.models import create_model, load_llamagen_checkpoint
-    if b.checkpoint == "pretrained":
-        from opd.config import load_config
-        from opd.pretrain import pretrained_model
-        model, _ = pretrained_model(load_config(None), "student")
-    elif b.checkpoint:
-        model = load_llamagen_checkpoint(b.checkpoint, b.model, **b.overrides)
-    else:
-        torch.manual_seed(b.seed)
-        model = create_model(b.model, **b.overrides)
-        for p in model.parameters():        # the LlamaGen init zeroes the head: all ties
-            if p.dim() > 1:
-                torch.nn.init.normal_(p, std=b.random_init_std)
-    return model.to(device=b.device, dtype=DTYPES[b.dtype]).eval()
+    return common.build_model(b.model, b.overrides, b.checkpoint, seed=b.seed,
+                              random_init_std=b.random_init_std, device=b.device, dtype=b.dtype)
 
 
 def make_inputs(model, b: RolloutBench, B: int) -> tuple[torch.Tensor, torch.Tensor]:
     """labels (B,), prefix (B, P) with P = round(prefix_ratio * block_size)."""
-    P = min(int(round(b.prefix_ratio * model.block_size)), model.block_size - 1)
-    g = torch.Generator().manual_seed(b.seed + B)
-    if b.prefix == "data":
-        from sklearn.datasets import load_digits
-
-        from opd.data import digits_images_to_tokens
-        if (model.vocab_size, model.block_size, model.num_classes) != (17, 256, 10):
-            raise ConfigError("bench preset key prefix=data needs a digits-shaped model "
-                              "(vocab 17, 16x16 grid, 10 classes); use prefix: random", "prefix")
-        d = load_digits()
-        pick = torch.randint(0, len(d.target), (B,), generator=g).numpy()
-        tokens = torch.as_tensor(digits_images_to_tokens(d.images[pick])).long().reshape(B, -1)
-        labels = torch.as_tensor(d.target[pick]).long()
-    else:
-        labels = torch.randint(0, model.num_classes, (B,), generator=g)
-        tokens = torch.randint(0, model.vocab_size, (B, model.block_size), generator=g)
-    return labels.to(b.device), tokens[:, :P].to(b.device)
+    return common.make_inputs(model, B, b.prefix_ratio, b.prefix, b.seed + B, b.device)
 
 
 # ---- the sweep -------------------------------------------------------------------------------
@@ -217,20 +166,14 @@ def run_bench(b: RolloutBench, log=print) -> dict:
         engines = [make_engine(**kw) for *_, kw in configs]
 
         def once(i):
-            return engines[i].generate(model, labels, prefix, N, cfg_scale=b.cfg_scale,
-                                       temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
-                                       seed=b.seed)
-        for _ in range(b.warmup):
-            for i in range(len(configs)):
-                once(i)
-        times = [[] for _ in configs]
-        last = [None] * len(configs)
-        for r in range(b.repeats):
-            order = list(range(len(configs)))
-            order = order[r % len(order):] + order[: r % len(order)]
-            for i in order:
-                last[i] = once(i)
-                times[i].append(last[i].wall_time)
+            res = engines[i].generate(model, labels, prefix, N, cfg_scale=b.cfg_scale,
+                                      temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
+                                      seed=b.seed)
+            return res.wall_time, res
+        samples = common.interleave([lambda i=i: once(i) for i in range(len(configs))],
+                                    b.repeats, b.warmup)
+        times = [[t for t, _ in s] for s in samples]
+        last = [s[-1][1] for s in samples]
         base = {d: (np.mean(times[i]), last[i].tokens) for i, (lab, d, _, _) in
                 enumerate(configs) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
@@ -250,12 +193,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
             if label == "hbsjd-hybrid":
                 progress[B, W, d] = res.progress.cpu().tolist()
         log(f"batch {B}: {len(configs)} configurations x {b.repeats} repeats done")
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "device": b.device, "threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if b.device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name(torch.device(b.device))
+    env = common.environment(b.device)
     best = best_progress(rows, progress)
     return {"config": asdict(b), "environment": env, "block_size": model.block_size,
             "prefix_len": prefix.shape[1], "rows": rows, "curves": curves,

@@ -1,0 +1,726 @@
+"""`opd bench paper`: the paper's ablations (FACTS.md §3) on one preset, every variant of an
+ablation measured side by side in one process.
+
+    opd bench paper --config digits_paper --out runs/bench/paper
+
+A preset (configs/bench/*.yaml) fixes the model, the workload and which ablations run:
+
+    model, overrides, checkpoint, random_init_std, device, dtype, threads   (as `bench rollout`)
+    pretrain_config, pretrain_overrides   run config of checkpoint: pretrained (and of the
+                                          pretrained snapshots of the checkpoints ablation)
+    batch: 16  prefix: data | random  prefix_ratio: 0.5  W: 16  H: null (one grid row)
+    decoding: greedy  cfg_scale: 2.0  temperature / top_k / top_p  gamma: measure | <int>
+    repeats: 3  warmup: 1  workloads: 1 (distinct input batches)  calibration_repeats: 3
+    bandwidth_gbs: null | 4800   memory bandwidth: print the floor of a verifier round
+    budget_s: null | <s>         skip an ablation that would end past this many seconds
+    note: "..."                  what is scaled down against the paper (every table header)
+    ablations:                   which ablations run, in this order, with their options
+      engines: {}
+      execution: {workloads: 2}
+      window: {values: [4, 8, 16, 24]}
+
+Every ablation also takes batch, repeats, warmup and workloads.  Variants run interleaved
+(opd.bench.common.interleave); a row has rounds, tokens per image-round, rejection rate,
+latency mean, std, min, max and P95 over repeats x workloads, and the speedup over the row's
+baseline: the ratio of means, with the min / max of the per-round paired ratios.  Rounds and
+commit lengths do not depend on timing: two runs agree on them exactly (`committed_digest`).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from opd.bench import common
+from opd.bench.common import DTYPES, interleave, make_inputs
+from opd.config import ConfigError
+from rollout import make_engine
+from rollout.calibrate import calibrate
+
+AR = "cached_ar"
+JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")
+
+
+@dataclass
+class Ablation:
+    key: str
+    number: int
+    title: str
+    options: dict                      # its own options and their defaults
+    build: Callable                    # (Context, options) -> list[Variant]
+    note: str                          # what the speedup is measured against
+    paper: str                         # the paper's finding (FACTS.md §3)
+
+
+ABLATIONS: dict[str, Ablation] = {}
+"""The paper's ablations by preset key, in the paper's order."""
+COMMON = ("batch", "repeats", "warmup", "workloads")
+
+
+def ablation(key: str, number: int, title: str, *, note: str, paper: str, **options):
+    def wrap(fn):
+        ABLATIONS[key] = Ablation(key, number, title, options, fn, note, paper)
+        return fn
+    return wrap
+
+
+@dataclass
+class PaperBench:
+    model: str = "GPT-digits-S"
+    overrides: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    random_init_std: float = 0.02
+    pretrain_config: str | None = None
+    pretrain_overrides: list = field(default_factory=list)
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    prefix: str = "random"
+    prefix_ratio: float = 0.5
+    batch: int = 16
+    W: int = 16
+    H: int | None = None
+    decoding: str = "greedy"
+    cfg_scale: float | None = 2.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gamma: int | str = "measure"
+    repeats: int = 3
+    warmup: int = 1
+    workloads: int = 1
+    calibration_repeats: int = 3
+    seed: int = 0
+    bandwidth_gbs: float | None = None
+    budget_s: float | None = None
+    note: str = ""
+    ablations: dict | list | None = None
+
+
+@dataclass
+class Variant:
+    """One row of an ablation: an engine with its options on one workload shape."""
+    label: str
+    engine: str
+    options: dict                      # make_engine options, decoding included
+    batch: int
+    prefix_ratio: float
+    model: str = "main"                # "main", "pretrain:<steps>" or a checkpoint path
+    baseline: str | None = None        # label of the row the speedup is measured against
+    paper: str = "—"
+    paper_speedup: float | None = None
+    paper_committed: float | None = None     # the paper's mean committed tokens, where given
+
+
+# ---- preset ----------------------------------------------------------------------------------
+
+def _fail(key: str, value, need: str) -> ConfigError:
+    return ConfigError(f"bench preset key {key}={value!r}: {need}", key)
+
+
+def _int(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def check_paper(b: PaperBench) -> PaperBench:
+    """Validate and normalise (ablations -> ordered {key: full options}); ConfigError naming
+    the key of the first bad value."""
+    for key, lo in (("batch", 1), ("W", 1), ("repeats", 1), ("warmup", 0), ("workloads", 1),
+                    ("calibration_repeats", 1)):
+        if not _int(getattr(b, key), lo):
+            raise _fail(key, getattr(b, key), f"must be an int >= {lo}")
+    if b.H is not None and not _int(b.H, 1):
+        raise _fail("H", b.H, "must be null (one grid row) or an int >= 1")
+    if b.dtype not in DTYPES:
+        raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
+    if b.device != "cpu" and not b.device.startswith("cuda"):
+        raise _fail("device", b.device, "must be cpu or cuda[:N]")
+    if b.prefix not in ("data", "random"):
+        raise _fail("prefix", b.prefix, "must be data or random")
+    if not (isinstance(b.prefix_ratio, (int, float)) and 0 <= b.prefix_ratio < 1):
+        raise _fail("prefix_ratio", b.prefix_ratio, "must be in [0, 1)")
+    if b.decoding not in ("greedy", "sample"):
+        raise _fail("decoding", b.decoding, "must be greedy or sample")
+    if not (b.gamma == "measure" or _int(b.gamma, 0)):
+        raise _fail("gamma", b.gamma, "must be 'measure' or an int >= 0")
+    for key in ("bandwidth_gbs", "budget_s"):
+        v = getattr(b, key)
+        if v is not None and not (isinstance(v, (int, float)) and v > 0):
+            raise _fail(key, v, "must be null or a number > 0")
+    if not isinstance(b.overrides, dict):
+        raise _fail("overrides", b.overrides, "must be a mapping of ModelArgs fields")
+    abl = list(ABLATIONS) if b.ablations is None else b.ablations
+    if isinstance(abl, list):
+        abl = {k: {} for k in abl}
+    if not isinstance(abl, dict) or not abl:
+        raise _fail("ablations", b.ablations, f"must name some of {', '.join(ABLATIONS)}")
+    common.check_known(abl, list(ABLATIONS), "ablations", "ablations.")
+    out = {}
+    for key, opts in abl.items():
+        opts = dict(opts or {})
+        a = ABLATIONS[key]
+        common.check_known(opts, [*COMMON, *a.options], f"ablation {key}", f"ablations.{key}.")
+        full = {"batch": b.batch, "repeats": b.repeats, "warmup": b.warmup,
+                "workloads": b.workloads, **a.options, **opts}
+        for k, lo in (("batch", 1), ("repeats", 1), ("warmup", 0), ("workloads", 1)):
+            if not _int(full[k], lo):
+                raise _fail(f"ablations.{key}.{k}", full[k], f"must be an int >= {lo}")
+        v = full.get("values", [])
+        if "values" in a.options and v is not None and not (isinstance(v, list) and v):
+            raise _fail(f"ablations.{key}.values", v, "must be a non-empty list (or null)")
+        out[key] = full
+    b.ablations = out
+    return b
+
+
+def load_paper_bench(path: str | Path, overrides: dict | None = None) -> PaperBench:
+    """Read and validate a paper-bench preset (unknown keys named, with a suggestion)."""
+    path = common.resolve_bench_preset(path)
+    data = common.read_preset(path)
+    data.update(overrides or {})
+    common.check_known(data, [f.name for f in fields(PaperBench)], str(path))
+    return check_paper(PaperBench(**data))
+
+
+# ---- models, gamma, variants -----------------------------------------------------------------
+
+class Context:
+    """The preset's models (loaded on first use) and gamma calibrations (per batch and W)."""
+
+    def __init__(self, b: PaperBench):
+        self.b = b
+        self.cfg = b.cfg_scale is not None and b.cfg_scale != 1.0
+        self.models = {"main": self._load(b.checkpoint)}
+        self.calibrations: dict[tuple[int, int], dict] = {}
+        self.H = b.H or self.models["main"].grid_size
+
+    def _load(self, checkpoint: str | None, overrides: tuple = ()):
+        b = self.b
+        return common.build_model(b.model, b.overrides, checkpoint, seed=b.seed,
+                                  random_init_std=b.random_init_std, device=b.device,
+                                  dtype=b.dtype, run_config=b.pretrain_config,
+                                  run_overrides=[*b.pretrain_overrides, *overrides])
+
+    def model(self, key: str):
+        if key not in self.models:
+            if key.startswith("pretrain:"):
+                steps = key.split(":", 1)[1]
+                self.models[key] = self._load("pretrained", (f"pretrain.student_steps={steps}",))
+            else:
+                path = Path(key)
+                self.models[key] = self._load(str(path / "state.pt" if path.is_dir() else path))
+        return self.models[key]
+
+    def gamma(self, B: int, W: int) -> int:
+        """The preset's gamma, or the one rollout.calibrate measures for (batch B, window W)."""
+        if self.b.gamma != "measure":
+            return int(self.b.gamma)
+        if (B, W) not in self.calibrations:
+            self.calibrations[B, W] = calibrate(self.models["main"], B, W, cfg=self.cfg,
+                                                repeats=self.b.calibration_repeats)
+        return int(self.calibrations[B, W]["gamma"])
+
+    def variant(self, label: str, engine: str, *, B: int, ratio: float | None = None,
+                decoding: str | None = None, W: int | None = None, H: int | None = None,
+                execution: str = "hybrid", gamma: int | None = None, **row) -> Variant:
+        options = {"decoding": decoding or self.b.decoding}
+        if engine in JACOBI:
+            options.update(W=W or self.b.W, H=H or self.H)
+        if engine == "hbsjd":
+            options["execution"] = execution
+            if execution == "hybrid":
+                options["gamma"] = self.gamma(B, options["W"]) if gamma is None else gamma
+        ratio = self.b.prefix_ratio if ratio is None else ratio
+        return Variant(label, engine, options, B, ratio, **row)
+
+
+def _x(v: float) -> str:
+    return f"{v:.3f}×"
+
+
+# ---- the paper's ablations (FACTS.md §3) -----------------------------------------------------
+
+@ablation("engines", 1, "Cached AR vs Batch-Synchronous SJD vs Independent Batched SJD",
+          note="speedup over Cached AR. Batch-Synchronous SJD gets the same W and H as the "
+               "independent engines, so only the cursor policy differs; HB-SJD (Hybrid) is "
+               "added for reference.",
+          paper="Cached AR 3982 ms; Batch-Synchronous SJD 241 rounds, 4239 ms; Independent "
+                "(Full) 176 rounds, 3275 ms (1.216×).")
+def _engines(c: Context, o: dict) -> list[Variant]:
+    B, base = o["batch"], "Cached AR"
+    return [c.variant(base, AR, B=B, paper="3982 ms"),
+            c.variant("Batch-Synchronous SJD", "sjd_sync", B=B, baseline=base,
+                      paper="241 rounds, 4239 ms", paper_speedup=3982 / 4239),
+            c.variant("Independent Batched SJD", "sjd_independent", B=B, baseline=base,
+                      paper="176 rounds, 3275 ms, 1.216×", paper_speedup=1.216),
+            c.variant("HB-SJD (Hybrid)", "hbsjd", B=B, baseline=base,
+                      paper="2784 ms (ablation 2)", paper_speedup=3982 / 2784)]
+
+
+@ablation("execution", 2, "Full vs Compact vs Hybrid execution",
+          note="speedup over Full; P95 over repeats x workloads.",
+          paper="Full 3292 ms, Compact 3104 ms, Hybrid 2784 ms (1.182× over Full); P95 4714 → "
+                "3969 ms.")
+def _execution(c: Context, o: dict) -> list[Variant]:
+    B = o["batch"]
+    return [c.variant("Full", "hbsjd", B=B, execution="full", paper="3292 ms, P95 4714 ms"),
+            c.variant("Compact", "hbsjd", B=B, execution="compact", baseline="Full",
+                      paper="3104 ms", paper_speedup=3292 / 3104),
+            c.variant("Hybrid", "hbsjd", B=B, baseline="Full", paper="2784 ms, P95 3969 ms",
+                      paper_speedup=1.182)]
+
+
+@ablation("prefix_ratio", 3, "Rollout length (prefix ratio)", values=[0.75, 0.5, 0.35, 0.2],
+          note="speedup of HB-SJD (Hybrid) over Cached AR at the same prefix ratio.",
+          paper="prefix 0.75 → 0.20 (suffix 144 → 461 tokens): 1.392× → 1.699×.")
+def _prefix_ratio(c: Context, o: dict) -> list[Variant]:
+    paper = {0.75: 1.392, 0.2: 1.699}
+    out = []
+    for r in o["values"]:
+        if not (isinstance(r, (int, float)) and 0 <= r < 1):
+            raise _fail("ablations.prefix_ratio.values", r, "ratios must be in [0, 1)")
+        base = f"Cached AR r={r}"
+        out += [c.variant(base, AR, B=o["batch"], ratio=r),
+                c.variant(f"HB-SJD r={r}", "hbsjd", B=o["batch"], ratio=r, baseline=base,
+                          paper=_x(paper[r]) if r in paper else "—", paper_speedup=paper.get(r))]
+    return out
+
+
+@ablation("batch", 4, "Rollout batch size (gamma calibrated per batch)", values=[8, 16, 32, 64],
+          note="speedup of HB-SJD (Hybrid, its own calibrated gamma) over Cached AR at the same "
+               "batch.",
+          paper="batch 8/16/32/64: 1.403/1.298/1.486/1.483×.")
+def _batch(c: Context, o: dict) -> list[Variant]:
+    paper = {8: 1.403, 16: 1.298, 32: 1.486, 64: 1.483}
+    out = []
+    for B in o["values"]:
+        if not _int(B, 1):
+            raise _fail("ablations.batch.values", B, "batch sizes must be ints >= 1")
+        base = f"Cached AR B={B}"
+        out += [c.variant(base, AR, B=B),
+                c.variant(f"HB-SJD B={B}", "hbsjd", B=B, baseline=base,
+                          paper=_x(paper[B]) if B in paper else "—", paper_speedup=paper.get(B))]
+    return out
+
+
+@ablation("window", 5, "Jacobi window W", values=[4, 8, 16, 24],
+          note="speedup of HB-SJD (Hybrid, gamma calibrated per W) over Cached AR; tok/rnd is "
+               "the mean committed tokens per image-round.",
+          paper="mean committed tokens 1.746 (W=4) → 2.951 (W=24); W=8 fastest (2912 ms, "
+                "1.384×).")
+def _window(c: Context, o: dict) -> list[Variant]:
+    paper = {4: ("1.746 tok/rnd", None, 1.746), 8: ("2912 ms, 1.384× (fastest)", 1.384, None),
+             24: ("2.951 tok/rnd", None, 2.951)}
+    out = [c.variant("Cached AR", AR, B=o["batch"])]
+    for W in o["values"]:
+        if not _int(W, 1):
+            raise _fail("ablations.window.values", W, "windows must be ints >= 1")
+        text, sp, tok = paper.get(W, ("—", None, None))
+        out.append(c.variant(f"HB-SJD W={W}", "hbsjd", B=o["batch"], W=W, baseline="Cached AR",
+                             paper=text, paper_speedup=sp, paper_committed=tok))
+    return out
+
+
+@ablation("history", 6, "History offset H of draft initialisation", values=None,
+          note="speedup of HB-SJD (Hybrid) over Cached AR; values null = 2/3, 1 and 4/3 of a "
+               "grid row.",
+          paper="H 16–32 within 1% of each other (H = 24 = one row of the 24×24 grid).")
+def _history(c: Context, o: dict) -> list[Variant]:
+    g = c.models["main"].grid_size
+    values = o["values"] or sorted({max(1, round(2 * g / 3)), g, round(4 * g / 3)})
+    out = [c.variant("Cached AR", AR, B=o["batch"])]
+    for H in values:
+        if not _int(H, 1):
+            raise _fail("ablations.history.values", H, "offsets must be ints >= 1")
+        text = "one row (H=24)" if H == g else ("within 1% of one row"
+                                                if 2 * g / 3 <= H <= 4 * g / 3 else "—")
+        out.append(c.variant(f"HB-SJD H={H}", "hbsjd", B=o["batch"], H=H, baseline="Cached AR",
+                             paper=text))
+    return out
+
+
+@ablation("gamma", 7, "Hybrid threshold gamma around the calibrated value",
+          scales=[0.75, 1.0, 1.25],
+          note="speedup over Full; gamma = calibrated gamma x scale, clipped to [1, B + 1].",
+          paper="gamma 30/38/46 all ≈ 1.18× over Full.")
+def _gamma(c: Context, o: dict) -> list[Variant]:
+    B = o["batch"]
+    g0 = c.gamma(B, c.b.W)
+    out = [c.variant("Full", "hbsjd", B=B, execution="full")]
+    scales = o["scales"]
+    for i, s in enumerate(scales):
+        if not (isinstance(s, (int, float)) and s > 0):
+            raise _fail("ablations.gamma.scales", s, "scales must be numbers > 0")
+        g = min(max(1, round(g0 * s)), B + 1)          # equal gammas stay: they show the noise
+        paper = f"γ={(30, 38, 46)[i]}: ≈1.18×" if len(scales) == 3 else "≈1.18×"
+        out.append(c.variant(f"Hybrid γ×{s}", "hbsjd", B=B, gamma=g, baseline="Full",
+                             paper=paper, paper_speedup=1.18))
+    return out
+
+
+@ablation("checkpoints", 8, "Student checkpoints from early, middle and late training",
+          values=None,
+          note="speedup of HB-SJD (Hybrid) over Cached AR with the same weights. An int n is "
+               "the digits student pretrained for n steps (cached; values null = 1/5, 1/2 and "
+               "all of pretrain.student_steps); a string is a checkpoint file or a run's "
+               "checkpoints/step_N directory.",
+          paper="OPD checkpoints at 2K/12K/22K steps: 1.530/1.500/1.483×.")
+def _checkpoints(c: Context, o: dict) -> list[Variant]:
+    values = o["values"]
+    if values is None:
+        if c.b.checkpoint != "pretrained":
+            raise _fail("ablations.checkpoints.values", None, "give pretraining step counts "
+                        "or checkpoint paths (null only works with checkpoint: pretrained)")
+        from opd.config import load_config
+        n = load_config(c.b.pretrain_config, list(c.b.pretrain_overrides)).pretrain.student_steps
+        values = sorted({max(1, n // 5), max(1, n // 2), n})
+    paper = dict(zip(range(3), ((1.530, "2K steps"), (1.500, "12K steps"), (1.483, "22K steps"))))
+    out = []
+    for i, v in enumerate(values):
+        if _int(v, 1):
+            key, name = f"pretrain:{v}", f"{v} steps"
+        elif isinstance(v, str) and Path(v).exists():
+            key, name = v, Path(v).name if Path(v).is_dir() else Path(v).stem
+        else:
+            raise _fail("ablations.checkpoints.values", v, "items must be pretraining step "
+                        "counts (ints >= 1) or existing checkpoint paths")
+        sp, text = paper.get(i, (None, "")) if len(values) == 3 else (None, "")
+        base = f"Cached AR {name}"
+        out += [c.variant(base, AR, B=o["batch"], model=key),
+                c.variant(f"HB-SJD {name}", "hbsjd", B=o["batch"], model=key, baseline=base,
+                          paper=f"{sp}× ({text})" if sp else "—", paper_speedup=sp)]
+    return out
+
+
+@ablation("verification", 9, "Greedy vs probabilistic verification",
+          note="speedup of HB-SJD (Hybrid) over Cached AR with the same decoding; rej % = "
+               "rejected / (accepted + rejected) draft decisions.",
+          paper="greedy 1.613× vs probabilistic 1.500× (mean over B and L; probabilistic "
+                "1.46–1.54×).")
+def _verification(c: Context, o: dict) -> list[Variant]:
+    B, out = o["batch"], []
+    for d, sp in (("greedy", 1.613), ("sample", 1.500)):
+        base = f"Cached AR {d}"
+        out += [c.variant(base, AR, B=B, decoding=d),
+                c.variant(f"HB-SJD {d}", "hbsjd", B=B, decoding=d, baseline=base,
+                          paper=_x(sp), paper_speedup=sp)]
+    return out
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+def measure(c: Context, variants: list[Variant], o: dict) -> list[dict]:
+    """Every variant on every workload, interleaved; one row per variant."""
+    b, nw = c.b, o["workloads"]
+    engines = [make_engine(v.engine, **v.options) for v in variants]
+    inputs: dict[tuple, tuple] = {}
+
+    def call(i: int, w: int):
+        v, model = variants[i], c.model(variants[i].model)
+        key = (v.batch, v.prefix_ratio, w)
+        if key not in inputs:
+            inputs[key] = make_inputs(model, v.batch, v.prefix_ratio, b.prefix,
+                                      b.seed + v.batch + 1000 * w, b.device)
+        labels, prefix = inputs[key]
+        res = engines[i].generate(model, labels, prefix, model.block_size - prefix.shape[1],
+                                  cfg_scale=b.cfg_scale, temperature=b.temperature,
+                                  top_k=b.top_k, top_p=b.top_p, seed=b.seed + w)
+        return res.wall_time, res
+
+    pairs = [(i, w) for i in range(len(variants)) for w in range(nw)]
+    samples = interleave([lambda i=i, w=w: call(i, w) for i, w in pairs], o["repeats"],
+                         o["warmup"])
+    times = {i: [] for i in range(len(variants))}
+    results = {i: [] for i in range(len(variants))}
+    for r in range(o["repeats"]):
+        for (i, w), s in zip(pairs, samples):
+            times[i].append(s[r][0])
+    for (i, w), s in zip(pairs, samples):
+        results[i].append(s[-1][1])
+    by_label = {v.label: i for i, v in enumerate(variants)}
+    rows = []
+    for i, v in enumerate(variants):
+        ar = next((j for j, u in enumerate(variants) if u.engine == AR and u.model == v.model
+                   and u.batch == v.batch and u.prefix_ratio == v.prefix_ratio
+                   and u.options["decoding"] == "greedy"), None)
+        equal = None
+        if v.options["decoding"] == "greedy" and ar is not None and ar != i:
+            equal = all(torch.equal(x.tokens, y.tokens) for x, y in zip(results[i], results[ar]))
+        base = by_label.get(v.baseline)
+        rows.append(make_row(c, v, times[i], results[i], None if base is None else times[base],
+                             equal))
+    return rows
+
+
+def make_row(c: Context, v: Variant, times: list[float], results: list, base: list[float] | None,
+             equal_ar: bool | None) -> dict:
+    committed = sum(int(r.committed.sum()) for r in results)
+    image_rounds = sum(int(r.image_rounds.sum()) for r in results)
+    acc = sum(int(r.accepted.sum()) for r in results)
+    rej = sum(int(r.rejected.sum()) for r in results)
+    digest = hashlib.sha1()
+    for r in results:
+        digest.update(r.committed.cpu().numpy().astype(np.int64).tobytes())
+    rounds = [r.rounds for r in results]
+    o = v.options
+    row = {"variant": v.label, "engine": v.engine, "decoding": o["decoding"], "batch": v.batch,
+           "prefix_len": results[0].prefix_len, "new_tokens": results[0].num_new_tokens,
+           "W": o.get("W"), "H": o.get("H"), "execution": _execution_label(v),
+           "gamma": o.get("gamma"), "model": v.model,
+           "rounds": rounds[0] if len(rounds) == 1 else float(np.mean(rounds)),
+           "rounds_each": rounds, "image_rounds": [r.image_rounds.tolist() for r in results],
+           "mean_committed": committed / max(1, image_rounds),
+           "accepted": acc, "rejected": rej,
+           "rejection_rate": rej / (acc + rej) if v.engine != AR and acc + rej else None,
+           "compact_rounds": sum(m == "compact" for r in results for m in r.modes),
+           "committed_digest": digest.hexdigest(), **common.spread(times),
+           "times_ms": [t * 1e3 for t in times], "baseline": v.baseline,
+           "equal_ar": equal_ar, "paper": v.paper, "paper_speedup": v.paper_speedup,
+           "paper_committed": v.paper_committed}
+    if base is not None:
+        row.update(common.ratio(base, times))
+    elif v.baseline is None:
+        row.update(speedup=1.0, speedup_min=None, speedup_max=None)
+    if c.b.bandwidth_gbs:
+        row["floor"] = round_floor(c.model(v.model), results[0], v, c.cfg, c.b.bandwidth_gbs)
+    return row
+
+
+def _execution_label(v: Variant) -> str:
+    if v.engine == AR:
+        return "-"
+    if v.engine == "sjd_sync":
+        return "sync"
+    if v.engine == "sjd_independent":
+        return "full"
+    e = v.options["execution"]
+    return f"hybrid γ={v.options['gamma']}" if e == "hybrid" else e
+
+
+# ---- the memory-bandwidth floor of a verifier round ------------------------------------------
+
+def verifier_bytes(model) -> tuple[int, int]:
+    """(weight bytes a forward reads, KV-cache bytes per cached position per physical row).
+    Embedding tables are left out: a forward reads only the looked-up rows."""
+    skip = {id(p) for m in (model.tok_embeddings, model.cls_embedding) for p in m.parameters()}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    a = model.args
+    p = next(model.parameters())
+    kv = 2 * a.n_layer * a.kv_heads * a.head_dim * p.element_size()
+    return weights, kv
+
+
+def round_floor(model, res, v: Variant, cfg: bool, bandwidth_gbs: float) -> dict | None:
+    """Per decode round (the prefill excluded): the bytes a verifier forward must read (weights
+    + the KV cache of each active image up to its context; 2 rows per image with CFG), the
+    bytes our attention reads (every forwarded row up to the longest forwarded context: Full
+    rounds forward finished rows too), the floor = needed bytes / bandwidth, and the measured
+    milliseconds per round (Cached AR: wall time / rounds, prefill included)."""
+    if res.rounds < 2:
+        return None
+    weights, kv = verifier_bytes(model)
+    B, T, N = res.tokens.shape[0], res.tokens.shape[1], res.num_new_tokens
+    W = 1 if v.engine == AR else min(v.options["W"], max(1, N - 1))
+    per_image = kv * (2 if cfg else 1)
+    cur = res.progress[1:-1].cpu()                       # (R - 1, B) committed before round r
+    live = res.committed[1:].cpu() > 0
+    ctx = torch.clamp(cur, max=T - W) + W                # keys each row's window attends to
+    need = weights + per_image * (ctx * live).sum(1)
+    full = torch.tensor([m == "full" for m in res.modes[1:]])
+    rows = torch.where(full, B, torch.tensor(res.active[1:]))
+    longest = torch.where(full, ctx.amax(1), (ctx * live).amax(1))
+    reads = weights + per_image * rows * longest
+    measured = (res.wall_time / res.rounds if v.engine == AR or not res.round_times
+                else float(np.mean(res.round_times[1:])))
+    mean_need = float(need.double().mean())
+    return {"weights_mb": weights / 1e6, "kv_bytes_per_position": kv,
+            "need_mb": mean_need / 1e6, "reads_mb": float(reads.double().mean()) / 1e6,
+            "floor_ms": mean_need / (bandwidth_gbs * 1e9) * 1e3, "measured_ms": measured * 1e3,
+            "bandwidth_gbs": bandwidth_gbs}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def describe(c: Context) -> dict:
+    m = c.models["main"]
+    weights, kv = verifier_bytes(m)
+    return {"params": sum(p.numel() for p in m.parameters()), "weights_mb": weights / 1e6,
+            "kv_bytes_per_position": kv, "block_size": m.block_size, "grid": m.grid_size,
+            "vocab": m.vocab_size, "H": c.H}
+
+
+def run_paper(b: PaperBench, log: Callable = print) -> dict:
+    """Run the preset's ablations; returns the JSON-serialisable report."""
+    if b.threads:
+        torch.set_num_threads(b.threads)
+    start = time.perf_counter()
+    c = Context(b)
+    report = {"config": asdict(b), "environment": common.environment(b.device),
+              "model": describe(c), "ablations": {}, "skipped": []}
+    spent, calls = 0.0, 0
+    for key, o in b.ablations.items():
+        a = ABLATIONS[key]
+        variants = a.build(c, o)
+        n = len(variants) * o["workloads"] * (o["warmup"] + o["repeats"])
+        elapsed = time.perf_counter() - start
+        estimate = n * spent / calls if calls else 0.0
+        if b.budget_s and elapsed + estimate > b.budget_s:
+            report["skipped"].append({"ablation": key, "elapsed_s": elapsed,
+                                      "estimate_s": estimate})
+            log(f"[{elapsed:5.0f} s] skip {a.number}. {key}: ~{estimate:.0f} s would pass "
+                f"budget_s={b.budget_s}")
+            continue
+        log(f"[{elapsed:5.0f} s] {a.number}. {key}: {len(variants)} variants x "
+            f"{o['workloads']} workload(s) x ({o['warmup']} warm-up + {o['repeats']} repeats)")
+        t0 = time.perf_counter()
+        rows = measure(c, variants, o)
+        seconds = time.perf_counter() - t0
+        spent, calls = spent + seconds, calls + n
+        report["ablations"][key] = {"number": a.number, "title": a.title, "note": a.note,
+                                    "paper": a.paper, "options": o, "rows": rows,
+                                    "seconds": seconds}
+    report["calibrations"] = [{"batch": B, "W": W, **e} for (B, W), e in c.calibrations.items()]
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+COLUMNS = ["variant", "B", "P+N", "W", "H", "exec", "verify", "rounds", "image rounds",
+           "tok/rnd", "rej %", "mean ± std ms", "min–max ms", "P95 ms", "speedup [min–max]",
+           "=AR", "paper"]
+
+
+def _cells(r: dict) -> list[str]:
+    dash = "-"
+    return [r["variant"], str(r["batch"]), f"{r['prefix_len']}+{r['new_tokens']}",
+            dash if r["W"] is None else str(r["W"]), dash if r["H"] is None else str(r["H"]),
+            r["execution"], r["decoding"],
+            str(r["rounds"]) if isinstance(r["rounds"], int) else f"{r['rounds']:.1f}",
+            "/".join(str(int(x)) for x in np.percentile(sum(r["image_rounds"], []), [0, 50, 100])),
+            f"{r['mean_committed']:.3f}",
+            dash if r["rejection_rate"] is None else f"{100 * r['rejection_rate']:.1f}",
+            common.fmt_latency(r), f"{r['min_ms']:.1f}–{r['max_ms']:.1f}", f"{r['p95_ms']:.1f}",
+            common.fmt_speedup(r), {True: "yes", False: "NO", None: dash}[r["equal_ar"]],
+            r["paper"]]
+
+
+def setup_line(report: dict, o: dict) -> str:
+    b, m, env = report["config"], report["model"], report["environment"]
+    P = min(int(round(b["prefix_ratio"] * m["block_size"])), m["block_size"] - 1)
+    weights = "random weights" if not b["checkpoint"] else f"weights: {b['checkpoint']}"
+    cfg = b["cfg_scale"] if b["cfg_scale"] not in (None, 1.0) else "off"
+    return (f"{b['model']} ({m['params'] / 1e6:.2f}M params, {weights}) on {env['device']} "
+            f"{b['dtype']}, {env['threads']} thread(s){', ' + env['gpu'] if 'gpu' in env else ''}"
+            f"; unless a row says otherwise: batch {o['batch']}, {P} prefix + "
+            f"{m['block_size'] - P} generated tokens, W {b['W']}, H {m['H']}, CFG {cfg}, "
+            f"{b['decoding']} verification; {o['repeats']} "
+            f"repeats x {o['workloads']} workload(s) after {o['warmup']} warm-up, interleaved "
+            f"round-robin; latency mean ± std, min–max and P95 over repeats x workloads; image "
+            f"rounds = min/median/max of the rounds each image was active (the batch's rounds "
+            f"are its slowest image's).")
+
+
+def floor_table(report: dict) -> str | None:
+    """Bytes per verifier round and the memory-bandwidth floor next to the measured time, for
+    the rows of the engines ablation (else the execution ablation)."""
+    a = report["ablations"].get("engines") or report["ablations"].get("execution")
+    rows = [r for r in (a["rows"] if a else []) if r.get("floor")]
+    if not rows:
+        return None
+    body = []
+    for r in rows:
+        f = r["floor"]
+        w = f["weights_mb"]
+        body.append([r["variant"], r["execution"], str(r["rounds"]), f"{w:.1f}",
+                     f"{f['need_mb'] - w:.2f}", f"{f['reads_mb'] - w:.2f}", f"{f['need_mb']:.1f}",
+                     f"{f['floor_ms']:.3f}", f"{f['measured_ms']:.3f}",
+                     f"{f['measured_ms'] / f['floor_ms']:.1f}×"])
+    bw = rows[0]["floor"]["bandwidth_gbs"]
+    head = (f"### Cost of a round against the memory-bandwidth floor ({bw:g} GB/s)\n\n"
+            f"A verifier forward must read the weights (embedding tables excluded: only looked-up "
+            f"rows are read) and the KV cache of every active image up to its context (two rows "
+            f"per image with CFG; {report['model']['kv_bytes_per_position']} bytes per position "
+            f"and row). Floor = needed bytes / bandwidth, per decode round (mean over rounds); "
+            f"'KV read' is what our attention reads (all forwarded rows up to the longest "
+            f"context). Measured ms/round: Jacobi engines time each round; Cached AR is wall "
+            f"time / rounds.\n\n")
+    return head + common.markdown_table(
+        ["variant", "exec", "rounds", "weights MB", "KV needed MB", "KV read MB",
+         "bytes/round MB", "floor ms/round", "measured ms/round", "measured/floor"], body)
+
+
+def format_markdown(report: dict) -> str:
+    """One Markdown section per ablation (setup, paper's finding, table), plus the floor."""
+    b = report["config"]
+    out = [f"# The paper's ablations on `{b['model']}` ({report['environment']['device']})",
+           ""]
+    if b["note"]:
+        out += [f"Scaled against the paper: {b['note'].strip()}", ""]
+    for key, a in report["ablations"].items():
+        out += [f"## {a['number']}. {a['title']}", "", setup_line(report, a["options"]), "",
+                f"Reading: {a['note']} Paper: {a['paper']}", "",
+                common.markdown_table(COLUMNS, [_cells(r) for r in a["rows"]]), ""]
+        best = [r for r in a["rows"] if r.get("baseline") and r.get("speedup")]
+        if best:
+            r = max(best, key=lambda r: r["speedup"])
+            out += [f"Fastest against its baseline: {r['variant']} {common.fmt_speedup(r)} "
+                    f"({a['seconds']:.0f} s for this ablation).", ""]
+    for s in report["skipped"]:
+        out += [f"Skipped {s['ablation']}: budget_s={b['budget_s']} (elapsed "
+                f"{s['elapsed_s']:.0f} s, estimate {s['estimate_s']:.0f} s).", ""]
+    floor = floor_table(report)
+    if floor:
+        out += [floor, ""]
+    out.append(f"Total {report['seconds']:.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+def save_plots(report: dict, out_dir: str | Path) -> list[Path]:
+    """<number>_<ablation>.png per ablation: latency (mean ± std), tokens per image-round and
+    the speedup against the row's baseline beside the paper's."""
+    plt = common.pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, a in report["ablations"].items():
+        rows = a["rows"]
+        x = np.arange(len(rows))
+        names = [r["variant"] for r in rows]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        colors = ["0.6" if r["engine"] == AR else "C0" for r in rows]
+        axes[0].bar(x, [r["mean_ms"] for r in rows], yerr=[r["std_ms"] for r in rows],
+                    color=colors, capsize=3)
+        axes[0].set(ylabel="latency per rollout (ms)", title="latency (mean ± std)")
+        axes[1].bar(x, [r["mean_committed"] for r in rows], color=colors)
+        given = [(i, r["paper_committed"]) for i, r in enumerate(rows) if r.get("paper_committed")]
+        if given:
+            axes[1].plot(*zip(*given), "o", color="C1", label="paper (H200)")
+            axes[1].legend(fontsize=7)
+        axes[1].set(ylabel="tokens per image-round", title="mean committed tokens")
+        sp = [i for i, r in enumerate(rows) if r.get("baseline")]
+        ours = [rows[i]["speedup"] for i in sp]
+        lo = [rows[i]["speedup"] - (rows[i]["speedup_min"] or rows[i]["speedup"]) for i in sp]
+        hi = [(rows[i]["speedup_max"] or rows[i]["speedup"]) - rows[i]["speedup"] for i in sp]
+        xs = np.arange(len(sp))
+        axes[2].bar(xs - 0.2, ours, 0.4, yerr=[lo, hi], capsize=3, label="ours (min–max)")
+        axes[2].bar(xs + 0.2, [rows[i]["paper_speedup"] or 0 for i in sp], 0.4, color="C1",
+                    label="paper (H200)")
+        axes[2].axhline(1.0, color="k", lw=0.8, ls=":")
+        axes[2].set(ylabel="speedup over baseline", title="speedup: ours vs paper")
+        axes[2].set_xticks(xs, [names[i] for i in sp], rotation=30, ha="right", fontsize=7)
+        axes[2].legend(fontsize=7)
+        for ax in axes[:2]:
+            ax.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
+        fig.suptitle(f"{a['number']}. {a['title']} — {report['config']['model']} on "
+                     f"{report['environment']['device']}", fontsize=10)
+        fig.tight_layout()
+        paths.append(out / f"{a['number']}_{key}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

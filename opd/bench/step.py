@@ -1,0 +1,173 @@
+"""`opd bench step`: one OPD step's time split into rollout, teacher scoring, learner update and
+weight sync, for Cached AR vs HB-SJD rollouts, in the reference loop and on Ray.
+
+    report = run_step_bench(cfg, out_dir, {"reference": run_ref, "ray": run_ray},
+                            engines=["cached_ar", "hbsjd"], modes=["reference", "ray"])
+
+A runner is `fn(cfg, run_dir) -> per-step rows`: opd.reference.run_reference, or
+actors.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
+(mode, engine) runs warmup_steps + steps OPD steps per repeat, the runs interleaved
+round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are dropped (gamma
+calibration, first-call allocations).  A row has rollout_s, teacher_s, learner_s and step_s;
+Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
+nothing travels, 0).  Steps of two engines see the same prefix batches (seeded order), so
+their per-step ratios pair up.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from opd.bench import common
+from opd.config import ConfigError, RunConfig, apply_overrides
+
+PARTS = ("rollout_s", "teacher_s", "learner_s", "weight_sync_s")
+MODES = ("reference", "ray")
+ENGINES = ("cached_ar", "sjd_sync", "sjd_independent", "hbsjd")
+Runner = Callable[[RunConfig, Path], list]
+
+
+def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int,
+                    repeats: int) -> tuple[list[str], list[str]]:
+    """Parse comma-separated engines and modes; ConfigError naming the bad option."""
+    e = [x for x in engines.split(",") if x]
+    m = [x for x in modes.split(",") if x]
+    if not e or any(x not in ENGINES for x in e):
+        raise ConfigError(f"--engines {engines!r}: must be comma-separated names from "
+                          f"{', '.join(ENGINES)}", "engines")
+    if not m or any(x not in MODES for x in m):
+        raise ConfigError(f"--modes {modes!r}: must be reference, ray or both, "
+                          f"comma-separated", "modes")
+    for name, v, lo in (("--steps", steps, 1), ("--warmup-steps", warmup_steps, 0),
+                        ("--repeats", repeats, 1)):
+        if v < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {v}", name)
+    return e, m
+
+
+def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runner], *,
+                   engines: list[str], modes: list[str], steps: int = 3, warmup_steps: int = 1,
+                   repeats: int = 1, log: Callable = print) -> dict:
+    """Per (mode, engine): the measured steps' rows and the mean split of a step."""
+    missing = [m for m in modes if m not in runners]
+    if missing:
+        raise ConfigError(f"no runner for mode(s) {missing}", "modes")
+    out = Path(out_dir)
+    combos = [(m, e) for m in modes for e in engines]
+    count = {c: 0 for c in combos}
+
+    def call(mode: str, engine: str):
+        count[mode, engine] += 1
+        run_dir = out / "runs" / f"{mode}-{engine}-{count[mode, engine]}"
+        run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}",
+                                        f"distill.steps={warmup_steps + steps}",
+                                        "run.checkpoint_every=0", "eval.every=0",
+                                        f"run.dir={run_dir}"])
+        if run_dir.exists():                        # this bench's own output of an earlier run
+            shutil.rmtree(run_dir)
+        log(f"bench step: {mode} {engine} run {count[mode, engine]} -> {run_dir}")
+        rows = runners[mode](run_cfg, run_dir)
+        return 0.0, [dict(r) for r in rows[warmup_steps:]]
+
+    samples = common.interleave([lambda m=m, e=e: call(m, e) for m, e in combos], repeats, 0)
+    results = []
+    for (mode, engine), runs in zip(combos, samples):
+        rows = [r for _, run in runs for r in run]
+        results.append({"mode": mode, "engine": engine, **summarize(rows), "rows": rows})
+    for r in results:
+        base = next(x for x in results if x["mode"] == r["mode"])   # first engine is the base
+        r["baseline"] = None if base is r else base["engine"]
+        for part in ("rollout_s", "step_s"):
+            key = part.replace("_s", "_speedup")
+            r[key] = (None if base is r else
+                      common.ratio([x[part] for x in base["rows"]], [x[part] for x in r["rows"]]))
+    return {"config": _plain(cfg), "environment": common.environment("cpu"),
+            "engines": engines, "modes": modes, "steps": steps, "warmup_steps": warmup_steps,
+            "repeats": repeats, "results": results}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean and std (seconds) of each part of a step and of the step, plus rollout stats."""
+    def stat(key):
+        v = np.asarray([float(r.get(key, 0.0)) for r in rows])
+        return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0}
+    out = {k: stat(k) for k in (*PARTS, "step_s")}
+    out["weight_sync_measured"] = any("weight_sync_s" in r for r in rows)
+    out["other_s"] = out["step_s"]["mean"] - sum(out[k]["mean"] for k in PARTS)
+    out["rounds"] = float(np.mean([r.get("rounds", 0) for r in rows]))
+    out["mean_committed"] = float(np.mean([r.get("mean_committed", 0.0) for r in rows]))
+    out["generated_tokens"] = float(np.mean([r.get("generated_tokens", 0) for r in rows]))
+    out["steps_measured"] = len(rows)
+    return out
+
+
+def _plain(cfg: RunConfig) -> dict:
+    from opd.config import config_to_dict
+    return config_to_dict(cfg)
+
+
+def format_step_markdown(report: dict) -> str:
+    """One table per mode: the mean split of a step (ms), shares and speedups."""
+    heads = ["engine", "rollout ms", "teacher ms", "learner ms", "weight sync ms", "other ms",
+             "step ms", "rollout share", "rounds", "tok/rnd", "rollout speedup",
+             "step speedup"]
+    c = report["config"]
+    out = ["# One OPD step: rollout, teacher, learner, weight sync", "",
+           f"Run config: students {c['model']['student']} / teacher {c['model']['teacher']}, "
+           f"batch {c['data']['batch_size']}, prefix ratio {c['data']['prefix_ratio']}, W "
+           f"{c['rollout']['window']}, {c['rollout']['decoding']} decoding, objective "
+           f"{c['distill']['objective']}; {report['steps']} measured steps after "
+           f"{report['warmup_steps']} warm-up step(s) per run, {report['repeats']} run(s) per "
+           f"(mode, engine), interleaved; mean ± std over measured steps; speedup = ratio of "
+           f"means [min–max of per-step ratios]. Paper (H200): rollout 1.46–1.65× faster with "
+           f"HB-SJD; rollout is the bottleneck of a step.", ""]
+    for mode in report["modes"]:
+        body = []
+        for r in (x for x in report["results"] if x["mode"] == mode):
+            def ms(k):
+                return f"{1e3 * r[k]['mean']:.0f} ± {1e3 * r[k]['std']:.0f}"
+            sync = ms("weight_sync_s") if r["weight_sync_measured"] else "0 (in process)"
+            share = r["rollout_s"]["mean"] / r["step_s"]["mean"] if r["step_s"]["mean"] else 0
+            body.append([r["engine"], ms("rollout_s"), ms("teacher_s"), ms("learner_s"), sync,
+                         str(round(1e3 * r["other_s"]) or 0), ms("step_s"), f"{100 * share:.0f}%",
+                         f"{r['rounds']:.1f}", f"{r['mean_committed']:.3f}",
+                         _speedup(r, "rollout_speedup"), _speedup(r, "step_speedup")])
+        note = ("" if mode == "reference" else
+                " On Ray the parts overlap (scoring and sync run beside other work), so "
+                "'other' can be negative; step ms is the wall time between learner steps.")
+        step = "the sum of the parts" if mode == "reference" else "wall time per step"
+        out += [f"## mode={mode}", "", f"Step ms = {step}.{note}", "",
+                common.markdown_table(heads, body), ""]
+    return "\n".join(out)
+
+
+def _speedup(r: dict, key: str) -> str:
+    s = r.get(key)
+    if not s:
+        return "1 (base)"
+    return common.fmt_speedup({"baseline": r["baseline"], **s})
+
+
+def save_step_plot(report: dict, out_dir: str | Path) -> Path:
+    """step.png: stacked bars of the mean step split per (mode, engine)."""
+    plt = common.pyplot()
+    res = report["results"]
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(res) + 1.5))
+    y = np.arange(len(res))
+    left = np.zeros(len(res))
+    for part, color in zip(PARTS, ("C0", "C1", "C2", "C3")):
+        w = np.asarray([1e3 * r[part]["mean"] for r in res])
+        ax.barh(y, w, left=left, color=color, label=part[:-2].replace("_", " "))
+        left += w
+    ax.set_yticks(y, [f"{r['mode']} / {r['engine']}" for r in res])
+    ax.set(xlabel="ms per OPD step (mean)", title="One OPD step, split by role")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "step.png", dpi=110)
+    plt.close(fig)
+    return out / "step.png"
