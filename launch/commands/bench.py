@@ -116,7 +116,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 def run_paper(args: argparse.Namespace) -> int:
     from opd.bench.common import resolve_bench_preset
-    from opd.bench.paper import format_markdown, load_paper_bench, run_paper, save_plots
+    from opd.bench.paper import load_paper_bench, run_paper
+    from opd.bench.paper_report import format_markdown, save_plots
 
     bench = load_paper_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from opd.bench.common import interleave
-from opd.bench.paper import (ABLATIONS, AR, Context, Variant, format_markdown, load_paper_bench,
-                             round_floor, run_paper, save_plots, verifier_bytes)
+from opd.bench.paper import (ABLATIONS, AR, Context, Variant, load_paper_bench, round_floor,
+                             run_paper, verifier_bytes)
+from opd.bench.paper_report import format_markdown, save_plots
 from opd.config import CONFIG_DIR, ConfigError, load_config
 from rollout import make_engine
 
