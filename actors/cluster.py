@@ -39,6 +39,19 @@ def check_distributed(cfg: RunConfig) -> None:
                           f"{d.broadcast_every - 1} versions behind, more than distill.staleness="
                           f"{d.staleness} allows; set distill.staleness >= broadcast_every - 1",
                           "distill.broadcast_every")
+    r = cfg.rollout
+    if isinstance(r.num_workers, tuple):
+        lo, hi = r.num_workers
+        if cfg.learner.weight_sync == "collective":
+            raise ConfigError(f"rollout.num_workers='{lo}..{hi}' (elastic) cannot use "
+                              f"learner.weight_sync='collective': a broadcast group has a fixed "
+                              f"size; use learner.weight_sync=object_store or a fixed worker count",
+                              "learner.weight_sync")
+        if r.elastic_shrink_wait >= r.elastic_grow_wait:
+            raise ConfigError(f"rollout.elastic_shrink_wait={r.elastic_shrink_wait:g} must be below "
+                              f"rollout.elastic_grow_wait={r.elastic_grow_wait:g} (else the pool "
+                              f"would grow and shrink on the same steps)",
+                              "rollout.elastic_shrink_wait")
 
 
 def actor_config(cfg: RunConfig) -> dict:
@@ -60,22 +73,25 @@ def joins_cluster(cfg: RunConfig) -> bool:
 
 
 def connect(cfg: RunConfig) -> bool:
-    """Connect to cluster.address (or RAY_ADDRESS), or start a local Ray on loopback; True if
-    this call started Ray (and so should shut it down)."""
+    """Connect to cluster.address (or RAY_ADDRESS, which `ray job submit` sets for the job's
+    driver), or start a new local Ray on loopback; True if this call started Ray (and so
+    should shut it down)."""
     if ray.is_initialized():
         return False
     c = cfg.cluster
     if joins_cluster(cfg):
         ray.init(address=c.address)              # None: RAY_ADDRESS
         return False
-    ray.init(num_cpus=c.num_cpus, include_dashboard=c.include_dashboard,
+    # address="local": a new Ray even when `ray start` left a cluster address on this machine
+    ray.init(address="local", num_cpus=c.num_cpus, include_dashboard=c.include_dashboard,
              dashboard_host=c.dashboard_host, _node_ip_address="127.0.0.1")
     return True
 
 
 def pool_size(n: int | tuple[int, int]) -> int:
-    """Workers to start: the count, or the upper end of an elastic "min..max" range."""
-    return n[1] if isinstance(n, tuple) else n
+    """Workers to start: the count, or the lower end of an elastic "min..max" range (the
+    driver adds the others while rollouts hold the run up: actors/elastic.py)."""
+    return n[0] if isinstance(n, tuple) else n
 
 
 def bundle(num_cpus: float, num_gpus: float, custom: str | None = None) -> dict:
@@ -85,6 +101,23 @@ def bundle(num_cpus: float, num_gpus: float, custom: str | None = None) -> dict:
     if custom:
         b[custom] = 1.0
     return b
+
+
+def role_bundle(cfg: RunConfig, role: str) -> dict:
+    """The resources of one worker of `role` (learner | rollout | teacher)."""
+    sec = {"learner": cfg.learner, "rollout": cfg.rollout, "teacher": cfg.teacher}[role]
+    return bundle(sec.num_cpus, sec.num_gpus, f"opd_{role}" if cfg.cluster.role_resources else None)
+
+
+def run_bundles(cfg: RunConfig, rollout_workers: int) -> list[dict]:
+    """Every worker's bundle with `rollout_workers` rollout workers (an autoscaler request)."""
+    return ([role_bundle(cfg, "learner")] * cfg.learner.world_size
+            + [role_bundle(cfg, "teacher")] * cfg.teacher.num_workers
+            + [role_bundle(cfg, "rollout")] * rollout_workers)
+
+
+def fits(need: dict, available: dict) -> bool:
+    return all(available.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
 
 
 @dataclass
@@ -112,7 +145,6 @@ class ActorGroups:
 
     def _start(self, cfg: RunConfig) -> None:
         c = actor_config(cfg)
-        env = {"env_vars": {"OPD_CACHE": str(cache_dir())}}
         roles = (("learner", StudentLearner, cfg.learner.world_size, cfg.learner, 0),
                  ("rollout", RolloutWorker, pool_size(cfg.rollout.num_workers), cfg.rollout,
                   cfg.cluster.max_restarts),
@@ -130,12 +162,9 @@ class ActorGroups:
                     f"teacher.num_{res.lower()}s) but the Ray cluster has {have.get(res, 0.0):g}; "
                     f"use fractions (e.g. rollout.num_{res.lower()}s=0.5) or a larger cluster "
                     f"(cluster.num_cpus)", f"rollout.num_{res.lower()}s")
-        custom = cfg.cluster.role_resources
         pgs = {}
         for name, _, count, sec, _ in roles:
-            b = [bundle(sec.num_cpus, sec.num_gpus, f"opd_{name}" if custom else None)
-                 for _ in range(count)]
-            pgs[name] = placement_group(b, strategy="PACK")
+            pgs[name] = placement_group([role_bundle(cfg, name)] * count, strategy="PACK")
             self.pgs.append(pgs[name])
         for name, pg in pgs.items():
             if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S if local else CLUSTER_PLACEMENT_TIMEOUT_S):
@@ -143,12 +172,7 @@ class ActorGroups:
                                   f"{name}.num_gpus and the worker counts); it has "
                                   f"{ray.cluster_resources()}", f"{name}.num_cpus")
         for name, cls_, count, sec, restarts in roles:
-            actors = [ray.remote(cls_).options(
-                num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, runtime_env=env,
-                max_restarts=restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pgs[name], placement_group_bundle_index=i)).remote(c, i)
-                for i in range(count)]
+            actors = [_spawn(cls_, c, i, sec, restarts, pgs[name], i) for i in range(count)]
             setattr(self, name if name != "learner" else "learners", actors)
         self.queue = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(
             cfg.distill.queue_capacity, cfg.distill.staleness)
@@ -157,6 +181,27 @@ class ActorGroups:
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         ray.get([a.setup.remote(host, port) for a in self.learners])
         ray.get([a.info.remote() for a in self.rollout + self.teacher])   # constructed
+
+    def new_group(self, bundle_: dict):
+        """A one-bundle placement group, given back at shutdown (or by `remove_group`)."""
+        pg = placement_group([bundle_])
+        self.pgs.append(pg)
+        return pg
+
+    def new_rollout_worker(self, cfg: RunConfig, pg, index: int) -> object:
+        """Start rollout worker `index` in the placed one-bundle group `pg` (not waited for:
+        its first call answers once it is built).  The caller appends it to self.rollout."""
+        return _spawn(RolloutWorker, actor_config(cfg), index, cfg.rollout,
+                      cfg.cluster.max_restarts, pg, 0)
+
+    def remove_group(self, pg) -> None:
+        """Give back a placement group started by this run (its actor is gone)."""
+        if pg in self.pgs:
+            self.pgs.remove(pg)
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
 
     def join_broadcast(self, cfg: RunConfig) -> None:
         """Learner rank 0 (member 0) and every rollout worker form the weight-broadcast group."""
@@ -183,3 +228,13 @@ class ActorGroups:
             except Exception:  # noqa: BLE001
                 pass
         self.learners, self.rollout, self.teacher, self.queue, self.pgs = [], [], [], None, []
+
+
+def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int):
+    """One worker actor of class `cls_` in bundle `bundle_index` of placement group `pg`."""
+    return ray.remote(cls_).options(
+        num_cpus=sec.num_cpus, num_gpus=sec.num_gpus,
+        runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
+        max_restarts=restarts, max_task_retries=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_index)).remote(c, index)

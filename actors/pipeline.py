@@ -17,6 +17,11 @@ Parts of a step are generated and scored side by side on different workers.  Ste
 sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
 batches); with `distill.staleness` k > 0 student rollouts run up to k versions ahead.
 
+Elastic rollout workers (`rollout.num_workers = "min..max"`): actors/elastic.py adds workers
+while the learner waits on rollouts and retires idle ones.  Ctrl-C (`interrupt`, see
+actors/interrupt.py): the step in training finishes, its checkpoint is written, and the run
+raises `RunInterrupted` naming it.
+
 Faults: rollout and teacher workers restart (`cluster.max_restarts`); the driver probes a
 failed worker until it answers, a rollout worker reloads the current weights before it
 generates again, and work in flight on a dead worker is issued again (the driver keeps every
@@ -25,8 +30,6 @@ consumed exactly once: counted, written to `consumed.json` in the run directory,
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,15 +41,18 @@ from ray.exceptions import ActorDiedError, RayActorError
 from tqdm import tqdm
 
 from actors.cluster import ActorGroups, check_distributed, connect
+from actors.elastic import ElasticRollout, rollout_wait_fraction
+from actors.interrupt import NoInterrupt
 from actors.learner import combine_rank_metrics
 from actors.metrics import RoleMetrics
 from actors.pool import WorkerPool
 from actors.queue import QueueItem
+from actors.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.rollout_worker import StaleWeightsError
 from actors.shards import split_job
 from actors.weights import PublishedWeights, weights_nbytes
 from opd.batch import TrajectoryBatch
-from opd.config import ConfigError, RunConfig
+from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
 from opd.pretrain import open_dataset
@@ -54,18 +60,8 @@ from opd.reference import check_objective, latest_checkpoint, step_row
 from opd.steps import (RolloutJob, batch_source, build_objective, needs_teacher_scores,
                        prefix_len_for, rollout)
 
-CONSUMED_FILE = "consumed.json"
-CHECKPOINTS = "checkpoints"
 WAIT_S = 30.0
 BROADCAST_GRACE_S = 60.0
-
-
-class LearnerFailure(RuntimeError):
-    """The learner group failed and the run stopped; `checkpoint` is the last one written."""
-
-    def __init__(self, message: str, checkpoint: str | None):
-        super().__init__(message)
-        self.checkpoint = checkpoint
 
 
 class WorkerPoolExhausted(RuntimeError):
@@ -74,7 +70,7 @@ class WorkerPoolExhausted(RuntimeError):
 
 @dataclass
 class Task:
-    kind: str        # rollout | teacher-rollout | score | load | probe | train
+    kind: str        # rollout | teacher-rollout | score | load | probe | train | place
     role: str = ""   # the pool of the worker (rollout | teacher | learner)
     step: int = -1
     part: int = -1
@@ -105,14 +101,17 @@ class StepPlan:
         return sum(int(j.labels.shape[0]) for j in self.jobs)
 
 
-class Pipeline:
-    """The event loop of one distributed run (actors in `self.groups`)."""
+class Pipeline(RunRecords):
+    """The event loop of one distributed run (actors in `self.groups`); checkpoints, the
+    consumed-ids record and Ctrl-C in actors/records.py."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
-                 hooks: dict[str, Callable] | None = None):
+                 hooks: dict[str, Callable] | None = None, interrupt=None):
         check_distributed(cfg)
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         self.hooks = hooks or {}
+        self.interrupt = interrupt or NoInterrupt()
+        self.elastic: ElasticRollout | None = None
         self.objective = build_objective(cfg)
         check_objective(cfg, self.objective)
         self.scores = needs_teacher_scores(self.objective)
@@ -145,6 +144,7 @@ class Pipeline:
             self.groups.join_broadcast(cfg)
         self.pools = {"rollout": WorkerPool("rollout", self.rollout),
                       "teacher": WorkerPool("teacher", self.teacher)}
+        self.elastic = ElasticRollout.for_run(self)
         train = open_dataset(cfg, "train")
         self.batcher = PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed)
         self.prefix_len = prefix_len_for(cfg.data.prefix_ratio, train.seq_len)
@@ -174,12 +174,18 @@ class Pipeline:
         self.bar = tqdm(total=cfg.distill.steps, initial=start, desc="opd ray",
                         disable=not self.progress, dynamic_ncols=True)
         self._publish(self.version)
-        while self.version < self.end:
-            self._issue()
-            self._dispatch()
-            self._enqueue()
-            self._train()
-            self._wait()
+        try:
+            with self.interrupt.armed():
+                while self.version < self.end:
+                    if self.interrupt.pending():
+                        raise KeyboardInterrupt
+                    self._issue()
+                    self._dispatch()
+                    self._enqueue()
+                    self._train()
+                    self._wait()
+        except KeyboardInterrupt:
+            raise self._interrupted() from None
         self.bar.close()
         every = cfg.run.checkpoint_every
         if self.version == cfg.distill.steps and not (every and self.version % every == 0):
@@ -189,6 +195,8 @@ class Pipeline:
         return self.log.rows
 
     def shutdown(self) -> None:
+        if self.elastic is not None:
+            self.elastic.close()
         self.groups.shutdown()
         if self.started_ray:
             ray.shutdown()
@@ -215,7 +223,7 @@ class Pipeline:
         del payload
         self.published = PublishedWeights(version, refs[0], self.sync["bytes"],
                                           time.perf_counter() - start)
-        for i in self.pools["rollout"].up():
+        for i in self.pools["rollout"].loadable():
             self.sync["pending"].add(self._load(i))
         if not self.sync["pending"]:
             self._sync_done()
@@ -250,6 +258,14 @@ class Pipeline:
             self.collective = False
             ray.get(self.learners[0].leave_broadcast.remote())
         return ok
+
+    def track(self, ref: ray.ObjectRef, kind: str) -> None:
+        """Wait on `ref` in the event loop (an elastic worker's placement group: "place")."""
+        self.tasks[ref] = Task(kind)
+
+    def load_into(self, i: int) -> ray.ObjectRef:
+        """Send rollout worker i the published weights (before any job it gets)."""
+        return self._load(i)
 
     def _load(self, i: int) -> ray.ObjectRef:
         ref = self.rollout[i].load_weights.remote(self.published.version, self.published.ref)
@@ -288,7 +304,9 @@ class Pipeline:
             pb = next(self.batcher)
             self.cursor[s + 1] = self.batcher.state_dict()
             job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, self.prefix_len, source, cfg.run.seed)
-            parts = cfg.rollout.sub_batches or max(len(self.rollout), len(self.teacher))
+            pool = self.pools["rollout"]             # workers still starting take no part yet
+            parts = cfg.rollout.sub_batches or max(len(pool.alive()) - len(pool.starting()),
+                                                   len(self.teacher))
             plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version, split_job(job, parts))
             self.next_issue += 1
             for part in range(len(plan.jobs)):
@@ -331,6 +349,8 @@ class Pipeline:
         for kind, step, part in waiting:
             if step in self.plans:
                 self._submit(kind, self.plans[step], part)
+        if self.elastic is not None:
+            self.elastic.tick()
 
     def _rollout_finished(self, plan: StepPlan, part: int, ref, busy: float) -> None:
         plan.trajs[part] = ref
@@ -389,14 +409,18 @@ class Pipeline:
         self.consumed[item.batch_id] += 1
         plan = self.plans.pop(item.step)
         now = time.perf_counter()
-        wall, self.last_step_end = now - self.last_step_end, now
+        free, self.last_step_end = self.last_step_end, now
         self.version += 1
         self.cursor = {s: c for s, c in self.cursor.items() if s >= self.version}
-        row = self._row(item, plan, results, now - t["start"], wall)
+        row = self._row(item, plan, results, now - t["start"], now - free)
+        row["rollout_wait"] = rollout_wait_fraction(plan.source, plan.issued, plan.rollout_done,
+                                                    free, t["start"], now - free)
         self.log.append(row)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}")
         self._hook("after_step", step=item.step, row=row)
+        if self.elastic is not None:
+            self.elastic.after_step(item.step, row)
         every = self.cfg.run.checkpoint_every
         if every and self.version % every == 0:
             self._save_checkpoint()
@@ -421,7 +445,8 @@ class Pipeline:
                                      if seconds["teacher"] > 0 else 0.0),
             "rollout_idle": max(0.0, 1 - plan.rollout_busy / (R * wall)) if R else 1.0,
             "teacher_idle": max(0.0, 1 - plan.teacher_busy / (M * wall)) if M else 1.0,
-            "learner_idle": max(0.0, 1 - learner_s / wall), "reissued": self.reissued})
+            "learner_idle": max(0.0, 1 - learner_s / wall), "reissued": self.reissued,
+            "rollout_workers": len(self.pools["rollout"].up())})
         self.metrics.report(step_seconds=wall, queue_depth=depth, policy_lag=row["policy_lag"])
         for role in ("rollout", "teacher", "learner"):
             self.idle[role].set("opd_idle_ratio", row[f"{role}_idle"])
@@ -435,9 +460,11 @@ class Pipeline:
         if not self.tasks:
             if not probes and self.training is None:
                 raise RuntimeError(f"the pipeline stalled at step {self.version}: nothing in flight")
-            time.sleep(timeout)
+            with self.interrupt.safe():
+                time.sleep(timeout)
             return
-        done, _ = ray.wait(list(self.tasks), num_returns=1, timeout=timeout)
+        with self.interrupt.safe():
+            done, _ = ray.wait(list(self.tasks), num_returns=1, timeout=timeout)
         for ref in done:
             task = self.tasks.pop(ref)
             if task.kind != "probe" and task.role in self.pools:
@@ -469,7 +496,10 @@ class Pipeline:
                 self._load(task.worker)          # before it gets any job
             self.pools[task.role].probe_answered(task.worker)
         elif task.kind == "load":
+            self.pools["rollout"].started(task.worker)
             self._sync_progress(ref)
+        elif task.kind == "place":
+            self.elastic.placed(ref)
         elif task.kind == "train":
             self.training["results"][task.worker] = value
             if len(self.training["results"]) == len(self.learners):
@@ -508,51 +538,6 @@ class Pipeline:
         else:
             self._submit_rollout(plan, task.part)
 
-    def _learner_failure(self, what: str, step: int, error: Exception) -> LearnerFailure:
-        return LearnerFailure(
-            f"the learner group failed ({what}, step {step}: {type(error).__name__}); the run "
-            f"stopped. Last checkpoint: {self.last_checkpoint or 'none'}"
-            + (f" (continue with `--resume {self.run_dir}`)" if self.last_checkpoint else ""),
-            self.last_checkpoint)
-
-    # -- checkpoints and records --------------------------------------------------------------------
-
-    def _save_checkpoint(self) -> None:
-        step = self.version
-        state = {"step": step, "policy_version": step, "data": self.cursor[step],
-                 "consumed": sorted(self.consumed.elements()), "mode": "ray"}
-        directory = str(self.run_dir / CHECKPOINTS)
-        try:
-            paths = ray.get([a.save_checkpoint.remote(directory, f"step_{step:06d}", state)
-                             for a in self.learners])
-        except RayActorError as e:
-            raise self._learner_failure("checkpoint", step, e) from e
-        self.last_checkpoint = paths[0]
-
-    def _load_checkpoint(self, path: Path) -> int:
-        if not (path / "state.json").is_file() or (path / "state.pt").is_file():
-            raise ConfigError(f"{path} was written by the reference loop, not by a run.mode=ray run; "
-                              f"resume it with run.mode=reference", "run.resume")
-        state = ray.get([a.load_checkpoint.remote(str(path)) for a in self.learners])[0]
-        self.batcher.load_state_dict(state["data"])
-        self.consumed.update(state.get("consumed", []))
-        self.last_checkpoint = str(path)
-        return int(state["step"])
-
-    def _write_consumed(self) -> None:
-        queue = self.groups.queue
-        record = {"consumed": {str(k): v for k, v in sorted(self.consumed.items())},
-                  "reissued": self.reissued, "lags": ray.get(queue.lags.remote()),
-                  "queue": ray.get(queue.stats.remote()),
-                  "worker_failures": {r: p.failures for r, p in self.pools.items()},
-                  "weight_sync": "collective" if self.collective else "object_store"}
-        tmp = self.run_dir / (CONSUMED_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, self.run_dir / CONSUMED_FILE)
-        twice = {b: n for b, n in self.consumed.items() if n != 1}
-        if twice:
-            raise RuntimeError(f"batch ids consumed more than once: {twice}")
-
     def _hook(self, name: str, **info) -> None:
         fn = self.hooks.get(name)
         if fn is not None:
@@ -561,12 +546,14 @@ class Pipeline:
 
 def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     resume: bool = False, stop_after: int | None = None,
-                    hooks: dict[str, Callable] | None = None) -> list[dict]:
+                    hooks: dict[str, Callable] | None = None, interrupt=None) -> list[dict]:
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
     run_dir/metrics.parquet), like `opd.reference.run_reference`.  `resume` continues from the
     run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
-    ("after_submit", "after_step") to callables(pipeline, **info) (tests inject faults there)."""
-    pipeline = Pipeline(cfg, run_dir, progress=progress, hooks=hooks)
+    ("after_submit", "after_step") to callables(pipeline, **info) (tests inject faults there);
+    `interrupt` (actors.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
+    raises opd.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
+    pipeline = Pipeline(cfg, run_dir, progress=progress, hooks=hooks, interrupt=interrupt)
     try:
         return pipeline.run(resume=resume, stop_after=stop_after)
     finally:

@@ -5,13 +5,17 @@ once with `ActorUnavailableError`.  So a worker that failed is taken out of the 
 ("down"), probed with a cheap call after a back-off, and put back ("up") when the probe
 answers — for a rollout worker only after its weights reload has been submitted.  A worker
 whose probes keep failing with `ActorDiedError` (its restarts used up) is "dead".
+
+An elastic pool also has workers being added ("starting": placed and constructing, given their
+weights before any job, up when the load answers) and workers taken out for good while idle
+("retired").
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 
-UP, DOWN, DEAD = "up", "down", "dead"
+UP, DOWN, DEAD, STARTING, RETIRED = "up", "down", "dead", "starting", "retired"
 
 
 class WorkerPool:
@@ -33,7 +37,32 @@ class WorkerPool:
         return [i for i, s in enumerate(self.state) if s == UP]
 
     def alive(self) -> list[int]:
-        return [i for i, s in enumerate(self.state) if s != DEAD]
+        """Workers that are or will be up again (not dead, not retired)."""
+        return [i for i, s in enumerate(self.state) if s not in (DEAD, RETIRED)]
+
+    def starting(self) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s == STARTING]
+
+    def loadable(self) -> list[int]:
+        """Workers that take weight loads: up or starting."""
+        return [i for i, s in enumerate(self.state) if s in (UP, STARTING)]
+
+    def add(self, actor) -> int:
+        """Append a new worker to `actors` (for the rollout pool that is the `ActorGroups`
+        list), starting: no jobs until `started`; returns its index."""
+        self.actors.append(actor)
+        self.state.append(STARTING)
+        return len(self.actors) - 1
+
+    def started(self, i: int) -> None:
+        if self.state[i] == STARTING:
+            self.state[i] = UP
+
+    def retire(self, i: int) -> None:
+        """Take worker i out for good (it gets no jobs and no probes)."""
+        self.state[i] = RETIRED
+        self.probe_at.pop(i, None)
+        self.probing.discard(i)
 
     @property
     def exhausted(self) -> bool:
@@ -51,7 +80,7 @@ class WorkerPool:
         """Worker i failed a call: out of the rotation until a probe answers."""
         if self.state[i] == UP:
             self.failures += 1
-        if self.state[i] != DEAD:
+        if self.state[i] not in (DEAD, RETIRED):
             self.state[i] = DOWN
             if i not in self.probing:
                 self.probe_at.setdefault(i, time.perf_counter() + self.backoff_s)
@@ -73,7 +102,8 @@ class WorkerPool:
     def probe_answered(self, i: int) -> None:
         self.probing.discard(i)
         self.died[i] = 0
-        self.state[i] = UP
+        if self.state[i] != RETIRED:
+            self.state[i] = UP
 
     def probe_failed(self, i: int, died: bool) -> None:
         """A probe failed: restarting (try again later) or, `died_probes` times in a row with

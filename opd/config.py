@@ -118,7 +118,7 @@ class RolloutConfig:
     """Rollout engine: HB-SJD, Cached AR, batch-synchronous SJD or independent batched SJD."""
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
-    window: int = bounded(16, ge=1)
+    window: int = bounded(4, ge=1)
     """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts)."""
     history_offset: int | None = bounded(None, ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
@@ -142,6 +142,14 @@ class RolloutConfig:
     """Ray GPUs per rollout worker (fractions share a device)."""
     sub_batches: int = bounded(0, ge=0)
     """Parts a step's prefix batch is split into across workers (Ray); 0 = one per worker of the larger pool (rollout or teacher)."""
+    elastic_grow_wait: float = bounded(0.5, gt=0.0, le=1.0)
+    """Elastic pool ("min..max"): add a worker after steps where the learner waited on student rollouts for at least this fraction of the step."""
+    elastic_shrink_wait: float = bounded(0.1, ge=0.0, le=1.0)
+    """Elastic pool: a step where the learner waited on rollouts for less than this fraction is idle for the rollout workers."""
+    elastic_patience: int = bounded(2, ge=1)
+    """Elastic pool: steps in a row at or over elastic_grow_wait before a worker is added."""
+    elastic_idle_steps: int = bounded(5, ge=1)
+    """Elastic pool: idle steps in a row before an added worker is retired (never below min)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -25,12 +26,19 @@ from opd.artifacts import plot_training, sample_grid
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
-from opd.models.checkpoint import load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.steps import (RolloutJob, batch_source, build_engine, build_objective, learn,
                        make_optimizer, needs_teacher_scores, prefix_len_for, rollout, score)
 
 CHECKPOINTS = "checkpoints"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run after it checkpointed step `step` (resume with `--resume run_dir`)."""
+
+    def __init__(self, step: int, checkpoint: str, run_dir: str | Path):
+        super().__init__(f"interrupted at step {step}; checkpoint {checkpoint}")
+        self.step, self.checkpoint, self.run_dir = step, str(checkpoint), str(run_dir)
 
 
 def check_objective(cfg: RunConfig, objective) -> None:
@@ -88,10 +96,12 @@ def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> i
 
 
 def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
-                  resume: bool = False, stop_after: int | None = None) -> list[dict]:
+                  resume: bool = False, stop_after: int | None = None,
+                  stop: Callable[[], bool] | None = None) -> list[dict]:
     """Run cfg.distill.steps OPD steps in this process; returns the per-step metric rows (also
     in run_dir/metrics.parquet).  `resume` continues from the run's latest checkpoint;
-    `stop_after` ends the loop early after that many steps (tests of exact resume)."""
+    `stop_after` ends the loop early after that many steps (tests of exact resume); `stop()`,
+    asked before every step, True: checkpoint that step and raise RunInterrupted (Ctrl-C)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
@@ -119,6 +129,11 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     bar = tqdm(range(start, steps), desc="opd reference", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.distill.steps)
     for step in bar:
+        if stop is not None and stop():
+            bar.close()
+            log.flush()
+            raise RunInterrupted(step, save_checkpoint(run_dir, step, student, optimizer, batcher),
+                                 run_dir)
         pb = next(batcher)
         source = batch_source(objective, step, seed)
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, prefix_len, source, seed)

@@ -4,10 +4,15 @@
     opd train                                   # the embedded digits default
     opd train --config tiny run.mode=reference
     opd train --resume runs/digits-gkd-20261130-101500
+
+Ctrl-C (SIGINT) during the steps: the current step is finished and checkpointed, the command
+names the checkpoint and the `--resume` command and exits with 130 (a second Ctrl-C aborts).
+Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see README "Cluster".
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 from launch.commands import add_config_args
 
@@ -24,8 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from actors.interrupt import GracefulInterrupt
     from opd.config import load_config
     from opd.preflight import check_inputs
+    from opd.reference import RunInterrupted
     from opd.rundir import prepare_run_dir
     from opd.summary import print_summary
 
@@ -34,12 +41,18 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(f"{args.resume}/config.yaml", [f"run.dir={args.resume}"])
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg, resume=bool(args.resume))
-    print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})")
-    if cfg.run.mode == "reference":
-        from opd.reference import run_reference
-        rows = run_reference(cfg, run_dir, resume=bool(args.resume))
-    else:
-        from actors.pipeline import run_distributed
-        rows = run_distributed(cfg, run_dir, resume=bool(args.resume))
+    print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})", flush=True)
+    try:
+        with GracefulInterrupt() as stop:
+            if cfg.run.mode == "reference":
+                from opd.reference import run_reference
+                rows = run_reference(cfg, run_dir, resume=bool(args.resume), stop=stop.check)
+            else:
+                from actors.pipeline import run_distributed
+                rows = run_distributed(cfg, run_dir, resume=bool(args.resume), interrupt=stop)
+    except RunInterrupted as e:
+        print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "
+              f"continue with: opd train --resume {e.run_dir}", file=sys.stderr, flush=True)
+        return 130
     print_summary(rows, run_dir)
     return 0

@@ -1,0 +1,97 @@
+"""Checkpoints, the consumed-ids record, learner failures and Ctrl-C of a distributed run.
+
+`RunRecords` is the part of `actors.pipeline.Pipeline` that writes what outlives the run:
+
+    checkpoints/step_<n>/     DeepSpeed checkpoint of every learner rank + state.json (step,
+                              policy version, data cursor, consumed batch ids, mode "ray")
+    consumed.json             every prefix batch id with its use count (must be 1), re-issued
+                              jobs, sample lags, queue stats, worker failures, rollout pool events
+
+Its methods use the pipeline's state (learners, cursor, consumed, pools, queue, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import ray
+from ray.exceptions import RayActorError
+
+from opd.config import ConfigError
+from opd.reference import RunInterrupted
+
+CONSUMED_FILE = "consumed.json"
+CHECKPOINTS = "checkpoints"
+
+
+class LearnerFailure(RuntimeError):
+    """The learner group failed and the run stopped; `checkpoint` is the last one written."""
+
+    def __init__(self, message: str, checkpoint: str | None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class RunRecords:
+    """Mixin of `Pipeline`: checkpoints, consumed.json, learner failures, Ctrl-C."""
+
+    def _learner_failure(self, what: str, step: int, error: Exception) -> LearnerFailure:
+        return LearnerFailure(
+            f"the learner group failed ({what}, step {step}: {type(error).__name__}); the run "
+            f"stopped. Last checkpoint: {self.last_checkpoint or 'none'}"
+            + (f" (continue with `--resume {self.run_dir}`)" if self.last_checkpoint else ""),
+            self.last_checkpoint)
+
+    def _interrupted(self) -> RunInterrupted:
+        """Ctrl-C: the step in training finishes, the current step is checkpointed."""
+        if self.training is not None:
+            for ref, task in list(self.tasks.items()):
+                if task.kind == "train":
+                    del self.tasks[ref]
+                    self.training["results"][task.worker] = ray.get(ref)
+            self._train_finished()
+        if not (self.last_checkpoint or "").endswith(f"step_{self.version:06d}"):
+            self._save_checkpoint()
+        self.bar.close()
+        self.log.flush()
+        self._write_consumed()
+        return RunInterrupted(self.version, self.last_checkpoint, self.run_dir)
+
+    def _save_checkpoint(self) -> None:
+        step = self.version
+        state = {"step": step, "policy_version": step, "data": self.cursor[step],
+                 "consumed": sorted(self.consumed.elements()), "mode": "ray"}
+        directory = str(self.run_dir / CHECKPOINTS)
+        try:
+            paths = ray.get([a.save_checkpoint.remote(directory, f"step_{step:06d}", state)
+                             for a in self.learners])
+        except RayActorError as e:
+            raise self._learner_failure("checkpoint", step, e) from e
+        self.last_checkpoint = paths[0]
+
+    def _load_checkpoint(self, path: Path) -> int:
+        if not (path / "state.json").is_file() or (path / "state.pt").is_file():
+            raise ConfigError(f"{path} was written by the reference loop, not by a run.mode=ray run; "
+                              f"resume it with run.mode=reference", "run.resume")
+        state = ray.get([a.load_checkpoint.remote(str(path)) for a in self.learners])[0]
+        self.batcher.load_state_dict(state["data"])
+        self.consumed.update(state.get("consumed", []))
+        self.last_checkpoint = str(path)
+        return int(state["step"])
+
+    def _write_consumed(self) -> None:
+        queue = self.groups.queue
+        record = {"consumed": {str(k): v for k, v in sorted(self.consumed.items())},
+                  "reissued": self.reissued, "lags": ray.get(queue.lags.remote()),
+                  "queue": ray.get(queue.stats.remote()),
+                  "worker_failures": {r: p.failures for r, p in self.pools.items()},
+                  "rollout_workers": (self.elastic.summary() if self.elastic is not None
+                                      else {"min": len(self.rollout), "max": len(self.rollout)}),
+                  "weight_sync": "collective" if self.collective else "object_store"}
+        tmp = self.run_dir / (CONSUMED_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, self.run_dir / CONSUMED_FILE)
+        twice = {b: n for b, n in self.consumed.items() if n != 1}
+        if twice:
+            raise RuntimeError(f"batch ids consumed more than once: {twice}")
