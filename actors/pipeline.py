@@ -417,7 +417,8 @@ class Pipeline(RunRecords):
                                                     free, t["start"], now - free)
         self.log.append(row)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                             commit=f"{row['mean_committed']:.2f}")
         self._hook("after_step", step=item.step, row=row)
         if self.elastic is not None:
             self.elastic.after_step(item.step, row)

@@ -51,6 +51,16 @@ def sample_grid(model, cfg: RunConfig, path: Path, *, per_class: int = 2, seed: 
     return save_grid(images, path, nrow=classes, upscale=upscale)
 
 
+def start_pictures(cfg: RunConfig, run_dir: Path) -> None:
+    """samples/teacher.png and samples/student_step_000000.png before a run starts (the Ray
+    pipeline's student grids over training are follow-up work; the reference loop draws them
+    at every checkpoint)."""
+    from opd.pretrain import load_role_model
+    for role in ("teacher", "student"):
+        name = "teacher.png" if role == "teacher" else "student_step_000000.png"
+        sample_grid(load_role_model(cfg, role), cfg, Path(run_dir) / "samples" / name)
+
+
 def plot_training(rows: list[dict], path: Path) -> Path | None:
     """Loss and rollout tokens/s over steps (two panels)."""
     if not rows:

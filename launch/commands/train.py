@@ -49,10 +49,15 @@ def run(args: argparse.Namespace) -> int:
                 rows = run_reference(cfg, run_dir, resume=bool(args.resume), stop=stop.check)
             else:
                 from actors.pipeline import run_distributed
+                from opd.artifacts import start_pictures
+                if not args.resume:
+                    start_pictures(cfg, run_dir)
                 rows = run_distributed(cfg, run_dir, resume=bool(args.resume), interrupt=stop)
     except RunInterrupted as e:
         print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "
               f"continue with: opd train --resume {e.run_dir}", file=sys.stderr, flush=True)
         return 130
+    from opd.artifacts import plot_training
+    plot_training(rows, run_dir / "training.png")
     print_summary(rows, run_dir)
     return 0
