@@ -19,7 +19,8 @@ from actors.queue import TrajectoryQueue
 from actors.rollout_worker import RolloutWorker
 from actors.teacher_worker import TeacherWorker
 from opd.config import ConfigError, RunConfig, config_to_dict
-from opd.pretrain import cache_dir, load_role_model
+from opd.cache import cache_dir
+from opd.pretrain import load_role_model
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long a local Ray may take to place the workers."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +16,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from opd.cache import cache_dir
 from opd.config import RunConfig, config_hash
 from opd.data import PrefixBatcher, TokenDataset, dataset_stats, prepare_digits
 from opd.models import GPT, create_model, load_llamagen_checkpoint, load_state_dict_safely
 from opd.models.checkpoint import load_into
 
 ROLES = ("teacher", "student")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd"))
 
 
 def data_paths(cfg: RunConfig) -> tuple[Path, Path]:
@@ -163,4 +159,4 @@ def load_role_model(cfg: RunConfig, role: str, *, progress: bool = True) -> GPT:
 
 
 __all__ = ["train_supervised", "heldout_nll", "pretrained_model", "load_role_model",
-           "open_dataset", "data_paths", "cache_dir", "asdict"]
+           "open_dataset", "data_paths"]

@@ -87,8 +87,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:
     """Restore the student, the optimizer and the data cursor; returns the next step."""
     state = json.loads((path / "state.json").read_text())
-    with torch.serialization.safe_globals([]):
-        blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     student.load_state_dict(blob["model"])
     optimizer.load_state_dict(blob["optimizer"])
     batcher.load_state_dict(state["data"])

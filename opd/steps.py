@@ -7,7 +7,6 @@ Every random choice is keyed by (run seed, step or batch id), never drawn in cal
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from opd.batch import TrajectoryBatch
+from opd.cache import cache_dir
 from opd.config import RunConfig
 from opd.objectives import Objective, get_objective
 from rollout import make_engine
@@ -50,7 +50,7 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
 
 def calibration_file() -> Path:
     """Where `gamma=auto` reads and writes γ: $OPD_CACHE/calibration.json."""
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 def build_engine(cfg: RunConfig, engine: str | None = None):

@@ -26,17 +26,13 @@ from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
+from opd.cache import cache_dir
 from opd.data import digits_images_to_tokens, digits_split, digits_tokens_to_images
 
 DIGITS_EXTRACTOR = "digits-cnn"
 INCEPTION_EXTRACTOR = "inception-v3-compat"
 INCEPTION_CONFIG_KEY = "eval.inception_weights"
 DIGITS_SIDE = 16
-
-
-def cache_dir() -> Path:
-    """`$OPD_CACHE` if set, else `~/.cache/opd`."""
-    return Path(os.environ.get("OPD_CACHE") or Path.home() / ".cache" / "opd")
 
 
 # ---------------------------------------------------------------------------------------------
