@@ -132,7 +132,7 @@ def train_digits_cnn(cfg: DigitsTraining = DigitsTraining()) -> tuple[DigitsCNN,
     """
     images, labels = digits_dataset()
     train_idx, hold_idx = (torch.from_numpy(i) for i in digits_split(labels.numpy()))
-    with _deterministic_single_thread():
+    with _deterministic_single_thread(), torch.enable_grad():  # callers may be under no_grad
         torch.manual_seed(cfg.seed)
         model = DigitsCNN()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
