@@ -57,8 +57,8 @@ from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
 from opd.pretrain import open_dataset
 from opd.reference import check_objective, latest_checkpoint, step_row
-from opd.steps import (RolloutJob, batch_source, build_objective, needs_teacher_scores,
-                       prefix_len_for, rollout)
+from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
+                       needs_teacher_scores, rollout)
 
 WAIT_S = 30.0
 BROADCAST_GRACE_S = 60.0
@@ -147,7 +147,7 @@ class Pipeline(RunRecords):
         self.elastic = ElasticRollout.for_run(self)
         train = open_dataset(cfg, "train")
         self.batcher = PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed)
-        self.prefix_len = prefix_len_for(cfg.data.prefix_ratio, train.seq_len)
+        self.seq_len = train.seq_len
         self.log = MetricsLog(self.run_dir, flush_every=cfg.run.log_every, resume=resume)
         self.consumed: Counter[int] = Counter()
         self.last_checkpoint: str | None = None
@@ -303,7 +303,8 @@ class Pipeline(RunRecords):
                     return
             pb = next(self.batcher)
             self.cursor[s + 1] = self.batcher.state_dict()
-            job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, self.prefix_len, source, cfg.run.seed)
+            job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
+                             batch_prefix_len(cfg, pb.batch_id, self.seq_len), source, cfg.run.seed)
             pool = self.pools["rollout"]             # workers still starting take no part yet
             parts = cfg.rollout.sub_batches or max(len(pool.alive()) - len(pool.starting()),
                                                    len(self.teacher))

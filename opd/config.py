@@ -84,8 +84,8 @@ class ModelConfig:
     """Image token ids (17 grey levels for digits; 16384 for the VQ-16 codebook)."""
     num_classes: int = bounded(10, ge=1)
     """Class labels 0..num_classes-1; label num_classes is the null class used by CFG."""
-    grid_size: int = bounded(16, ge=1)
-    """Token grid side; a sequence has grid_size ** 2 image tokens."""
+    grid_size: int = bounded(8, ge=1)
+    """Token grid side; a sequence has grid_size ** 2 image tokens (digits: 8 native pixels, or 16)."""
     vq_ckpt: str | None = None
     """VQ-16 tokenizer checkpoint to decode tokens to pixels; None = tokens are pixels (digits)."""
     dtype: DType = "float32"
@@ -98,14 +98,19 @@ class DataConfig:
 
     dataset: Literal["digits", "parquet"] = "digits"
     """`digits`: the embedded UCI digits set (`opd prepare digits`); `parquet`: LlamaGen codes."""
-    data_dir: str = "data/digits"
-    """Directory written by `opd prepare`."""
+    data_dir: str = "data/digits8"
+    """Directory written by `opd prepare` (digits: prepared there on first use for model.grid_size)."""
     train: str = ""
     """Training split file; "" = derived from data_dir."""
     heldout: str = ""
     """Held-out split file (evaluation references); "" = derived from data_dir."""
     prefix_ratio: float = bounded(0.5, ge=0.0, lt=1.0)
-    """Fraction of each sequence taken from data as the prompt; the student generates the rest."""
+    """Fraction of each sequence taken from data as the prompt; the student generates the rest
+    (every training batch, unless prefix_ratios is set; always for held-out on-policy KL)."""
+    prefix_ratios: tuple[float, ...] = bounded((), ge=0.0, lt=1.0)
+    """Training prefix ratios to spread over: each batch takes one, chosen by (run.seed, batch
+    id); () = always prefix_ratio. 0 trains whole images from the class token, which sampling
+    from scratch (evaluation) needs; the paper varies the ratio from 0.75 to 0.20."""
     batch_size: int = bounded(16, ge=1)
     """Sequences per training step (prefix batch size)."""
 

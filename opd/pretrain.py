@@ -31,7 +31,7 @@ def data_paths(cfg: RunConfig) -> tuple[Path, Path]:
     train = Path(d.train) if d.train else Path(d.data_dir) / "train.parquet"
     heldout = Path(d.heldout) if d.heldout else Path(d.data_dir) / "heldout.parquet"
     if d.dataset == "digits" and not (train.is_file() and heldout.is_file()) and not d.train:
-        prepare_digits(d.data_dir)
+        prepare_digits(d.data_dir, cfg.model.grid_size)
     return train, heldout
 
 

@@ -2,7 +2,9 @@
 
 Per step k (policy version k = the number of updates the student has had):
 
-    batch  = next prefix batch from the Parquet data           (real prefix, prefix_ratio · T)
+    batch  = next prefix batch from the Parquet data           (real prefix, ratio · T; the ratio
+                                                               is data.prefix_ratio or one of
+                                                               data.prefix_ratios, by batch id)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
     traj   = rollout(current student, engine, batch)           (eval mode, no label dropout)
     traj   = score(teacher, traj)                              (teacher log-probs, full or top-k)
@@ -27,8 +29,8 @@ from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
 from opd.pretrain import load_role_model, open_dataset
-from opd.steps import (RolloutJob, batch_source, build_engine, build_objective, learn,
-                       make_optimizer, needs_teacher_scores, prefix_len_for, rollout, score)
+from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
+                       learn, make_optimizer, needs_teacher_scores, rollout, score)
 
 CHECKPOINTS = "checkpoints"
 
@@ -55,7 +57,8 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
     gen = traj.num_generated_tokens
     roll = seconds.get("rollout", 0.0)
     return {"step": step, "batch_id": traj.batch_id, "policy_version": traj.policy_version,
-            "source": traj.source, **{k: v for k, v in metrics.items()},
+            "source": traj.source, "prefix_len": traj.prefix_len,
+            **{k: v for k, v in metrics.items()},
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
             "rounds": s.get("rounds", 0), "mean_committed": s.get("mean_committed", 0.0),
@@ -113,7 +116,6 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     train = open_dataset(cfg, "train")
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
-    prefix_len = prefix_len_for(cfg.data.prefix_ratio, train.seq_len)
     start = 0
     log = MetricsLog(run_dir, flush_every=cfg.run.log_every, resume=resume)
     if resume:
@@ -135,7 +137,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                                  run_dir)
         pb = next(batcher)
         source = batch_source(objective, step, seed)
-        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens, prefix_len, source, seed)
+        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
+                         batch_prefix_len(cfg, pb.batch_id, train.seq_len), source, seed)
         seconds = {}
         t0 = time.perf_counter()
         traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,

@@ -33,6 +33,18 @@ def keyed_seed(*keys: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+PREFIX_KEY = 0x5052   # keyed_seed's third key for the prefix-ratio choice ("PR")
+
+
+def batch_prefix_len(cfg: RunConfig, batch_id: int, seq_len: int) -> int:
+    """Real prefix tokens of training batch `batch_id`: `data.prefix_ratios[i]` with i chosen
+    by (run.seed, batch id), or `data.prefix_ratio` when no spread is set.  Keyed, so the
+    reference loop and every Ray worker agree, also after a resume or a re-issue."""
+    ratios = cfg.data.prefix_ratios or (cfg.data.prefix_ratio,)
+    ratio = ratios[keyed_seed(cfg.run.seed, batch_id, PREFIX_KEY) % len(ratios)]
+    return prefix_len_for(ratio, seq_len)
+
+
 def build_objective(cfg: RunConfig) -> Objective:
     """The configured objective with its knobs (distill.* and distill.objective_options)."""
     d = cfg.distill

@@ -1,6 +1,6 @@
 """`opd prepare`: write a dataset in the layout the runs read.
 
-    opd prepare digits [--out DIR]
+    opd prepare digits [--grid 8|16] [--out DIR]
     opd prepare llamagen-codes --codes DIR --labels DIR --out FILE
 """
 from __future__ import annotations
@@ -14,8 +14,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     which = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
     d = which.add_parser("digits", help="the embedded UCI digits set (scikit-learn, offline)",
                          description="Write the UCI digits set as class-labelled token grids.")
-    d.add_argument("--out", default="data/digits", metavar="DIR",
-                   help="output directory (default: data/digits, the default data.data_dir)")
+    d.add_argument("--out", metavar="DIR",
+                   help="output directory (default: data/digits8 or data/digits16, as data.data_dir)")
+    d.add_argument("--grid", type=int, choices=(8, 16), default=8,
+                   help="token grid: 8 = the native 8x8 pixels (digits8-v1, the default), 16 = "
+                        "bilinear 16x16 (digits16-v1, 256 tokens like LlamaGen at 256 px)")
     c = which.add_parser("llamagen-codes", help="LlamaGen pre-extracted VQ codes -> Parquet",
                          description="Pack LlamaGen's extracted VQ codes (.npy per image) and "
                                      "labels into one Parquet file.")
@@ -30,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     if args.dataset == "digits":
         from opd.data import prepare_digits
-        result = prepare_digits(args.out)
+        result = prepare_digits(args.out or f"data/digits{args.grid}", args.grid)
     else:
         from opd.data import prepare_llamagen_codes
         result = prepare_llamagen_codes(args.codes, args.labels, args.out,

@@ -13,9 +13,13 @@ Format (one row per image, or per (image, augmentation)):
 The Parquet schema metadata key ``b"opd"`` holds JSON
 ``{"format": 1, "vocab_size", "num_classes", "grid_size", "tokenizer"}``.
 
-Embedded default dataset, tokenization ``digits16-v1`` (``prepare_digits``):
-    scikit-learn's bundled UCI digits (1797 images, 8x8, grey levels 0..16, 10 classes).
-    Each image is upsampled to 16x16 by separable bilinear interpolation with corner pixels
+Embedded default dataset (``prepare_digits``): scikit-learn's bundled UCI digits (1797 images,
+8x8, grey levels 0..16, 10 classes), in one of two tokenizations:
+
+``digits8-v1`` (grid_size 8, the default): token = the grey level of each of the 64 pixels,
+    raster order -> 64 tokens, vocab_size 17. Decoded images are upsampled to 16x16 levels
+    exactly as digits16-v1 tokenizes, so a data image decodes to the same pixels in both.
+``digits16-v1`` (grid_size 16): each image is upsampled to 16x16 by separable bilinear interpolation with corner pixels
     aligned (``F.interpolate(mode="bilinear", align_corners=True)``; source coordinate of output
     index i is i*7/15), i.e. ``up = A @ img @ A.T`` with A the (16, 8) linear-interpolation
     matrix. Every value of ``up`` is k/225 for an integer k, so it is never exactly half-way
@@ -33,17 +37,18 @@ LlamaGen layout (``prepare_llamagen_codes``): ``extract_codes_c2i.py`` writes
 from __future__ import annotations
 
 from opd.data.batches import PrefixBatch, PrefixBatcher, iterate_batches
-from opd.data.digits import (DIGITS_CLASSES, DIGITS_GRID, DIGITS_HELDOUT_PER_CLASS,
-                             DIGITS_SPLIT_SEED, DIGITS_VOCAB, bilinear_matrix, digits_images_to_tokens,
-                             digits_split, digits_tokens_to_images, digits_upsample, prepare_digits)
-from opd.data.format import (DIGITS_TOKENIZER, FORMAT_VERSION, LLAMAGEN_TOKENIZER, METADATA_KEY,
+from opd.data.digits import (DIGITS_CLASSES, DIGITS_GRID, DIGITS_HELDOUT_PER_CLASS, DIGITS_SIDE,
+                             DIGITS_SPLIT_SEED, DIGITS_TOKENIZERS, DIGITS_VOCAB, bilinear_matrix,
+                             digits_images_to_tokens, digits_split, digits_tokens_to_images, digits_upsample, prepare_digits)
+from opd.data.format import (FORMAT_VERSION, LLAMAGEN_TOKENIZER, METADATA_KEY,
                              REQUIRED_COLUMNS, DataError, DatasetMeta, TokenDataset, dataset_stats,
                              write_token_parquet)
 from opd.data.llamagen import prepare_llamagen_codes
 
 __all__ = [
-    "DIGITS_CLASSES", "DIGITS_GRID", "DIGITS_HELDOUT_PER_CLASS", "DIGITS_SPLIT_SEED", "DIGITS_VOCAB",
-    "DIGITS_TOKENIZER", "FORMAT_VERSION", "LLAMAGEN_TOKENIZER", "METADATA_KEY", "REQUIRED_COLUMNS",
+    "DIGITS_CLASSES", "DIGITS_GRID", "DIGITS_HELDOUT_PER_CLASS", "DIGITS_SIDE", "DIGITS_SPLIT_SEED",
+    "DIGITS_TOKENIZERS", "DIGITS_VOCAB",
+    "FORMAT_VERSION", "LLAMAGEN_TOKENIZER", "METADATA_KEY", "REQUIRED_COLUMNS",
     "DataError", "DatasetMeta", "PrefixBatch", "PrefixBatcher", "TokenDataset", "bilinear_matrix",
     "dataset_stats", "digits_images_to_tokens", "digits_split", "digits_tokens_to_images",
     "digits_upsample", "iterate_batches", "prepare_digits", "prepare_llamagen_codes",

@@ -19,7 +19,6 @@ import torch
 METADATA_KEY = b"opd"
 FORMAT_VERSION = 1
 REQUIRED_COLUMNS = ("label", "tokens")
-DIGITS_TOKENIZER = "digits16-v1"
 LLAMAGEN_TOKENIZER = "llamagen-vq-ds16"
 _MAKE_HINT = "write it with opd.data.write_token_parquet (or `opd prepare`)"
 

@@ -3,7 +3,7 @@
 Nothing here downloads.  ImageNet-scale runs use torch-fidelity's `inception-v3-compat` with the
 weights file named by the config key `eval.inception_weights`.  The embedded digits default uses
 `digits-cnn`: a small CNN trained deterministically on the train split of sklearn's digits
-(decoded exactly as the digits16-v1 tokens decode, `opd.data`), cached under `$OPD_CACHE` (default `~/.cache/opd/`), and registered with
+(decoded exactly as digits tokens decode, `opd.data`: 16×16 pixels for both tokenizations), cached under `$OPD_CACHE` (default `~/.cache/opd/`), and registered with
 torch-fidelity like its own extractors.  It provides
 
     'penultimate'  (B, 64) float32   FID / KID / precision-recall features
@@ -92,7 +92,7 @@ class DigitsTraining:
 
 
 def digits_dataset() -> tuple[Tensor, Tensor]:
-    """sklearn's digits exactly as the digits16-v1 tokens decode (`opd.data`).
+    """sklearn's digits exactly as digits tokens decode (`opd.data`; 16×16 pixels).
 
     Returns images (1797, 3, 16, 16) uint8 and labels (1797,) int64, in sklearn's order; the
     train / held-out rows are `opd.data.digits_split(labels)`.

@@ -1,7 +1,7 @@
 """Model arguments and named presets, in the mould of LlamaGen's `ModelArgs` / `GPT_models`.
 
 The LlamaGen presets (FACTS.md §1) have head_dim 64 and the VQ-16 vocabulary; the `GPT-digits-*`
-presets are the embedded default (17 grey levels on a 16×16 grid, 10 classes) and `GPT-tiny`
+presets are the embedded default (17 grey levels on an 8×8 grid by default, 10 classes) and `GPT-tiny`
 is for tests.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ModelArgs:
 
 
 _LLAMAGEN = dict(vocab_size=16384, num_classes=1000, grid_size=16)
-_DIGITS = dict(vocab_size=17, num_classes=10, grid_size=16, multiple_of=32)
+_DIGITS = dict(vocab_size=17, num_classes=10, grid_size=8, multiple_of=32)
 
 PRESETS: dict[str, dict] = {
     # LlamaGen class-conditional presets (c2i); grid_size 16 = 256 px, 24 = 384 px.

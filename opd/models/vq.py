@@ -19,7 +19,7 @@ block more per level, walked from the lowest resolution up):
     decoder.norm_out, decoder.conv_out    128 → 3
 
 `DigitsDecoder` is the same interface for the embedded digits dataset, whose tokens are pixels:
-token t ∈ 0..16 is the grey value t·255/16 (tokenization digits16-v1 in `opd.data`).
+token t ∈ 0..16 is the grey value t·255/16 (tokenizations digits8-v1 / digits16-v1 in `opd.data`).
 """
 from __future__ import annotations
 
@@ -299,10 +299,10 @@ def load_vq_checkpoint(path: str | os.PathLike, *, device: str | torch.device = 
 
 
 # ---------------------------------------------------------------------------------------------
-# Digits (embedded default dataset): 17 grey levels, one token per pixel of a 16×16 image.
+# Digits (embedded default dataset): 17 grey levels, one token per pixel of an 8×8 or 16×16 grid.
 
 class DigitsDecoder(nn.Module):
-    """The inverse of the digits16-v1 tokenization (`opd.data`), with VQModel's `decode_codes` interface.
+    """The inverse of the digits tokenizations (`opd.data`), with VQModel's `decode_codes` interface.
 
     Token t ∈ 0..16 is a grey level; its pixel is ⌊t·255/16 + ½⌋, which equals
     `to_uint8(decode_codes(t))`.  No weights.
@@ -319,6 +319,6 @@ class DigitsDecoder(nn.Module):
         return x.expand(-1, 3, -1, -1).contiguous()
 
     def decode_uint8(self, codes: Tensor) -> Tensor:
-        """codes (B, 256) in 0..16 → uint8 (B, 3, 16, 16) via `opd.data.digits_tokens_to_images`."""
+        """codes (B, 64 or 256) in 0..16 → uint8 (B, 3, 16, 16) via `opd.data.digits_tokens_to_images`."""
         grey = torch.from_numpy(digits_tokens_to_images(codes))  # (B, 16, 16)
         return grey.unsqueeze(1).expand(-1, 3, -1, -1).contiguous()

@@ -67,14 +67,16 @@ def test_every_registered_command_has_help(capsys):
 def test_prepare_dispatches_to_opd_data(monkeypatch, capsys, tmp_path):
     calls = []
     fake = types.ModuleType("opd.data")
-    fake.prepare_digits = lambda out: calls.append(("digits", out)) or {"train": Path(out) / "t"}
+    fake.prepare_digits = lambda out, grid: calls.append(("digits", out, grid)) or {"train": Path(out) / "t"}
     fake.prepare_llamagen_codes = lambda c, l, o, **kw: calls.append(("codes", c, l, o, kw)) or Path(o)
     monkeypatch.setitem(sys.modules, "opd.data", fake)
     assert cli.main(["prepare", "digits", "--out", str(tmp_path)]) == 0
     assert cli.main(["prepare", "digits"]) == 0
+    assert cli.main(["prepare", "digits", "--grid", "16"]) == 0
     assert cli.main(["prepare", "llamagen-codes", "--codes", "c", "--labels", "l", "--out", "o.parquet",
                      "--vocab-size", "8"]) == 0
-    assert calls == [("digits", str(tmp_path)), ("digits", "data/digits"),
+    assert calls == [("digits", str(tmp_path), 8), ("digits", "data/digits8", 8),
+                     ("digits", "data/digits16", 16),
                      ("codes", "c", "l", "o.parquet", {"vocab_size": 8, "num_classes": 1000})]
     assert f"wrote {tmp_path / 't'}" in capsys.readouterr().out
 

@@ -200,7 +200,7 @@ def test_pretrained_snapshots(tiny_overrides):
     """checkpoint: pretrained with values null: the student pretrained 1/5, 1/2 and all of the
     run config's student steps (tiny: 2, 5, 10), each cached, each its own weights."""
     b = load_paper_bench("digits_paper", dict(
-        pretrain_config="tiny", pretrain_overrides=list(tiny_overrides), batch=2,
+        pretrain_config="tiny", pretrain_overrides=list(tiny_overrides), overrides={}, batch=2,
         prefix_ratio=0.9, repeats=1, warmup=0, gamma=2, ablations=["checkpoints"]))
     report = run_paper(b, log=lambda *_: None)
     rows = report["ablations"]["checkpoints"]["rows"]
@@ -208,7 +208,7 @@ def test_pretrained_snapshots(tiny_overrides):
     assert [r["paper"] for r in rows[1::2]] == ["1.53× (2K steps)", "1.5× (12K steps)",
                                                 "1.483× (22K steps)"]
     assert all(r["equal_ar"] for r in rows[1::2])
-    assert rows[0]["new_tokens"] == 26
+    assert rows[0]["new_tokens"] == 6                          # 64 tokens, prefix ratio 0.9
 
 
 def test_gpu_script_runs_the_suite_on_cpu(tmp_path):
@@ -234,13 +234,14 @@ def test_bench_step_reference(tiny_overrides, tmp_path):
     from launch.cli import main
     out = tmp_path / "step"
     code = main(["bench", "step", "--config", "tiny", "--modes", "reference", "--steps", "2",
-                 "--warmup-steps", "1", "--out", str(out), *tiny_overrides, "rollout.gamma=2"])
+                 "--warmup-steps", "1", "--out", str(out), *tiny_overrides, "rollout.gamma=2",
+                 "data.prefix_ratios=[]"])
     assert code == 0
     report = json.loads((out / "step.json").read_text())
     res = {r["engine"]: r for r in report["results"]}
     assert set(res) == {"cached_ar", "hbsjd"}
     cfg = load_config("tiny", tiny_overrides)
-    N = 256 - round(cfg.data.prefix_ratio * 256)
+    N = 64 - round(cfg.data.prefix_ratio * 64)
     for r in res.values():
         assert r["steps_measured"] == 2 and len(r["rows"]) == 2
         assert [row["step"] for row in r["rows"]] == [1, 2]

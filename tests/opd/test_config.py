@@ -194,8 +194,8 @@ def test_cross_field_checks():
     assert load_config(None, ["teacher.transport=topk", "teacher.topk=8"]).teacher.topk == 8
     assert error(["rollout.top_k=18"]).startswith("rollout.top_k=18: must be <= model.vocab_size (17)")
     assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
-    assert error(["rollout.history_offset=256"]) == ("rollout.history_offset=256: must be < the "
-                                                     "sequence length model.grid_size ** 2 (256)")
+    assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
+                                                    "sequence length model.grid_size ** 2 (64)")
 
 
 def test_validate_catches_bad_values_built_in_code():

@@ -36,7 +36,7 @@ def digits_paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def digits_train(digits_paths):
-    return TokenDataset(digits_paths["train"], vocab_size=17, num_classes=10, grid_size=16)
+    return TokenDataset(digits_paths["train"], vocab_size=17, num_classes=10, grid_size=8)
 
 
 def _small(tmp_path, n=10, grid=2, vocab=5, classes=3, name="small.parquet"):
@@ -60,7 +60,7 @@ def _raw_parquet(path, columns: dict, meta: dict | None = None):
 TOY_META = {"vocab_size": 5, "num_classes": 3, "grid_size": 2, "tokenizer": "toy"}
 
 
-# ----------------------------------------------------------------------------- digits16-v1
+# ----------------------------------------------------------------------------- digits8-v1, digits16-v1
 
 
 def test_upsample_equals_torch_bilinear_align_corners():
@@ -73,7 +73,7 @@ def test_upsample_equals_torch_bilinear_align_corners():
 
 def test_digits_tokens_shape_range_and_rounding():
     images = load_digits().images
-    tokens = digits_images_to_tokens(images)
+    tokens = digits_images_to_tokens(images, 16)
     assert tokens.shape == (1797, 256) and tokens.dtype == np.int64
     assert tokens.min() == 0 and tokens.max() == 16
     up = digits_upsample(images).reshape(1797, 256)
@@ -85,9 +85,21 @@ def test_digits_tokens_shape_range_and_rounding():
     np.testing.assert_array_equal(tokens.reshape(-1, 16, 16)[:, 15, 15], images[:, 7, 7])
 
 
+def test_digits8_tokens_are_the_pixels_and_decode_like_digits16():
+    images = load_digits().images
+    tokens = digits_images_to_tokens(images)
+    assert tokens.shape == (1797, 64) and tokens.dtype == np.int64
+    np.testing.assert_array_equal(tokens, images.reshape(1797, 64).astype(np.int64))
+    # one data image, two tokenizations, the same 16x16 pixels
+    np.testing.assert_array_equal(digits_tokens_to_images(tokens[:300]),
+                                  digits_tokens_to_images(digits_images_to_tokens(images[:300], 16)))
+    with pytest.raises(DataError, match="grid_size=12"):
+        digits_images_to_tokens(images[:2], 12)
+
+
 def test_digits_inverse_within_a_grey_level():
     images = load_digits().images[:200]
-    tokens = digits_images_to_tokens(images)
+    tokens = digits_images_to_tokens(images, 16)
     pixels = digits_tokens_to_images(torch.from_numpy(tokens))
     assert pixels.shape == (200, 16, 16) and pixels.dtype == np.uint8
     levels = pixels.astype(np.float64) * 16 / 255
@@ -98,6 +110,8 @@ def test_digits_inverse_within_a_grey_level():
     assert all_levels[[0, 8, 16]].tolist() == [0, 128, 255]
     with pytest.raises(DataError, match="digits16-v1"):
         digits_tokens_to_images(np.full((1, 256), 17))
+    with pytest.raises(DataError, match=r"\(N, 64\) or \(N, 256\)"):
+        digits_tokens_to_images(np.zeros((1, 100), dtype=np.int64))
 
 
 def test_prepare_digits_split_and_files(digits_paths, digits_train):
@@ -112,9 +126,9 @@ def test_prepare_digits_split_and_files(digits_paths, digits_train):
     np.testing.assert_array_equal(held.ids, held_rows)
     np.testing.assert_array_equal(held.labels, labels[held_rows])
     np.testing.assert_array_equal(held.tokens, digits_images_to_tokens(load_digits().images[held_rows]))
-    assert held.meta.tokenizer == "digits16-v1" and (held.vocab_size, held.num_classes, held.grid_size) == (17, 10, 16)
+    assert held.meta.tokenizer == "digits8-v1" and (held.vocab_size, held.num_classes, held.grid_size) == (17, 10, 8)
     manifest = json.loads(digits_paths["manifest"].read_text())
-    assert manifest["splits"]["train"]["rows"] == 1597 and manifest["tokenizer"] == "digits16-v1"
+    assert manifest["splits"]["train"]["rows"] == 1597 and manifest["tokenizer"] == "digits8-v1"
     # a fixed split: the first held-out sklearn indices never change
     assert digits_split(labels)[1][:5].tolist() == held_rows[:5].tolist()
 
@@ -127,6 +141,9 @@ def test_prepare_digits_is_idempotent_and_repairs(tmp_path):
     first["heldout"].write_bytes(b"corrupted")
     prepare_digits(tmp_path)
     assert TokenDataset(first["heldout"]).num_rows == 200
+    prepare_digits(tmp_path, 16)        # another tokenization: rewritten, not reused
+    held = TokenDataset(first["heldout"])
+    assert (held.meta.tokenizer, held.grid_size, held.tokens.shape) == ("digits16-v1", 16, (200, 256))
 
 
 # ----------------------------------------------------------------------------- format + validation
@@ -230,7 +247,7 @@ def test_dataset_stats_entropies(tmp_path):
 def test_digits_unigram_baseline(digits_train):
     stats = dataset_stats(digits_train)
     assert 0 < stats["positional_entropy_nats"] < stats["unigram_entropy_nats"] < math.log(17)
-    assert stats["vocab_used"] == 17 and stats["num_tokens"] == 1597 * 256
+    assert stats["vocab_used"] == 17 and stats["num_tokens"] == 1597 * 64
 
 
 # ----------------------------------------------------------------------------- batches
@@ -244,7 +261,7 @@ def test_batches_deterministic_and_cover_each_epoch(digits_train):
     assert all(torch.equal(x.tokens, y.tokens) and torch.equal(x.labels, y.labels) for x, y in zip(a, b))
     assert not torch.equal(a[0].labels, c[0].labels)
     first = a[0]
-    assert first.tokens.dtype == torch.int64 and first.tokens.shape == (100, 256) and first.labels.shape == (100,)
+    assert first.tokens.dtype == torch.int64 and first.tokens.shape == (100, 64) and first.labels.shape == (100,)
     np.testing.assert_array_equal(first.tokens.numpy(), digits_train.tokens[first.rows])
     np.testing.assert_array_equal(first.ids.numpy(), digits_train.ids[first.rows])
     # 15 batches per epoch (97 rows dropped); no row twice within an epoch; epochs differ in order

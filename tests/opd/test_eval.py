@@ -48,7 +48,7 @@ def test_digits_dataset_matches_tokenization(digits):
     raw = load_digits()
     assert images.shape == (1797, 3, 16, 16) and images.dtype == torch.uint8
     assert labels.tolist() == raw.target.tolist()
-    tokens = digits_images_to_tokens(raw.images[:3])  # (3, 256) grey levels
+    tokens = digits_images_to_tokens(raw.images[:3], 16)  # (3, 256) grey levels
     want = np.floor(tokens * 255 / 16 + 0.5).reshape(3, 1, 16, 16)
     assert np.array_equal(images[:3].numpy(), np.broadcast_to(want, (3, 3, 16, 16)))
 

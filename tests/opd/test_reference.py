@@ -102,3 +102,19 @@ def test_quality_report_against_a_direct_computation(tiny_overrides):
     assert q["kl_samples"] > 0 and q["teacher_nll_samples"] > 0
     self_q = quality_report(student, student, heldout, cfg, num_rows=6, batch_size=4)
     assert self_q["kl_data"] == pytest.approx(0, abs=1e-12)
+
+
+def test_prefix_ratio_spread_is_keyed_by_batch_id(tiny_overrides, tmp_path):
+    from opd.steps import batch_prefix_len
+    cfg = cfg_for(tiny_overrides, "rollout.engine=cached_ar", "distill.steps=12",
+                  "data.prefix_ratios=0,0.25,0.5")
+    lens = [batch_prefix_len(cfg, b, 64) for b in range(200)]
+    assert set(lens) == {0, 16, 32} and lens == [batch_prefix_len(cfg, b, 64) for b in range(200)]
+    assert min(lens.count(p) for p in (0, 16, 32)) > 40           # each ratio ~1/3 of batches
+    other_seed = load_config("tiny", [*tiny_overrides, "data.prefix_ratios=0,0.25,0.5", "run.seed=1"])
+    assert lens != [batch_prefix_len(other_seed, b, 64) for b in range(200)]
+    fixed = load_config("tiny", [*tiny_overrides, "data.prefix_ratio=0.25", "data.prefix_ratios=[]"])
+    assert {batch_prefix_len(fixed, b, 64) for b in range(50)} == {16}
+    rows = run_reference(cfg, tmp_path, progress=False)
+    assert [r["prefix_len"] for r in rows] == [batch_prefix_len(cfg, r["batch_id"], 64) for r in rows]
+    assert all(r["generated_tokens"] == 4 * (64 - r["prefix_len"]) for r in rows)

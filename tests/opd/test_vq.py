@@ -130,7 +130,7 @@ def test_to_uint8():
 
 def test_digits_decoder_is_exact_inverse():
     tokens = torch.arange(17).repeat(16)[:256].reshape(1, 256)
-    dec = DigitsDecoder()
+    dec = DigitsDecoder(16)
     images = dec.decode_uint8(tokens)
     assert images.shape == (1, 3, 16, 16) and images.dtype == torch.uint8
     want = [int(t * 255 / 16 + 0.5) for t in tokens[0].tolist()]
