@@ -16,7 +16,7 @@ confidence-weighted mean is combined with the same token weights, an approximati
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -29,12 +29,11 @@ from actors.rollout_worker import role_device, worker_info
 from actors.shards import merge_batches, shard_rows, take_rows
 from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
                             tag_weights)
+from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
 from opd.pretrain import load_role_model
 from opd.steps import build_objective, make_optimizer, student_loss
-
-STATE_FILE = "state.json"
 
 
 def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
@@ -140,16 +139,20 @@ class StudentLearner:
 
     # -- weights -------------------------------------------------------------------------------
 
+    def _full_parameters(self) -> contextlib.AbstractContextManager:
+        """Inside it the module holds all its parameters (ZeRO-3 gathers them: every rank must
+        enter it together); a no-op for ZeRO 0-2."""
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+            return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()),
+                                                     modifier_rank=None)
+        return contextlib.nullcontext()
+
     def get_weights(self, version: int) -> dict | None:
         """Rank 0: the full student weights, tagged {"version", "weights": flat float32 numpy
         dict}; other ranks None.  Every rank must call it (ZeRO-3 gathers collectively)."""
-        module = self.engine.module
-        if self.engine.zero_optimization_stage() == 3:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                flat = state_dict_to_numpy(module) if self.rank == 0 else None
-        else:
-            flat = state_dict_to_numpy(module) if self.rank == 0 else None
+        with self._full_parameters():
+            flat = state_dict_to_numpy(self.engine.module) if self.rank == 0 else None
         return None if flat is None else tag_weights(flat, version)
 
     def bucket_plan(self) -> list[Bucket]:
@@ -170,12 +173,8 @@ class StudentLearner:
     def send_weights(self, version: int) -> int:
         """Broadcast the current weights (rank 0 sends; every rank must call it, ZeRO-3 gathers
         collectively).  Returns the bytes sent (0 on ranks > 0)."""
-        module = self.engine.module
-        if self.engine.zero_optimization_stage() == 3:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return self._send(module.state_dict())
-        return self._send(module.state_dict())
+        with self._full_parameters():
+            return self._send(self.engine.module.state_dict())
 
     def _send(self, state: dict) -> int:
         if self.rank != 0:
@@ -187,28 +186,26 @@ class StudentLearner:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
-        """DeepSpeed checkpoint `directory/tag` (every rank calls it) plus `state.json` with
-        `client_state` (rank 0).  Returns the checkpoint path."""
-        self.engine.save_checkpoint(directory, tag=tag, client_state={"opd": client_state})
-        path = Path(directory) / tag
-        if self.rank == 0:
-            tmp = path / (STATE_FILE + ".tmp")
-            tmp.write_text(json.dumps(client_state, indent=2))
-            os.replace(tmp, path / STATE_FILE)
-        return str(path)
+    def save_checkpoint(self, tmp_dir: str) -> str:
+        """Write this rank's part of the checkpoint being made in `tmp_dir` (step_N.tmp, see
+        opd/checkpoints.py): DeepSpeed's files in `optimizer/` (every rank, at the same time),
+        and on rank 0 the student (unwrapped, fp32, CPU) as `student.pt`.  The driver commits
+        the directory once every rank has returned.  Returns `tmp_dir`."""
+        self.engine.save_checkpoint(tmp_dir, tag=ckpt.OPTIMIZER_DIR, save_latest=False)
+        with self._full_parameters():
+            if self.rank == 0:
+                ckpt.write_student(tmp_dir, self.engine.module.state_dict())
+        return tmp_dir
 
-    def load_checkpoint(self, path: str) -> dict:
-        """Restore weights and optimizer state from a checkpoint written by save_checkpoint;
-        returns its client state (state.json)."""
-        path = Path(path)
-        load_path, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name)
+    def load_checkpoint(self, path: str, step: int) -> int:
+        """Restore weights and optimizer state from `path/optimizer` (DeepSpeed's files of a
+        checkpoint written by save_checkpoint) after `step` learner steps; returns `step`."""
+        load_path, _ = self.engine.load_checkpoint(path, tag=ckpt.OPTIMIZER_DIR)
         if load_path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path}")
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {Path(path) / ckpt.OPTIMIZER_DIR}")
         self.engine.eval()
-        state = json.loads((path / STATE_FILE).read_text())
-        self.steps = int(state["step"])
-        return state
+        self.steps = step
+        return step
 
 
 def combine_rank_metrics(results: list[dict]) -> dict:

@@ -52,11 +52,12 @@ from actors.rollout_worker import StaleWeightsError
 from actors.shards import split_job
 from actors.weights import PublishedWeights, weights_nbytes
 from opd.batch import TrajectoryBatch
+from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
 from opd.pretrain import open_dataset
-from opd.reference import check_objective, latest_checkpoint, step_row
+from opd.reference import check_objective, step_row
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
                        needs_teacher_scores, rollout)
 

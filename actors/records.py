@@ -2,7 +2,8 @@
 
 `RunRecords` is the part of `actors.pipeline.Pipeline` that writes what outlives the run:
 
-    checkpoints/step_<n>/     DeepSpeed checkpoint of every learner rank + state.json (step,
+    checkpoints/step_<n>/     the layout of opd/checkpoints.py: student.pt (learner rank 0),
+                              optimizer/ (DeepSpeed's files of every rank), state.json (step,
                               policy version, data cursor, consumed batch ids, mode "ray")
     consumed.json             every prefix batch id with its use count (must be 1), re-issued
                               jobs, sample lags, queue stats, worker failures, rollout pool events
@@ -18,11 +19,11 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
-from opd.config import ConfigError
+from opd import checkpoints as ckpt
+from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.pipeline)
 from opd.reference import RunInterrupted
 
 CONSUMED_FILE = "consumed.json"
-CHECKPOINTS = "checkpoints"
 
 
 class LearnerFailure(RuntimeError):
@@ -59,26 +60,26 @@ class RunRecords:
         return RunInterrupted(self.version, self.last_checkpoint, self.run_dir)
 
     def _save_checkpoint(self) -> None:
+        """Every learner rank saves into checkpoints/step_N.tmp; once all have returned, the
+        driver writes state.json and renames the directory into place (opd.checkpoints.commit)."""
         step = self.version
-        state = {"step": step, "policy_version": step, "data": self.cursor[step],
-                 "consumed": sorted(self.consumed.elements()), "mode": "ray"}
-        directory = str(self.run_dir / CHECKPOINTS)
+        tmp = ckpt.begin(self.run_dir, step)
         try:
-            paths = ray.get([a.save_checkpoint.remote(directory, f"step_{step:06d}", state)
-                             for a in self.learners])
+            ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
         except RayActorError as e:
             raise self._learner_failure("checkpoint", step, e) from e
-        self.last_checkpoint = paths[0]
+        state = ckpt.checkpoint_state(self.cfg, step, self.cursor[step], "ray",
+                                      consumed=sorted(self.consumed.elements()))
+        self.last_checkpoint = str(ckpt.commit(tmp, state))
 
     def _load_checkpoint(self, path: Path) -> int:
-        if not (path / "state.json").is_file() or (path / "state.pt").is_file():
-            raise ConfigError(f"{path} was written by the reference loop, not by a run.mode=ray run; "
-                              f"resume it with run.mode=reference", "run.resume")
-        state = ray.get([a.load_checkpoint.remote(str(path)) for a in self.learners])[0]
+        state = ckpt.read_state(path, mode="ray")
+        step = int(state["step"])
+        ray.get([a.load_checkpoint.remote(str(path), step) for a in self.learners])
         self.batcher.load_state_dict(state["data"])
         self.consumed.update(state.get("consumed", []))
         self.last_checkpoint = str(path)
-        return int(state["step"])
+        return step
 
     def _write_consumed(self) -> None:
         queue = self.groups.queue

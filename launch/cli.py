@@ -3,6 +3,7 @@
     opd prepare digits
     opd train --config tiny rollout.window=8
     opd train --config tiny --print-config
+    opd export --ckpt runs/tiny-… --out student.pt
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None, commands: list[ModuleType] | None = None
 
 
 def _is_user_error(e: BaseException) -> bool:
-    if isinstance(e, FileNotFoundError):
+    if isinstance(e, (FileNotFoundError, FileExistsError, IsADirectoryError)):
         return True
     for module, name in USER_ERRORS:
         cls = getattr(sys.modules.get(module), name, None)  # raised from it => already imported

@@ -15,8 +15,6 @@ by (seed, batch id, image, position, attempt), and the loop itself draws nothing
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,15 +22,15 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from opd import checkpoints as ckpt
 from opd.artifacts import plot_training, sample_grid
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.metrics import MetricsLog
+from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, make_optimizer, needs_teacher_scores, rollout, score)
-
-CHECKPOINTS = "checkpoints"
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -66,33 +64,22 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
             "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
 
 
-def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher) -> Path:
-    """checkpoints/step_<n>/ with the student and optimizer (torch) and a JSON state."""
-    path = run_dir / CHECKPOINTS / f"step_{step:06d}"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": student.state_dict(), "optimizer": optimizer.state_dict()},
-               tmp / "state.pt")
-    (tmp / "state.json").write_text(json.dumps(
-        {"step": step, "policy_version": step, "data": batcher.state_dict()}, indent=2))
-    if path.exists():
-        import shutil
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted((run_dir / CHECKPOINTS).glob("step_*[0-9]"))
-    return found[-1] if found else None
+def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher,
+                    cfg: RunConfig) -> Path:
+    """checkpoints/step_<n>/ (opd/checkpoints.py): student.pt, optimizer/optimizer.pt (torch)
+    and state.json (mode "reference"); returns its path."""
+    tmp = ckpt.begin(run_dir, step)
+    ckpt.write_student(tmp, student.state_dict())
+    torch.save(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
+    return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
 
 
 def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:
     """Restore the student, the optimizer and the data cursor; returns the next step."""
-    state = json.loads((path / "state.json").read_text())
-    blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    student.load_state_dict(blob["model"])
-    optimizer.load_state_dict(blob["optimizer"])
+    state = ckpt.read_state(path, mode="reference")
+    load_into(student, load_state_dict_safely(path / ckpt.STUDENT_FILE), str(path))
+    optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE,
+                                         map_location="cpu", weights_only=True))
     batcher.load_state_dict(state["data"])
     return int(state["step"])
 
@@ -119,9 +106,9 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     start = 0
     log = MetricsLog(run_dir, flush_every=cfg.run.log_every, resume=resume)
     if resume:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            start = load_checkpoint(ckpt, student, optimizer, batcher)
+        last = ckpt.latest_checkpoint(run_dir)
+        if last is not None:
+            start = load_checkpoint(last, student, optimizer, batcher)
         log.truncate(start)
     steps = cfg.distill.steps if stop_after is None else min(cfg.distill.steps, start + stop_after)
     if start == 0:
@@ -133,8 +120,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
         if stop is not None and stop():
             bar.close()
             log.flush()
-            raise RunInterrupted(step, save_checkpoint(run_dir, step, student, optimizer, batcher),
-                                 run_dir)
+            path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
+            raise RunInterrupted(step, path, run_dir)
         pb = next(batcher)
         source = batch_source(objective, step, seed)
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
@@ -158,7 +145,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                         commit=f"{row['mean_committed']:.2f}")
         every = cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.distill.steps:
-            save_checkpoint(run_dir, step + 1, student, optimizer, batcher)
+            save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
             sample_grid(student, cfg, run_dir / "samples" / f"student_step_{step + 1:06d}.png")
             plot_training(log.rows, run_dir / "training.png")
     log.flush()

@@ -20,7 +20,7 @@ COMMANDS = [
     "pretrain",
     "train",
     "calibrate", "bench",
-    "eval",
+    "eval", "export",
 ]
 """Command modules in launch/commands/, in `opd --help` order. Adding a command is one line."""
 

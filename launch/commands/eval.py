@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "against the held-out split. Writes eval.json and samples.png.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--ckpt", metavar="CKPT",
-                      help="run directory (its config.yaml and latest checkpoint), a "
+                      help="run directory of opd train, either run.mode (its config.yaml and newest "
+                           "complete checkpoint), a "
                            "checkpoints/step_N directory, or a LlamaGen c2i_*.pt file")
     what.add_argument("--compare", nargs="+", metavar="RUN",
                       help="evaluate each run's final student (reusing a matching eval.json) "

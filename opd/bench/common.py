@@ -68,16 +68,18 @@ def build_model(model: str, overrides: dict, checkpoint: str | None, *, random_i
                 run_overrides: list[str] | tuple[str, ...] = ()):
     """A preset's model on its device and dtype, in eval mode.
 
-    checkpoint: a weights file, "pretrained" (the digits student `opd pretrain` caches for the
-    run config `run_config` + `run_overrides`, trained on first use) or None (random init:
-    every matrix normal(0, random_init_std), output head included, so logits do not tie)."""
+    checkpoint: a weights file, a run or checkpoints/step_N directory of `opd train` (its
+    student.pt), "pretrained" (the digits student `opd pretrain` caches for the run config
+    `run_config` + `run_overrides`, trained on first use) or None (random init: every matrix
+    normal(0, random_init_std), output head included, so logits do not tie)."""
+    from opd.checkpoints import student_file
     from opd.models import create_model, load_llamagen_checkpoint
     if checkpoint == "pretrained":
         from opd.config import load_config
         from opd.pretrain import pretrained_model
         net, _ = pretrained_model(load_config(run_config, list(run_overrides)), "student")
     elif checkpoint:
-        net = load_llamagen_checkpoint(checkpoint, model, **overrides)
+        net = load_llamagen_checkpoint(student_file(checkpoint), model, **overrides)
     else:
         torch.manual_seed(seed)
         net = create_model(model, **overrides)

@@ -212,8 +212,7 @@ class Context:
                 steps = key.split(":", 1)[1]
                 self.models[key] = self._load("pretrained", (f"pretrain.student_steps={steps}",))
             else:
-                path = Path(key)
-                self.models[key] = self._load(str(path / "state.pt" if path.is_dir() else path))
+                self.models[key] = self._load(key)      # a file or a run's checkpoint directory
         return self.models[key]
 
     def gamma(self, B: int, W: int) -> int:

@@ -4,7 +4,8 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
 
     model: GPT-digits-S          # opd.models preset
     overrides: {}                # ModelArgs overrides (e.g. grid_size: 24)
-    checkpoint: null             # weights file, "pretrained" (opd pretrain's cached digits
+    checkpoint: null             # weights file, run or checkpoints/step_N directory (its
+                                 # student.pt), "pretrained" (opd pretrain's cached digits
                                  # student) or null (random init, see random_init_std)
     device: cpu | cuda           dtype: float32 | bfloat16 | float16 | float64
     prefix: data | random        # data: real digits prefixes (digits-shaped models only)

@@ -7,8 +7,9 @@
 
 A checkpoint is one of
 
-    run directory      <run>/config.yaml + <run>/checkpoints/step_N/state.pt (the latest N)
-    checkpoint dir     <run>/checkpoints/step_N/state.pt (config from <run>/config.yaml if any)
+    run directory      <run>/config.yaml + <run>/checkpoints/step_N/student.pt (the newest
+                       complete N; either run.mode, layout in opd/checkpoints.py)
+    checkpoint dir     <run>/checkpoints/step_N/student.pt (config from <run>/config.yaml if any)
     weights file       a LlamaGen c2i_*.pt (or any state dict) for the config's model.student
 
 The reference is `eval.reference` (a `save_reference_statistics` file) or the held-out split's
@@ -32,17 +33,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from opd.checkpoints import STUDENT_FILE, checkpoint_step, find_checkpoint
 from opd.config import ConfigError, RunConfig, load_config
 from opd.eval.features import DIGITS_EXTRACTOR, INCEPTION_EXTRACTOR, inception_weights_path
 from opd.eval.grid import save_grid
 from opd.eval.sample import ImageDecoder, is_digits, sample_images, sampling_config
 from opd.models import load_llamagen_checkpoint
-from opd.models.checkpoint import CheckpointError
 from opd.pretrain import model_overrides, open_dataset
 
 EVAL_FILE = "eval.json"
 GRID_FILE = "samples.png"
-STATE_FILE = "state.pt"
 MIN_SAMPLES = 4
 """3-NN precision / recall need more than 3 images (IS uses min(10, N) splits); meaningful
 FID needs far more (thousands for ImageNet; a few hundred for digits)."""
@@ -72,38 +72,17 @@ def resolve_checkpoint(ckpt: str | os.PathLike, *, config: str | os.PathLike | N
     if not path.exists():
         raise FileNotFoundError(f"--ckpt {str(path)!r} does not exist; pass a run directory, a "
                                 f"checkpoints/step_N directory or a c2i_*.pt weights file")
-    run_dir, step = None, None
-    if path.is_dir() and (path / "config.yaml").is_file():
-        kind, run_dir = "run", path
-        steps = sorted((path / "checkpoints").glob("step_*[0-9]"))
-        if not steps:
-            raise CheckpointError(f"run directory {path} holds no checkpoints/step_N/{STATE_FILE}; "
-                                  f"train it first (opd train), or pass a weights file")
-        weights = steps[-1] / STATE_FILE
-    elif path.is_dir():
-        kind, weights = "checkpoint", path / STATE_FILE
-        if not weights.is_file():
-            raise CheckpointError(f"{path} is neither a run directory (no config.yaml) nor a "
-                                  f"checkpoint directory (no {STATE_FILE})")
-        parent = path.parent.parent
-        run_dir = parent if (parent / "config.yaml").is_file() else None
+    if path.is_dir():
+        ckpt_dir, run_dir = find_checkpoint(path)      # CheckpointError naming path and fix
+        kind = "checkpoint" if ckpt_dir == path else "run"
+        weights, step = ckpt_dir / STUDENT_FILE, checkpoint_step(ckpt_dir)
     else:
-        kind, weights = "file", path
-    if kind != "file":
-        step = _step_of(weights.parent)
-    if config is None and run_dir is not None:
+        kind, weights, run_dir, step = "file", path, None, None
+    if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
         cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         cfg = load_config(config, overrides)
     return Checkpoint(cfg, weights, kind, run_dir, step)
-
-
-def _step_of(ckpt_dir: Path) -> int | None:
-    state = ckpt_dir / "state.json"
-    if state.is_file():
-        return int(json.loads(state.read_text())["step"])
-    digits = ckpt_dir.name.rpartition("_")[2]
-    return int(digits) if digits.isdigit() else None
 
 
 def load_student(ck: Checkpoint, device: str | torch.device = "cpu"):

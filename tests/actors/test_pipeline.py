@@ -14,6 +14,8 @@ import urllib.request
 import pytest
 
 from actors.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
+from actors.records import RunRecords
+from opd import checkpoints as ckpt
 from opd.config import load_config
 from opd.metrics import read_metrics
 from opd.reference import run_reference
@@ -287,11 +289,26 @@ def test_other_sources_equal_the_reference(objective, ray_session, tiny_override
 
 
 @pytest.mark.slow
-def test_resume_is_exact(ray_session, tiny_overrides, reference, tmp_path):
+def test_resume_is_exact(ray_session, tiny_overrides, reference, tmp_path, monkeypatch):
+    """Stopped after 3 steps (checkpoint at 2 in the layout of opd/checkpoints.py; a step-3
+    checkpoint whose writing did not finish is left behind) and resumed: DeepSpeed restores
+    from step_000002/optimizer and the losses are the uninterrupted run's."""
     cfg = cfg_for(tiny_overrides, "run.checkpoint_every=2")
     first = run_distributed(cfg, tmp_path, progress=False, stop_after=3)     # checkpoint at 2
     assert losses(first) == pytest.approx(losses(reference)[:3], rel=0, abs=LOSS_TOL)
+    two = tmp_path / "checkpoints" / "step_000002"
+    assert sorted(p.relative_to(two).as_posix() for p in two.rglob("*")) == [
+        "optimizer", "optimizer/mp_rank_00_model_states.pt", "state.json", "student.pt"]
+    state = ckpt.read_state(two)
+    assert (state["mode"], state["step"], state["consumed"]) == ("ray", 2, [0, 1])
+    broken = ckpt.begin(tmp_path, 3)                  # killed while writing step 3
+    (broken / ckpt.STUDENT_FILE).write_bytes(b"")
+    loaded = []
+    load = RunRecords._load_checkpoint
+    monkeypatch.setattr(RunRecords, "_load_checkpoint",
+                        lambda self, path: loaded.append(path) or load(self, path))
     resumed = run_distributed(cfg, tmp_path, progress=False, resume=True)
+    assert loaded == [two]
     assert [r["step"] for r in resumed] == list(range(STEPS))
     assert losses(resumed) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
     assert consumed(tmp_path)["consumed"] == {str(b): 1 for b in range(STEPS)}

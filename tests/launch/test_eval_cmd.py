@@ -51,4 +51,5 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("{}\n")
     assert cli.main(["eval", "--ckpt", str(tmp_path / "run")]) == 2
-    assert "holds no checkpoints/step_N/state.pt" in capsys.readouterr().err
+    assert (f"run directory {tmp_path / 'run'} holds no complete checkpoint "
+            f"(checkpoints/step_N/student.pt) yet" in capsys.readouterr().err)

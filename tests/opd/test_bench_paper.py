@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from opd import checkpoints as ckpt
 from opd.bench.common import interleave
 from opd.bench.paper import (ABLATIONS, AR, Context, Variant, load_paper_bench, round_floor,
                              run_paper, verifier_bytes)
@@ -179,9 +180,9 @@ def test_checkpoint_files_and_run_dirs(tmp_path):
         states.append({k: v.double() for k, v in m.state_dict().items()})
     f = tmp_path / "a.pt"
     torch.save({"model": states[0]}, f)
-    run_ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
-    run_ckpt.mkdir(parents=True)
-    torch.save({"model": states[1], "optimizer": {}}, run_ckpt / "state.pt")
+    tmp = ckpt.begin(tmp_path / "run", 2)           # a run's checkpoint (opd/checkpoints.py)
+    torch.save({"model": states[1]}, tmp / ckpt.STUDENT_FILE)
+    run_ckpt = ckpt.commit(tmp, {"step": 2, "mode": "reference"})
     b = load_paper_bench("cpu_tiny", dict(
         repeats=1, warmup=0, gamma=2,
         ablations={"checkpoints": {"values": [str(f), str(run_ckpt)]}}))

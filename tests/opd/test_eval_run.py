@@ -101,7 +101,7 @@ def test_opd_eval_end_to_end(run_dir, capsys):
                      "--engine", "cached_ar"]) == 0
     out = run_dir / "eval-cached_ar"
     report = json.loads((out / "eval.json").read_text())
-    assert report["step"] == 3 and report["checkpoint"].endswith("step_000003/state.pt")
+    assert report["step"] == 3 and report["checkpoint"] == str(run_dir / "checkpoints" / "step_000003" / "student.pt")
     assert report["engine"] == "cached_ar" and report["decoding"] == "sample"
     assert report["num_samples"] == N and report["class_counts"] == [2] * 10
     assert report["reference_images"] == 200                  # the digits held-out split
@@ -124,7 +124,7 @@ def test_checkpoint_dir_and_weights_file(run_dir, student, tmp_path, tiny_overri
     assert (ck.kind, ck.step, ck.run_dir) == ("checkpoint", 2, run_dir)
     assert ck.cfg.run.mode == "reference"                     # the run's config.yaml
     cfg, model = student
-    blob = torch.load(ck.run_dir / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
+    blob = torch.load(ck.run_dir / "checkpoints" / "step_000003" / "student.pt", weights_only=True)
     c2i = tmp_path / "c2i_test.pt"
     torch.save({"model": blob["model"]}, c2i)
     fk = resolve_checkpoint(c2i, config="tiny", overrides=tiny_overrides)

@@ -1,6 +1,9 @@
 """The single-process reference loop: deterministic, engine-independent, exactly resumable."""
 import pytest
+import torch
 
+from opd import checkpoints as ckpt
+from opd import reference
 from opd.config import load_config
 from opd.metrics import read_metrics
 from opd.reference import run_reference
@@ -37,11 +40,23 @@ def test_loss_changes_the_student(cached_ar_run):
     assert len(set(losses(cached_ar_run))) == 4 and all(x > 0 for x in losses(cached_ar_run))
 
 
-def test_resume_is_exact(cached_ar_run, tiny_overrides, tmp_path):
+def test_resume_is_exact(cached_ar_run, tiny_overrides, tmp_path, monkeypatch):
+    """Stopped after 3 steps (checkpoint at step 2; a step-3 checkpoint whose writing did not
+    finish is left behind) and resumed: the losses of the uninterrupted run."""
     cfg = cfg_for(tiny_overrides, "rollout.engine=cached_ar", "run.checkpoint_every=2")
     first = run_reference(cfg, tmp_path, progress=False, stop_after=3)   # checkpoint at step 2
     assert losses(first) == losses(cached_ar_run)[:3]
+    two = tmp_path / "checkpoints" / "step_000002"
+    assert sorted(p.relative_to(two).as_posix() for p in two.rglob("*")) == [
+        "optimizer", "optimizer/optimizer.pt", "state.json", "student.pt"]
+    assert ckpt.read_state(two)["mode"] == "reference"
+    broken = ckpt.begin(tmp_path, 3)                  # killed while writing step 3
+    torch.save({"model": {}}, broken / ckpt.STUDENT_FILE)
+    loaded = []
+    load = reference.load_checkpoint
+    monkeypatch.setattr(reference, "load_checkpoint", lambda path, *a: loaded.append(path) or load(path, *a))
     resumed = run_reference(cfg, tmp_path, progress=False, resume=True)
+    assert loaded == [two]
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert losses(resumed) == pytest.approx(losses(cached_ar_run), rel=0, abs=1e-7)
 

@@ -1,0 +1,218 @@
+"""The checkpoint layout of `opd train`, the same in run.mode=reference and run.mode=ray.
+
+    <run>/checkpoints/
+        step_000200/
+            student.pt      {"model": state dict}: the student in LlamaGen's key layout, fp32, CPU
+                            (what a LlamaGen c2i_*.pt holds; `opd.models.load_llamagen_checkpoint`
+                            and `opd export` read it)
+            optimizer/      the optimizer state of the backend: torch's `optimizer.pt`
+                            (reference) or DeepSpeed's own files (ray, every learner rank)
+            state.json      step, policy_version, data cursor, mode, config_hash, consumed
+                            batch ids (ray), and `files`: the size of every other file
+        step_000400.tmp/    a checkpoint being written (or whose writer died): never read
+        latest              the name of the newest committed step directory (text)
+
+A checkpoint is written into `step_N.tmp/` (`begin`), its files first and `state.json` last
+(`commit`), then renamed to `step_N/` (os.replace) and `latest` updated (write + os.replace).
+So a `step_N/` directory is complete when it exists; `is_complete` also checks that every file
+`state.json` lists has its recorded size (a truncated or deleted file: damaged, never loaded).
+Readers (`latest_checkpoint`, `find_checkpoint`) take the newest complete step directory by
+scanning, so a crash between the rename and the update of `latest` loses nothing; `latest` is
+for people and other tools (`cat checkpoints/latest`).
+
+Used by the reference loop (opd/reference.py), the Ray run records (actors/records.py, the
+driver commits after every learner rank has saved), `opd eval`, `opd export` and `opd bench`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from opd.config import ConfigError, RunConfig, config_hash, config_to_dict
+from opd.models.checkpoint import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+STUDENT_FILE = "student.pt"
+STATE_FILE = "state.json"
+OPTIMIZER_DIR = "optimizer"
+TORCH_OPTIMIZER_FILE = "optimizer.pt"      # in OPTIMIZER_DIR, run.mode=reference
+LATEST_FILE = "latest"
+TMP_SUFFIX = ".tmp"
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint after `step` learner steps: step_000200."""
+    return f"step_{step:06d}"
+
+
+def begin(run_dir: str | os.PathLike, step: int) -> Path:
+    """A fresh, empty `checkpoints/step_N.tmp/` with its `optimizer/` sub-folder (a leftover of
+    an earlier attempt is removed); write the files there, then `commit` it."""
+    tmp = Path(run_dir) / CHECKPOINTS / (step_name(step) + TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / OPTIMIZER_DIR).mkdir(parents=True)
+    return tmp
+
+
+def student_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A module's state dict as student.pt stores it: detached, fp32 (floating tensors), CPU."""
+    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+            for k, v in state.items()}
+
+
+def checkpoint_state(cfg: RunConfig, step: int, data: dict, mode: str, **extra) -> dict:
+    """The state.json of a checkpoint after `step` learner steps (policy version = step):
+    `data` the data cursor (PrefixBatcher.state_dict) before the next step's batch, `mode`
+    run.mode, `config_hash` the resolved config's hash without run.dir (where the run lives,
+    not what it does), plus `extra` (ray: `consumed`)."""
+    conf = config_to_dict(cfg)
+    conf["run"] = {k: v for k, v in conf["run"].items() if k != "dir"}
+    return {"step": step, "policy_version": step, "data": data, "mode": mode,
+            "config_hash": config_hash(conf), **extra}
+
+
+def write_student(ckpt_dir: str | os.PathLike, state: dict[str, Tensor]) -> Path:
+    """`ckpt_dir/student.pt` = {"model": student_state(state)}."""
+    path = Path(ckpt_dir) / STUDENT_FILE
+    torch.save({"model": student_state(state)}, path)
+    return path
+
+
+def commit(tmp: str | os.PathLike, state: dict) -> Path:
+    """Finish the checkpoint in `tmp` (step_N.tmp, every file written): add `state.json`
+    (`state` plus `files`, the size of each file), rename it to step_N and point `latest` at
+    it.  Returns the final directory."""
+    tmp = Path(tmp)
+    if not (tmp / STUDENT_FILE).is_file():
+        raise CheckpointError(f"{tmp} holds no {STUDENT_FILE}; the checkpoint was not written")
+    files = {p.relative_to(tmp).as_posix(): p.stat().st_size
+             for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != STATE_FILE}
+    _write_text(tmp / STATE_FILE, json.dumps({**state, "files": files}, indent=1) + "\n")
+    final = tmp.with_name(tmp.name[:-len(TMP_SUFFIX)])
+    if final.exists():                      # the same step saved again (a resumed run)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_text(final.parent / LATEST_FILE, final.name + "\n")
+    return final
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_state(ckpt_dir: str | os.PathLike, mode: str | None = None) -> dict:
+    """The checkpoint's state.json (step, policy_version, data, mode, config_hash, files, ...).
+    With `mode` (resume): a ConfigError unless the checkpoint was written by that run.mode."""
+    path = Path(ckpt_dir) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}); the checkpoint is "
+                              f"incomplete or damaged, use an earlier one") from None
+    if mode is not None and state.get("mode") != mode:
+        raise ConfigError(f"{ckpt_dir} was written by a run.mode={state.get('mode')} run; resume "
+                          f"it with run.mode={state.get('mode')} (the optimizer states differ)",
+                          "run.mode")
+    return state
+
+
+def damage(ckpt_dir: str | os.PathLike) -> str | None:
+    """Why `ckpt_dir` is not a complete checkpoint (one sentence), or None if it is."""
+    path = Path(ckpt_dir)
+    if path.name.endswith(TMP_SUFFIX):
+        return f"{path} is a checkpoint whose writing did not finish"
+    m = STEP_DIR.fullmatch(path.name)
+    if not path.is_dir() or m is None:
+        return f"{path} is not a checkpoints/step_N directory"
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return f"{path} has no readable {STATE_FILE}"
+    if int(state.get("step", -1)) != int(m.group(1)) or not isinstance(state.get("files"), dict):
+        return f"{path / STATE_FILE} does not describe step {int(m.group(1))}"
+    if STUDENT_FILE not in state["files"]:
+        return f"{path} lists no {STUDENT_FILE}"
+    for name, size in state["files"].items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{f} is missing or has another size than when it was written"
+    return None
+
+
+def is_complete(ckpt_dir: str | os.PathLike) -> bool:
+    return damage(ckpt_dir) is None
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """The run's committed step_N directories (complete or damaged; no *.tmp), oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run (None: there is none).  Damaged newer ones are
+    skipped with a warning; `step_N.tmp` directories are never considered."""
+    for path in reversed(checkpoint_dirs(run_dir)):
+        why = damage(path)
+        if why is None:
+            return path
+        warnings.warn(f"skipping checkpoint {path}: {why}", stacklevel=2)
+    return None
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(checkpoint directory, its run directory or None) for a run directory (one holding
+    config.yaml or checkpoints/: its newest complete checkpoint), its checkpoints/ folder (the
+    same) or a checkpoints/step_N directory.  Raises CheckpointError naming the path and the fix."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise CheckpointError(f"{path} {what}; pass a run directory of opd train or its "
+                              f"{CHECKPOINTS}/step_N directory")
+    if path.name == CHECKPOINTS and not (path / CHECKPOINTS).is_dir():
+        path = path.parent
+    if (path / "config.yaml").is_file() or (path / CHECKPOINTS).is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise CheckpointError(f"run directory {path} holds no complete checkpoint "
+                                  f"({CHECKPOINTS}/step_N/{STUDENT_FILE}) yet; train it first "
+                                  f"(opd train) or wait for its first one (run.checkpoint_every)")
+        return ckpt, path
+    why = damage(path)
+    if why is not None:
+        raise CheckpointError(f"{why}; pass a run directory (its newest complete checkpoint) "
+                              f"or a complete {CHECKPOINTS}/step_N directory")
+    run_dir = path.parent.parent
+    return path, (run_dir if (run_dir / "config.yaml").is_file() else None)
+
+
+def student_file(path: str | os.PathLike) -> Path:
+    """The weights file behind `path`: a run or checkpoint directory's student.pt (see
+    `find_checkpoint`), or `path` itself when it is a file (a c2i_*.pt)."""
+    path = Path(path)
+    return find_checkpoint(path)[0] / STUDENT_FILE if path.is_dir() else path
+
+
+def checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
+    """The learner step a complete checkpoint was written after (its state.json)."""
+    return int(read_state(ckpt_dir)["step"])
+
+
+__all__ = ["CHECKPOINTS", "STUDENT_FILE", "STATE_FILE", "OPTIMIZER_DIR", "TORCH_OPTIMIZER_FILE",
+           "LATEST_FILE", "step_name", "begin", "checkpoint_state", "student_state", "write_student", "commit",
+           "read_state", "damage", "is_complete", "checkpoint_dirs", "latest_checkpoint",
+           "find_checkpoint", "student_file", "checkpoint_step"]
