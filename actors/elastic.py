@@ -18,10 +18,17 @@ cluster.role_resources), is constructed, and is sent `load_weights` of the curre
 before anything else (actor calls run in order); it takes jobs once that load answered.  Jobs
 carry their image ids and random keys, so which worker generates a part never changes its
 tokens: strict runs still equal the reference loop, and every batch id is still consumed once.
+
+Tests only: `wait_signal`, a callable `(step, row) -> float`, replaces the measured
+`row["rollout_wait"]` in these decisions (the row itself keeps the measurement), so which
+step grows or shrinks the pool follows from the test, not from how fast the machine is.  Runs
+set it with the pipeline hook "rollout_wait" (`run_distributed(hooks=...)`); production runs
+leave it None and use the measurement.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import ray
 
@@ -41,10 +48,14 @@ def rollout_wait_fraction(source: str, issued: float, rollout_done: float, learn
 
 
 class ElasticRollout:
-    """Grows and shrinks the rollout pool of `pipeline` between `lo` and `hi` workers."""
+    """Grows and shrinks the rollout pool of `pipeline` between `lo` and `hi` workers;
+    `wait_signal(step, row)`, if given (tests only), is the wait the decisions use instead of
+    `row["rollout_wait"]`."""
 
-    def __init__(self, pipeline, lo: int, hi: int):
+    def __init__(self, pipeline, lo: int, hi: int,
+                 wait_signal: Callable[[int, dict], float] | None = None):
         self.p, self.lo, self.hi = pipeline, lo, hi
+        self.wait_signal = wait_signal
         self.cfg = pipeline.cfg
         self.pool = pipeline.pools["rollout"]
         self.autoscale = joins_cluster(self.cfg)
@@ -58,8 +69,14 @@ class ElasticRollout:
 
     @classmethod
     def for_run(cls, pipeline) -> ElasticRollout | None:
+        """The policy of an elastic run (None for a fixed pool); the pipeline hook
+        "rollout_wait", callable(pipeline, step=, row=) -> float, becomes its `wait_signal`."""
         n = pipeline.cfg.rollout.num_workers
-        return cls(pipeline, *n) if isinstance(n, tuple) and n[0] < n[1] else None
+        if not (isinstance(n, tuple) and n[0] < n[1]):
+            return None
+        hook = pipeline.hooks.get("rollout_wait")
+        signal = None if hook is None else (lambda step, row: hook(pipeline, step=step, row=row))
+        return cls(pipeline, *n, wait_signal=signal)
 
     def workers(self) -> int:
         """Workers that are or will be up (starting, up, or restarting after a failure)."""
@@ -70,7 +87,7 @@ class ElasticRollout:
     def after_step(self, step: int, row: dict) -> None:
         o = self.cfg.rollout
         self.step = step
-        wait = row["rollout_wait"]
+        wait = row["rollout_wait"] if self.wait_signal is None else self.wait_signal(step, row)
         self.grow_streak = self.grow_streak + 1 if wait >= o.elastic_grow_wait else 0
         self.idle_streak = self.idle_streak + 1 if wait < o.elastic_shrink_wait else 0
         n = self.workers()

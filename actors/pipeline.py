@@ -553,7 +553,9 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
     run_dir/metrics.parquet), like `opd.reference.run_reference`.  `resume` continues from the
     run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
-    ("after_submit", "after_step") to callables(pipeline, **info) (tests inject faults there);
+    ("after_submit", "after_step") to callables(pipeline, **info) (tests inject faults there),
+    and "rollout_wait" to a callable(pipeline, step=, row=) -> float that an elastic pool's
+    policy uses instead of the measured row["rollout_wait"] (tests: actors/elastic.py);
     `interrupt` (actors.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
     raises opd.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
     pipeline = Pipeline(cfg, run_dir, progress=progress, hooks=hooks, interrupt=interrupt)

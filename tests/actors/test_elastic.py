@@ -8,6 +8,13 @@ driver adds workers mid-run, without a restart.  Strict on-policy, greedy: the l
 the single-process reference and every batch id is consumed once (invariants 5 and 7).
 Retiring (on the session's local Ray): an added worker left idle is killed, down to min.
 
+The runs do not depend on how fast the machine is: the policy's wait comes from the pipeline
+hook "rollout_wait" (1.0 = the learner waited all step, 0.0 = not at all) instead of the
+measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
+and its weights, so the pool grows within a bounded number of steps however slowly workers
+start.  The measurement (`rollout_wait_fraction`) and the decisions (`after_step` on a fake
+pipeline) are tested on their own below, with made-up numbers.
+
 The file is also the subprocess's script: `python test_elastic.py ARGS_JSON`.
 """
 import json
@@ -38,6 +45,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def settle(pipeline) -> None:
+    """Called from an after_step hook: wait until a placement group the policy asked for is
+    ready and a worker it started has answered its weights load (actor calls run in order, so
+    `info` answers after `load_weights`).  The event loop then sees both at once, so the pool
+    grows within a few steps however slowly a worker starts."""
+    import ray
+    elastic = pipeline.elastic
+    if elastic.placing:
+        ray.get(list(elastic.placing), timeout=300)
+    for i in pipeline.pools["rollout"].starting():
+        ray.get(pipeline.rollout[i].info.remote(), timeout=300)
+
+
+def always_waiting(pipeline, step, row) -> float:
+    """The "rollout_wait" hook of the grow run: every step the learner waited all along."""
+    return 1.0
+
+
 def drive(args: dict) -> None:
     """The subprocess: start the cluster, run, add a node after step ADD_AT, write the rows."""
     import ray
@@ -53,13 +78,15 @@ def drive(args: dict) -> None:
         ray.init(address=cluster.address, log_to_driver=False)
         cfg = load_config("tiny", overrides(args["digits"], f"cluster.address={cluster.address}",
                                             "cluster.role_resources=true", "rollout.num_workers=1..3",
-                                            "rollout.elastic_patience=1", "rollout.elastic_grow_wait=0.2"))
+                                            "rollout.elastic_patience=1"))
 
         def add_node(pipeline, step, row):
             if step == ADD_AT:
                 cluster.add_node(num_cpus=1, resources={"opd_rollout": 2})
+            settle(pipeline)
 
-        rows = run_distributed(cfg, args["run_dir"], progress=False, hooks={"after_step": add_node})
+        rows = run_distributed(cfg, args["run_dir"], progress=False,
+                               hooks={"after_step": add_node, "rollout_wait": always_waiting})
         Path(args["out"]).write_text(json.dumps(rows))
     finally:
         ray.shutdown()
@@ -91,7 +118,7 @@ def test_rollout_workers_grow_mid_run_when_a_node_joins(elastic_run):
     workers = [r["rollout_workers"] for r in rows]
     assert workers[:ADD_AT + 1] == [1] * (ADD_AT + 1)       # no room for a second one before
     assert max(workers) == 3, workers                        # the new node's two, mid-run
-    assert workers == sorted(workers)                        # nothing retired: rollouts bound
+    assert workers == sorted(workers)                        # nothing retired: never idle
     record = json.loads((run_dir / "consumed.json").read_text())
     assert record["consumed"] == {str(b): 1 for b in range(STEPS)}
     events = record["rollout_workers"]["events"]
@@ -118,33 +145,43 @@ def test_elastic_run_equals_the_reference(elastic_run, reference):
 
 
 def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, reference, tmp_path):
-    """Grow to 2 on the session's local Ray, then every step counts as idle (thresholds raised
-    from a hook): after elastic_idle_steps the added worker is retired and killed."""
+    """Grow to 2 on the session's local Ray (the wait hook says 1.0), then every step is idle
+    (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
+    steps the added worker is retired and killed."""
     from actors.pipeline import run_distributed
     from opd.config import load_config
     seen = {}
 
     def idle_from_now(pipeline, step, row):
+        settle(pipeline)
         if row["rollout_workers"] == 2 and "switched" not in seen:
             seen["switched"] = step
-            pipeline.cfg.rollout.elastic_grow_wait = pipeline.cfg.rollout.elastic_shrink_wait = 1.0
         if step == STEPS - 1:
             seen["states"] = list(pipeline.pools["rollout"].state)
             with pytest.raises(ray_session.exceptions.RayActorError):
                 ray_session.get(pipeline.rollout[1].info.remote(), timeout=30)
 
+    def wait(pipeline, step, row):
+        return 0.0 if "switched" in seen else 1.0
+
     cfg = load_config("tiny", overrides(digits_dir, "rollout.num_workers=1..2",
-                                        "rollout.elastic_patience=1", "rollout.elastic_grow_wait=0.01",
-                                        "rollout.elastic_shrink_wait=0.0",
+                                        "rollout.elastic_patience=1",
                                         "rollout.elastic_idle_steps=2"))
-    rows = run_distributed(cfg, tmp_path, progress=False, hooks={"after_step": idle_from_now})
+    rows = run_distributed(cfg, tmp_path, progress=False,
+                           hooks={"after_step": idle_from_now, "rollout_wait": wait})
     workers = [r["rollout_workers"] for r in rows]
     k = seen["switched"]
-    assert workers[0] == 1 and workers[k] == 2 and workers[-1] == 1, workers
-    assert workers[k + 3:] == [1] * (STEPS - k - 3)           # retired after 2 idle steps
+    # placed after step 0 (wait 1.0, patience 1); settle: its bundle by step 1's hook and its
+    # weights by step 2's, so it is up in row 3 at the latest
+    assert 1 <= k <= 3, workers
+    # idle after k and k+1: retired after step k+1 (strict on-policy: it has nothing in flight
+    # between its rollout of a step and the next step's weights)
+    assert workers == [1] * k + [2, 2] + [1] * (STEPS - k - 2), workers
     assert seen["states"] == ["up", "retired"]
     record = json.loads((tmp_path / "consumed.json").read_text())
-    assert [e["event"] for e in record["rollout_workers"]["events"]] == ["place", "add", "retire"]
+    events = record["rollout_workers"]["events"]
+    assert [(e["event"], e["workers"]) for e in events] == [("place", 2), ("add", 2), ("retire", 1)]
+    assert events[0]["step"] == 0 and events[2]["step"] == k + 1, events
     assert record["consumed"] == {str(b): 1 for b in range(STEPS)}
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=0,
                                                       abs=LOSS_TOL)
@@ -163,6 +200,186 @@ def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
                                                "rollout.elastic_shrink_wait=0.6"]))
     check_distributed(load_config("tiny", [*tiny_overrides, "rollout.num_workers=2",
                                            "rollout.elastic_shrink_wait=0.6"]))  # fixed: unused
+
+
+# -- the measurement and the decisions, without Ray or timing ---------------------------------
+
+
+def test_rollout_wait_fraction_from_made_up_timestamps():
+    from actors.elastic import rollout_wait_fraction as f
+    # learner free at 11, rollouts issued at 10 and done at 13, training from 14, step wall 4
+    assert f("student", issued=10.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
+             wall=4.0) == 0.5
+    # issued after the learner was free: the wait starts at the issue
+    assert f("student", issued=12.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
+             wall=4.0) == 0.25
+    # the wait ends when the rollouts are done (scoring after them is not rollout wait) ...
+    assert f("student", issued=10.0, rollout_done=14.0, learner_free=11.0, train_start=15.0,
+             wall=4.0) == 0.75
+    # ... and at the latest when training starts
+    assert f("student", issued=10.0, rollout_done=15.0, learner_free=11.0, train_start=14.0,
+             wall=4.0) == 0.75
+    # rollouts done before the learner was free (issued ahead): no wait
+    assert f("student", issued=10.0, rollout_done=10.5, learner_free=11.0, train_start=14.0,
+             wall=4.0) == 0.0
+    # the whole step waiting on rollouts
+    assert f("student", issued=11.0, rollout_done=15.0, learner_free=11.0, train_start=15.0,
+             wall=4.0) == 1.0
+    # teacher or data batches are not student rollouts; an empty step waits on nothing
+    for source in ("teacher", "data"):
+        assert f(source, issued=10.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
+                 wall=4.0) == 0.0
+    assert f("student", issued=10.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
+             wall=0.0) == 0.0
+
+
+class FakeGroup:
+    def ready(self):
+        return object()                          # stands for the placement group's ready ref
+
+
+class FakeGroups:
+    def __init__(self):
+        self.removed = []
+
+    def new_group(self, need):
+        return FakeGroup()
+
+    def new_rollout_worker(self, cfg, pg, index):
+        return f"rollout-{index}"
+
+    def remove_group(self, pg):
+        self.removed.append(pg)
+
+
+class FakePipeline:
+    """What ElasticRollout uses of actors.pipeline.Pipeline: cfg, hooks, the rollout pool,
+    groups, track and load_into."""
+
+    def __init__(self, cfg, workers: int, hooks=None):
+        from actors.pool import WorkerPool
+        self.cfg, self.hooks = cfg, hooks or {}
+        self.groups = FakeGroups()
+        self.pools = {"rollout": WorkerPool("rollout", [f"rollout-{i}" for i in range(workers)])}
+        self.tracked: dict = {}
+        self.loads: list[int] = []
+
+    def track(self, ref, kind):
+        self.tracked[ref] = kind
+
+    def load_into(self, i):
+        self.loads.append(i)
+
+
+@pytest.fixture
+def policy(tiny_overrides, monkeypatch):
+    """`policy(lo, hi, *overrides)`: an ElasticRollout on a FakePipeline with `lo` workers up;
+    the cluster has room (`room["free"]`) and `ray.kill` only records."""
+    import actors.elastic as elastic
+    from opd.config import load_config
+    room, killed = {"free": True}, []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)          # not joining a cluster
+    monkeypatch.setattr(elastic.ray, "available_resources",
+                        lambda: {"CPU": 100.0} if room["free"] else {})
+    monkeypatch.setattr(elastic.ray, "kill", lambda actor, no_restart: killed.append(actor))
+
+    def make(lo, hi, *extra, hooks=None):
+        cfg = load_config("tiny", [*tiny_overrides, f"rollout.num_workers={lo}..{hi}",
+                                   "rollout.elastic_grow_wait=0.5",
+                                   "rollout.elastic_shrink_wait=0.1", *extra])
+        e = elastic.ElasticRollout.for_run(FakePipeline(cfg, lo, hooks))
+        e.room, e.killed = room, killed
+        return e
+    return make
+
+
+def steps(e, waits):
+    """Run after_step for the next steps, one per wait (rows that measured those waits)."""
+    for s, w in enumerate(waits, e.step + 1):
+        e.after_step(s, {"rollout_wait": w})
+
+
+def events(e):
+    return [(x["step"], x["event"], x["workers"]) for x in e.events]
+
+
+def placed(e):
+    """The placement group the policy asked for is ready: its worker starts, weights first."""
+    (ref,) = e.placing
+    e.placed(ref)
+    i = len(e.pool) - 1
+    assert e.pool.state[i] == "starting" and e.p.loads[-1] == i
+
+
+def bring_up(e):
+    """Placed, and the new worker answered its weights load."""
+    placed(e)
+    e.pool.started(len(e.pool) - 1)
+
+
+def test_grows_after_patience_steps_at_or_over_the_grow_wait(policy):
+    e = policy(1, 3, "rollout.elastic_patience=3")
+    steps(e, [0.9, 0.5, 0.49, 0.5, 1.0])         # 0.49 breaks the streak: 2 in a row at most
+    assert events(e) == [] and not e.placing
+    steps(e, [0.5])                               # the third in a row (0.5 counts: >=)
+    assert events(e) == [(5, "place", 2)]
+    assert list(e.p.tracked.values()) == ["place"]
+    steps(e, [1.0] * 3)                          # placing: one worker at a time
+    placed(e)
+    steps(e, [1.0] * 3)                          # starting: still one at a time
+    assert events(e) == [(5, "place", 2), (8, "add", 2)] and e.workers() == 2
+    e.pool.started(1)
+    steps(e, [1.0])                               # the streak went on: the next one at once
+    assert events(e)[-1] == (12, "place", 3)
+    bring_up(e)
+    steps(e, [1.0] * 10)                          # at max: never above
+    assert e.workers() == 3 and [x[1] for x in events(e)] == ["place", "add"] * 2
+    assert not e.placing
+
+
+def test_no_room_no_worker_and_no_autoscaler_off_cluster(policy):
+    e = policy(1, 2, "rollout.elastic_patience=1")
+    e.room["free"] = False
+    steps(e, [1.0] * 3)
+    assert events(e) == [] and not e.placing and e.requested == 0
+    e.room["free"] = True
+    steps(e, [1.0])
+    assert events(e) == [(3, "place", 2)]
+
+
+def test_retires_an_idle_added_worker_after_idle_steps_never_below_min(policy):
+    e = policy(1, 2, "rollout.elastic_patience=1", "rollout.elastic_idle_steps=3")
+    steps(e, [1.0])
+    bring_up(e)
+    steps(e, [0.0, 0.0, 0.1, 0.05, 0.0])         # 0.1 is not below shrink_wait: streak broken
+    assert [x[1] for x in events(e)] == ["place", "add"] and e.workers() == 2
+    e.pool.busy[1] += 1                           # a job in flight: wanted, not yet retired
+    steps(e, [0.0])
+    assert e.retire_wanted == 1 and e.workers() == 2 and e.killed == []
+    e.pool.busy[1] -= 1
+    e.tick()                                      # the driver's next dispatch
+    assert events(e)[-1] == (6, "retire", 1)
+    assert e.pool.state == ["up", "retired"] and e.killed == ["rollout-1"]
+    assert len(e.p.groups.removed) == 1 and e.added == {}
+    steps(e, [0.0] * 10)                          # at min: the first worker is never retired
+    assert e.pool.state == ["up", "retired"] and e.retire_wanted == 0
+    assert [x[1] for x in events(e)] == ["place", "add", "retire"]
+
+
+def test_wait_hook_replaces_the_measured_wait(policy):
+    calls = []
+
+    def hook(pipeline, step, row):
+        calls.append((step, row["rollout_wait"]))
+        return 1.0
+
+    e = policy(1, 2, "rollout.elastic_patience=2", hooks={"rollout_wait": hook})
+    steps(e, [0.0, 0.0])                          # measured: idle; the hook: waiting
+    assert calls == [(0, 0.0), (1, 0.0)] and events(e) == [(1, "place", 2)]
+    plain = policy(1, 2, "rollout.elastic_patience=2")
+    assert plain.wait_signal is None
+    steps(plain, [0.0, 0.0])
+    assert events(plain) == []
 
 
 if __name__ == "__main__":

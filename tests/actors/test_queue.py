@@ -1,6 +1,5 @@
 """TrajectoryQueue: strict on-policy hands out only the current version, bounded staleness
 records lags <= k, backpressure refuses or waits when full."""
-import time
 
 import pytest
 
@@ -68,11 +67,10 @@ def test_queue_actor_put_waits_for_room(ray_session):
     ref = ray.put({"payload": 1})
     assert ray.get(q.put.remote(QueueItem(0, 0, 0, [ref], 1)))
     assert not ray.get(q.put.remote(QueueItem(1, 1, 0, [ref], 1)))          # full: refused
-    start = time.perf_counter()
     waiting = q.put.remote(QueueItem(1, 1, 0, [ref], 1), timeout=30.0)     # blocks ...
     ready, _ = ray.wait([waiting], timeout=0.5)
     assert not ready
     got = ray.get(q.get.remote(0))                                          # ... until room
-    assert ray.get(waiting) is True and time.perf_counter() - start < 20
+    assert ray.get(waiting) is True        # True: put once there was room (a timeout refuses)
     assert got.batch_id == 0 and ray.get(got.refs[0]) == {"payload": 1}    # refs pass through
     ray.kill(q)
