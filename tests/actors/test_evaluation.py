@@ -32,7 +32,6 @@ def tracked(ray_session, tiny_overrides, tmp_path_factory):
     return run_distributed(cfg_for(tiny_overrides), run_dir, progress=False), run_dir
 
 
-@pytest.mark.slow
 def test_quality_rows_and_grids_from_the_evaluation_worker(tracked, tiny_overrides, tmp_path):
     rows, run_dir = tracked
     quality = read_quality(run_dir)
@@ -55,7 +54,6 @@ def test_quality_rows_and_grids_from_the_evaluation_worker(tracked, tiny_overrid
         {k: v for k, v in quality[1].items() if k != "seconds"}
 
 
-@pytest.mark.slow
 def test_tracking_does_not_change_the_losses(tracked, ray_session, tiny_overrides, tmp_path):
     rows, _ = tracked
     off = run_distributed(cfg_for(tiny_overrides, "eval.track=false"), tmp_path, progress=False)
