@@ -1,6 +1,7 @@
 """Ray connection, placement groups and the actor groups of one distributed run.
 
-    groups = ActorGroups.start(cfg)      # learners (one DeepSpeed group), rollout, teacher, queue
+    groups = ActorGroups.start(cfg, run_dir)   # learners (one DeepSpeed group), rollout, teacher,
+                                               # queue, and the evaluation worker (eval.track)
     ...
     groups.shutdown()
 """
@@ -14,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.evaluation import EvaluationWorker
 from actors.learner import StudentLearner
 from actors.queue import TrajectoryQueue
 from actors.rollout_worker import RolloutWorker
@@ -127,32 +129,37 @@ class ActorGroups:
     rollout: list = field(default_factory=list)
     teacher: list = field(default_factory=list)
     queue: object = None
+    evaluator: object = None
     pgs: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, cfg: RunConfig, *, progress: bool = False) -> ActorGroups:
+    def start(cls, cfg: RunConfig, run_dir: str | Path | None = None, *,
+              progress: bool = False) -> ActorGroups:
         """Place and start every actor; the learner group is set up (DeepSpeed engines built).
-        On a local Ray (no cluster.address) resources that cannot fit are refused at once."""
+        With eval.track and a `run_dir`, an evaluation worker too (it writes the run's sample
+        grids).  On a local Ray (no cluster.address) resources that cannot fit are refused at
+        once."""
         for role in ("teacher", "student"):     # train or find the cached pretrained models once
             if not (cfg.model.teacher_ckpt if role == "teacher" else cfg.model.student_ckpt):
                 load_role_model(cfg, role, progress=progress)
         groups = cls()
         try:
-            groups._start(cfg)
+            groups._start(cfg, run_dir if cfg.eval.track else None)
         except BaseException:
             groups.shutdown()
             raise
         return groups
 
-    def _start(self, cfg: RunConfig) -> None:
+    def _start(self, cfg: RunConfig, run_dir: str | Path | None) -> None:
         c = actor_config(cfg)
         roles = (("learner", StudentLearner, cfg.learner.world_size, cfg.learner, 0),
                  ("rollout", RolloutWorker, pool_size(cfg.rollout.num_workers), cfg.rollout,
                   cfg.cluster.max_restarts),
                  ("teacher", TeacherWorker, cfg.teacher.num_workers, cfg.teacher,
                   cfg.cluster.max_restarts))
-        need = {"CPU": sum(bundle(sec.num_cpus, sec.num_gpus)["CPU"] * n for _, _, n, sec, _ in roles),
-                "GPU": sum(sec.num_gpus * n for _, _, n, sec, _ in roles)}
+        sections = [(sec, n) for _, _, n, sec, _ in roles] + ([(cfg.eval, 1)] if run_dir else [])
+        need = {"CPU": sum(bundle(sec.num_cpus, sec.num_gpus)["CPU"] * n for sec, n in sections),
+                "GPU": sum(sec.num_gpus * n for sec, n in sections)}
         have = ray.cluster_resources()
         local = not joins_cluster(cfg)           # an autoscaler may add nodes to a cluster
         for res, amount in need.items():
@@ -160,7 +167,8 @@ class ActorGroups:
                 raise ConfigError(
                     f"the workers need {amount:g} {res} (learner.world_size x learner.num_{res.lower()}s + "
                     f"rollout.num_workers x rollout.num_{res.lower()}s + teacher.num_workers x "
-                    f"teacher.num_{res.lower()}s) but the Ray cluster has {have.get(res, 0.0):g}; "
+                    f"teacher.num_{res.lower()}s + eval.num_{res.lower()}s with eval.track) but "
+                    f"the Ray cluster has {have.get(res, 0.0):g}; "
                     f"use fractions (e.g. rollout.num_{res.lower()}s=0.5) or a larger cluster "
                     f"(cluster.num_cpus)", f"rollout.num_{res.lower()}s")
         pgs = {}
@@ -177,11 +185,30 @@ class ActorGroups:
             setattr(self, name if name != "learner" else "learners", actors)
         self.queue = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(
             cfg.distill.queue_capacity, cfg.distill.staleness)
+        if run_dir is not None:
+            self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
         infos = ray.get([a.info.remote() for a in self.learners])
         loopback = len({i["node_id"] for i in infos}) == 1
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         ray.get([a.setup.remote(host, port) for a in self.learners])
         ray.get([a.info.remote() for a in self.rollout + self.teacher])   # constructed
+
+    def _start_evaluator(self, cfg: RunConfig, c: dict, run_dir: str | Path, local: bool):
+        """The evaluation worker in a one-bundle group of its own (not waited for: its first
+        call answers once it is built; it starts beside the learner setup)."""
+        e = cfg.eval
+        pg = self.new_group(bundle(e.num_cpus, e.num_gpus))
+        if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S if local else CLUSTER_PLACEMENT_TIMEOUT_S):
+            raise ConfigError(f"the Ray cluster cannot place the evaluation worker (eval.num_cpus="
+                              f"{e.num_cpus:g}, eval.num_gpus={e.num_gpus:g}); lower them or set "
+                              f"eval.track=false", "eval.num_cpus")
+        return ray.remote(EvaluationWorker).options(
+            num_cpus=e.num_cpus, num_gpus=e.num_gpus,
+            runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
+            max_restarts=0, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0),
+        ).remote(c, str(Path(run_dir).resolve()))
 
     def new_group(self, bundle_: dict):
         """A one-bundle placement group, given back at shutdown (or by `remove_group`)."""
@@ -217,7 +244,7 @@ class ActorGroups:
                    for i, w in enumerate(self.rollout)])
 
     def shutdown(self) -> None:
-        for actor in [*self.rollout, *self.teacher, *self.learners, self.queue]:
+        for actor in [*self.rollout, *self.teacher, *self.learners, self.queue, self.evaluator]:
             if actor is not None:
                 try:
                     ray.kill(actor, no_restart=True)
@@ -229,6 +256,7 @@ class ActorGroups:
             except Exception:  # noqa: BLE001
                 pass
         self.learners, self.rollout, self.teacher, self.queue, self.pgs = [], [], [], None, []
+        self.evaluator = None
 
 
 def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int):

@@ -17,6 +17,11 @@ Parts of a step are generated and scored side by side on different workers.  Ste
 sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
 batches); with `distill.staleness` k > 0 student rollouts run up to k versions ahead.
 
+Quality (eval.track): at step 0, every `eval.every` steps and at the last step the weights of
+that version go to the evaluation worker (actors/evaluation.py) with the same object-store
+payload the rollout workers load; the loop does not wait for it, and the run collects every
+evaluation before it ends (quality.parquet).
+
 Elastic rollout workers (`rollout.num_workers = "min..max"`): actors/elastic.py adds workers
 while the learner waits on rollouts and retires idle ones.  Ctrl-C (`interrupt`, see
 actors/interrupt.py): the step in training finishes, its checkpoint is written, and the run
@@ -42,6 +47,7 @@ from tqdm import tqdm
 
 from actors.cluster import ActorGroups, check_distributed, connect
 from actors.elastic import ElasticRollout, rollout_wait_fraction
+from actors.evaluation import QualityTracking
 from actors.interrupt import NoInterrupt
 from actors.learner import combine_rank_metrics
 from actors.metrics import RoleMetrics
@@ -119,6 +125,7 @@ class Pipeline(RunRecords):
         self.collective = cfg.learner.weight_sync == "collective"
         self.started_ray = False
         self.groups = ActorGroups()
+        self.quality: QualityTracking | None = None
 
     # -- actors as the hooks see them ----------------------------------------------------------
 
@@ -140,7 +147,7 @@ class Pipeline(RunRecords):
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.started_ray = connect(cfg)
-        self.groups = ActorGroups.start(cfg, progress=self.progress)
+        self.groups = ActorGroups.start(cfg, self.run_dir, progress=self.progress)
         if self.collective:
             self.groups.join_broadcast(cfg)
         self.pools = {"rollout": WorkerPool("rollout", self.rollout),
@@ -175,6 +182,10 @@ class Pipeline(RunRecords):
         self.bar = tqdm(total=cfg.distill.steps, initial=start, desc="opd ray",
                         disable=not self.progress, dynamic_ncols=True)
         self._publish(self.version)
+        if self.groups.evaluator is not None:
+            self.quality = QualityTracking(cfg, self.run_dir, self.groups.evaluator,
+                                           resume=resume, start=start)
+            self._evaluate()
         try:
             with self.interrupt.armed():
                 while self.version < self.end:
@@ -185,12 +196,19 @@ class Pipeline(RunRecords):
                     self._enqueue()
                     self._train()
                     self._wait()
+                    if self.quality is not None:
+                        self.quality.poll()
         except KeyboardInterrupt:
-            raise self._interrupted() from None
+            interrupted = self._interrupted()
+            if self.quality is not None:
+                self.quality.finish(wait=False)
+            raise interrupted from None
         self.bar.close()
         every = cfg.run.checkpoint_every
         if self.version == cfg.distill.steps and not (every and self.version % every == 0):
             self._save_checkpoint()
+        if self.quality is not None:
+            self.quality.finish()              # the evaluations still running
         self.log.flush()
         self._write_consumed()
         return self.log.rows
@@ -429,6 +447,20 @@ class Pipeline(RunRecords):
             self._save_checkpoint()
         if self.version < self.end and self.version % self.cfg.distill.broadcast_every == 0:
             self._publish(self.version)
+        self._evaluate()
+
+    def _evaluate(self) -> None:
+        """Hand the current version to the evaluation worker when it is an evaluation step:
+        the published weights object when it holds this version, else one taken from the
+        learners now (before they get the next step; every rank, ZeRO-3 gathers)."""
+        if self.quality is None or not self.quality.due(self.version):
+            return
+        p = self.published
+        if p.version == self.version and p.ref is not None:
+            ref = p.ref
+        else:
+            ref = [a.get_weights.remote(self.version) for a in self.learners][0]
+        self.quality.submit(self.version, self.version, ref)
 
     def _row(self, item: QueueItem, plan: StepPlan, results: list[dict], learner_s: float,
              wall: float) -> dict:

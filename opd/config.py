@@ -267,10 +267,12 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Sample-quality evaluation (FID, IS, precision / recall)."""
+    """Sample-quality evaluation (FID, IS, precision / recall), also during `opd train`."""
 
-    every: int = bounded(0, ge=0)
-    """Evaluate every this many learner steps; 0 = no periodic evaluation."""
+    track: bool = True
+    """Track quality during `opd train` (opd/eval/tracking.py): quality.parquet, sample grids over training, the closing table; false = no evaluation while training."""
+    every: int = bounded(50, ge=0)
+    """Evaluate the student during training every this many learner steps, besides step 0 and the last step; 0 = only step 0 and the last step."""
     num_samples: int = bounded(100, ge=1)
     """Images generated per evaluation."""
     extractor: Literal["digits-cnn", "inception-v3-compat"] = "digits-cnn"
@@ -287,6 +289,12 @@ class EvalConfig:
     """Images generated per engine call during evaluation."""
     reference: str | None = None
     """Reference statistics file (opd.eval.fidelity.save_reference_statistics); None = the held-out split's images."""
+    kl_rows: int | None = bounded(None, ge=1)
+    """Held-out rows for the KL measures tracked during training (held-out KL(teacher‖student), on-policy KL); None = the whole held-out split."""
+    num_cpus: float = bounded(0.5, ge=0.0)
+    """Ray CPUs of the evaluation worker that tracks quality in run.mode=ray."""
+    num_gpus: float = bounded(0.0, ge=0.0)
+    """Ray GPUs of the evaluation worker (fractions share a device)."""
 
 
 @dataclass

@@ -17,10 +17,12 @@ FILE = "metrics.parquet"
 
 
 class MetricsLog:
-    """Rows of per-step metrics, flushed to `<run_dir>/metrics.parquet`."""
+    """Rows of per-step metrics, flushed to `<run_dir>/<file>` (default metrics.parquet;
+    quality.parquet holds the evaluations of opd/eval/tracking.py)."""
 
-    def __init__(self, run_dir: str | Path, *, flush_every: int = 1, resume: bool = False):
-        self.path = Path(run_dir) / FILE
+    def __init__(self, run_dir: str | Path, *, flush_every: int = 1, resume: bool = False,
+                 file: str = FILE):
+        self.path = Path(run_dir) / file
         self.flush_every = max(1, flush_every)
         self.rows: list[dict] = read_metrics(self.path) if resume and self.path.is_file() else []
 

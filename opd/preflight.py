@@ -23,7 +23,7 @@ def missing_inputs(cfg: RunConfig, *, evaluation: bool = False) -> list[str]:
     """One message per configured file that does not exist."""
     problems = []
     keys = ["model.student_ckpt", "model.teacher_ckpt", "model.vq_ckpt"]
-    if evaluation or cfg.eval.every:
+    if evaluation or cfg.eval.track:
         keys.append("eval.inception_weights" if cfg.eval.extractor == "inception-v3-compat"
                     else None)
     for key in filter(None, keys):
@@ -43,9 +43,28 @@ def missing_inputs(cfg: RunConfig, *, evaluation: bool = False) -> list[str]:
     return problems
 
 
+def check_tracking(cfg: RunConfig) -> None:
+    """Quality tracking during training (eval.track) must be able to measure this data."""
+    e = cfg.eval
+    if not e.track:
+        return
+    digits = cfg.data.dataset == "digits" and cfg.model.vq_ckpt is None
+    if e.extractor == "digits-cnn" and not digits:
+        raise ConfigError(f"eval.extractor='digits-cnn' only measures the digits data, but "
+                          f"data.dataset={cfg.data.dataset!r} and eval.track=true; set "
+                          f"eval.extractor=inception-v3-compat with eval.inception_weights, or "
+                          f"eval.track=false", "eval.extractor")
+    if e.num_samples < 4:
+        raise ConfigError(f"eval.num_samples={e.num_samples}: tracking quality (eval.track=true) "
+                          f"needs at least 4 samples for FID / precision / recall; raise it or "
+                          f"set eval.track=false", "eval.num_samples")
+
+
 def check_inputs(cfg: RunConfig, *, evaluation: bool = False) -> None:
-    """Raise ConfigError for the first missing input file (all of them are listed)."""
+    """Raise ConfigError for the first missing input file (all of them are listed), then for
+    quality tracking that cannot measure the data."""
     problems = missing_inputs(cfg, evaluation=evaluation)
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise ConfigError(problems[0] + more)
+    check_tracking(cfg)

@@ -23,9 +23,10 @@ import torch
 from tqdm import tqdm
 
 from opd import checkpoints as ckpt
-from opd.artifacts import plot_training, sample_grid
+from opd.artifacts import plot_training
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
+from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.metrics import MetricsLog
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
@@ -84,6 +85,16 @@ def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> i
     return int(state["step"])
 
 
+def track_quality(evaluator: Evaluator | None, quality, student, step: int, run_dir: Path) -> None:
+    """Evaluate the student as the weights of `step` when it is an evaluation step without a
+    row yet (opd/eval/tracking.py: a copy is measured, the training state is left alone)."""
+    if (evaluator is None or not is_eval_step(evaluator.cfg, step)
+            or has_row(quality.rows, "student", step)):
+        return
+    evaluator.load(student.state_dict())
+    quality.append(evaluator.student_row(step, run_dir))
+
+
 def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                   resume: bool = False, stop_after: int | None = None,
                   stop: Callable[[], bool] | None = None) -> list[dict]:
@@ -111,9 +122,11 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             start = load_checkpoint(last, student, optimizer, batcher)
         log.truncate(start)
     steps = cfg.distill.steps if stop_after is None else min(cfg.distill.steps, start + stop_after)
-    if start == 0:
-        sample_grid(teacher, cfg, run_dir / "samples" / "teacher.png")
-        sample_grid(student, cfg, run_dir / "samples" / "student_step_000000.png")
+    quality = quality_log(run_dir, resume=resume, start=start)
+    evaluator = Evaluator(cfg, teacher) if cfg.eval.track else None
+    if evaluator is not None and not has_row(quality.rows, "teacher"):
+        quality.append(evaluator.teacher_row(run_dir))
+    track_quality(evaluator, quality, student, start, run_dir)
     bar = tqdm(range(start, steps), desc="opd reference", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.distill.steps)
     for step in bar:
@@ -143,10 +156,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
         log.append(row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
                         commit=f"{row['mean_committed']:.2f}")
+        track_quality(evaluator, quality, student, step + 1, run_dir)
         every = cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.distill.steps:
             save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
-            sample_grid(student, cfg, run_dir / "samples" / f"student_step_{step + 1:06d}.png")
-            plot_training(log.rows, run_dir / "training.png")
+            plot_training(log.rows, run_dir / "training.png", quality=quality.rows)
     log.flush()
     return log.rows

@@ -1,6 +1,8 @@
-"""The table `opd train` prints at the end of a run."""
+"""The tables `opd train` prints at the end of a run: losses and speeds, and quality (student
+before / after against the teacher, quality.md)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +37,63 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
     for k, v in s.items():
         print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
     return s
+
+
+# ---------------------------------------------------------------------------------------------
+# Quality: did the student approach the teacher?
+
+GAP_ROWS = (("FID ↓", "fid"), ("precision ↑", "precision"), ("recall ↑", "recall"),
+            ("class accuracy ↑", "class_acc"), ("held-out KL(T‖S) ↓", "kl_data"))
+"""(label, quality.parquet column) of the rows of `gap_table`."""
+QUALITY_TABLE = "quality.md"
+
+
+def gap_share(teacher: float | None, before: float | None, after: float | None) -> float | None:
+    """Share of the gap to the teacher the student closed: (before − after) / (before − teacher);
+    1 = reached the teacher, 0 = no change, < 0 = moved away.  None when a value is missing or
+    the student started at the teacher's level."""
+    values = (teacher, before, after)
+    if any(v is None or not math.isfinite(v) for v in values) or before == teacher:
+        return None
+    return (before - after) / (before - teacher)
+
+
+def _number(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
+
+
+def gap_table(rows: list[dict]) -> str:
+    """Markdown table `teacher | student before | student after | share of the gap closed` of
+    quality.parquet rows: before = the first student evaluation, after = the last; the
+    teacher's KL(T‖S) is 0 by definition.  "" when there is no student row."""
+    students = sorted((r for r in rows if r.get("role") == "student"), key=lambda r: r["step"])
+    if not students:
+        return ""
+    teacher = next((r for r in rows if r.get("role") == "teacher"), {})
+    before, after = students[0], students[-1]
+    lines = [f"| | teacher | student before (step {before['step']}) | student after "
+             f"(step {after['step']}) | share of the gap closed |",
+             "|---|---:|---:|---:|---:|"]
+    for label, key in GAP_ROWS:
+        t = 0.0 if key == "kl_data" else teacher.get(key)
+        b, a = before.get(key), after.get(key)
+        share = gap_share(t, b, a)
+        lines.append(f"| {label} | {_number(t)} | {_number(b)} | {_number(a)} | "
+                     f"{'—' if share is None else f'{share:.1%}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_quality_summary(run_dir: str | Path) -> str:
+    """`gap_table` of the run's quality.parquet, written to <run_dir>/quality.md and returned
+    ("" and nothing written when the run tracked no quality)."""
+    from opd.eval.tracking import read_quality
+
+    table = gap_table(read_quality(run_dir))
+    if table:
+        (Path(run_dir) / QUALITY_TABLE).write_text(
+            "# Quality: student vs teacher\n\n" + table
+            + "\nFID / precision / recall / class accuracy of eval.num_samples class-balanced "
+              "samples (fixed keys); KL per token in nats on held-out sequences.\n")
+    return table

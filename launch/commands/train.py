@@ -5,6 +5,10 @@
     opd train --config tiny run.mode=reference
     opd train --resume runs/digits-gkd-20261130-101500
 
+With eval.track (on by default) the student is evaluated at step 0, every eval.every steps
+and at the end (quality.parquet, samples/student_step_N.png); the closing table compares it
+with the teacher (quality.md).
+
 Ctrl-C (SIGINT) during the steps: the current step is finished and checkpointed, the command
 names the checkpoint and the `--resume` command and exits with 130 (a second Ctrl-C aborts).
 Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see README "Cluster".
@@ -49,15 +53,17 @@ def run(args: argparse.Namespace) -> int:
                 rows = run_reference(cfg, run_dir, resume=bool(args.resume), stop=stop.check)
             else:
                 from actors.pipeline import run_distributed
-                from opd.artifacts import start_pictures
-                if not args.resume:
-                    start_pictures(cfg, run_dir)
                 rows = run_distributed(cfg, run_dir, resume=bool(args.resume), interrupt=stop)
     except RunInterrupted as e:
         print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "
               f"continue with: opd train --resume {e.run_dir}", file=sys.stderr, flush=True)
         return 130
     from opd.artifacts import plot_training
-    plot_training(rows, run_dir / "training.png")
+    from opd.eval.tracking import read_quality
+    from opd.summary import write_quality_summary
+    plot_training(rows, run_dir / "training.png", quality=read_quality(run_dir))
     print_summary(rows, run_dir)
+    table = write_quality_summary(run_dir)
+    if table:
+        print(f"\nquality ({run_dir}/quality.md)\n{table}", end="")
     return 0

@@ -64,7 +64,7 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
         run_dir = out / "runs" / f"{mode}-{engine}-{count[mode, engine]}"
         run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}",
                                         f"distill.steps={warmup_steps + steps}",
-                                        "run.checkpoint_every=0", "eval.every=0",
+                                        "run.checkpoint_every=0", "eval.track=false",
                                         f"run.dir={run_dir}"])
         if run_dir.exists():                        # this bench's own output of an earlier run
             shutil.rmtree(run_dir)

@@ -36,3 +36,16 @@ def test_used_run_directory_is_refused_by_the_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"run directory {tmp_path} is not empty" in err and "--resume" in err
     assert (tmp_path / "metrics.parquet").read_bytes() == b"old results"
+
+
+def test_tracking_that_cannot_measure_the_data_is_refused():
+    from opd.config import ConfigError
+    from opd.preflight import check_tracking
+    cfg = load_config(None, ["data.dataset=parquet"])
+    with pytest.raises(ConfigError, match="eval.extractor='digits-cnn' only measures the digits") as e:
+        check_tracking(cfg)
+    assert e.value.key == "eval.extractor" and "eval.track=false" in str(e.value)
+    check_tracking(load_config(None, ["data.dataset=parquet", "eval.track=false"]))
+    with pytest.raises(ConfigError, match="eval.num_samples=3") as e:
+        check_tracking(load_config("tiny", ["eval.num_samples=3"]))
+    check_tracking(load_config("tiny"))

@@ -1,0 +1,57 @@
+"""The closing quality table of `opd train`: teacher, student before / after, gap closed."""
+import pytest
+
+from opd.summary import gap_share, gap_table, write_quality_summary
+
+ROWS = [  # made-up quality.parquet rows, not in step order
+    {"step": 0, "role": "teacher", "fid": 10.0, "precision": 0.8, "recall": 0.6,
+     "class_acc": 0.9, "kl_data": 0.0},
+    {"step": 50, "role": "student", "fid": 40.0, "precision": 0.5, "recall": 0.35,
+     "class_acc": 0.6, "kl_data": 0.3},
+    {"step": 0, "role": "student", "fid": 50.0, "precision": 0.4, "recall": 0.2,
+     "class_acc": 0.5, "kl_data": 0.4},
+    {"step": 100, "role": "student", "fid": 30.0, "precision": 0.7, "recall": 0.7,
+     "class_acc": 0.8, "kl_data": 0.1},
+]
+
+
+def test_gap_table_exact_shares():
+    lines = gap_table(ROWS).splitlines()
+    assert lines[0] == ("| | teacher | student before (step 0) | student after (step 100) | "
+                        "share of the gap closed |")
+    assert lines[2:] == [
+        "| FID ↓ | 10.00 | 50.00 | 30.00 | 50.0% |",                 # (50-30)/(50-10)
+        "| precision ↑ | 0.8000 | 0.4000 | 0.7000 | 75.0% |",         # (0.4-0.7)/(0.4-0.8)
+        "| recall ↑ | 0.6000 | 0.2000 | 0.7000 | 125.0% |",           # passed the teacher
+        "| class accuracy ↑ | 0.9000 | 0.5000 | 0.8000 | 75.0% |",
+        "| held-out KL(T‖S) ↓ | 0.0000 | 0.4000 | 0.1000 | 75.0% |",   # teacher: 0
+    ]
+
+
+def test_gap_share():
+    assert gap_share(10.0, 50.0, 30.0) == pytest.approx(0.5)
+    assert gap_share(10.0, 50.0, 60.0) == pytest.approx(-0.25)    # moved away
+    assert gap_share(0.0, 0.4, 0.0) == 1.0
+    assert gap_share(10.0, 10.0, 5.0) is None                     # no gap to close
+    assert gap_share(None, 0.5, 0.6) is None
+    assert gap_share(0.9, float("nan"), 0.6) is None
+
+
+def test_gap_table_without_class_accuracy_or_teacher():
+    rows = [{**r, "class_acc": None} for r in ROWS if r["role"] == "student"]
+    lines = gap_table(rows).splitlines()
+    assert lines[5] == "| class accuracy ↑ | — | — | — | — |"         # not digits
+    assert lines[2] == "| FID ↓ | — | 50.00 | 30.00 | — |"
+    assert lines[6] == "| held-out KL(T‖S) ↓ | 0.0000 | 0.4000 | 0.1000 | 75.0% |"
+    assert gap_table([ROWS[0]]) == ""                             # no student evaluated
+
+
+def test_write_quality_summary(tmp_path):
+    from opd.eval.tracking import quality_log
+    log = quality_log(tmp_path)
+    for r in ROWS:
+        log.append(r)
+    table = write_quality_summary(tmp_path)
+    assert table == gap_table(ROWS)
+    assert table in (tmp_path / "quality.md").read_text()
+    assert write_quality_summary(tmp_path / "nothing") == ""
