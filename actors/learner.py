@@ -33,7 +33,8 @@ from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
 from opd.pretrain import load_role_model
-from opd.steps import build_objective, make_optimizer, student_loss
+from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
+                       student_loss)
 
 
 def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
@@ -121,6 +122,7 @@ class StudentLearner:
                                      dropout=self.cfg.learner.student_dropout)
         scale = self.world_size * shard.num_generated_tokens / batch.num_generated_tokens
         self.engine.backward(loss * scale if scale != 1.0 else loss)
+        set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
         norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
         self.engine.step()
         if norm is None:

@@ -31,7 +31,7 @@ from opd.metrics import MetricsLog
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
-                       learn, make_optimizer, needs_teacher_scores, rollout, score)
+                       learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -150,7 +150,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             seconds["teacher"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
-                        dropout=cfg.learner.student_dropout)
+                        dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step))
         seconds["learner"] = time.perf_counter() - t0
         row = step_row(step, traj, metrics, seconds)
         log.append(row)

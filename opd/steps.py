@@ -160,9 +160,12 @@ def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
 
 
 def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
-          grad_clip: float, dropout: bool) -> dict:
+          grad_clip: float, dropout: bool, lr: float | None = None) -> dict:
     """One optimizer step on one scored batch (the reference learner; the DeepSpeed learner
-    does the same through its engine).  Returns the objective's metrics plus grad_norm."""
+    does the same through its engine), at learning rate `lr` (None: the optimizer's).
+    Returns the objective's metrics plus grad_norm."""
+    if lr is not None:
+        set_learning_rate(optimizer, lr)
     loss, metrics = student_loss(student, batch, objective, dropout=dropout)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -172,6 +175,23 @@ def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
     optimizer.step()
     student.eval()
     return {**metrics, "loss": float(loss.detach()), "grad_norm": float(norm)}
+
+
+def learning_rate(cfg: RunConfig, step: int) -> float:
+    """The learner's learning rate at 0-based learner step `step`: learner.lr after a linear
+    warm-up over learner.warmup_steps, then constant or (learner.lr_decay="linear") decaying
+    linearly to 10 % at distill.steps.  A function of the step alone, so resume is exact."""
+    lr, warmup = cfg.learner.lr, cfg.learner.warmup_steps
+    if warmup > 0:
+        lr *= min(1.0, (step + 1) / warmup)
+    if cfg.learner.lr_decay == "linear":
+        lr *= 0.1 + 0.9 * max(0.0, 1.0 - step / cfg.distill.steps)
+    return lr
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def make_optimizer(student, cfg: RunConfig) -> torch.optim.Optimizer:

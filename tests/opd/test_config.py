@@ -60,7 +60,8 @@ def test_tiny_preset_merges_over_defaults():
     assert cfg.distill.steps == 3 and cfg.data.batch_size == 4 and cfg.run.name == "tiny"
     assert cfg.cluster.include_dashboard is False
     # keys the preset leaves out keep their defaults
-    assert cfg.rollout.engine == "hbsjd" and cfg.learner.lr == 1e-3 and cfg.model.grid_size == 16
+    assert cfg.rollout.engine == "hbsjd" and cfg.learner.lr == 3e-3 and cfg.model.grid_size == 8
+    assert cfg.distill.lam == 1.0 and cfg.data.prefix_ratios == (0.0, 0.5)   # on-policy, prefixes
 
 
 def test_preset_by_name_relative_path_or_absolute_path(tmp_path, monkeypatch):
@@ -122,7 +123,7 @@ def test_overrides_of_every_scalar_type():
 
 def test_later_override_wins_and_section_mapping_override():
     cfg = load_config(None, ["rollout.window=3", "rollout.window=7", "data={batch_size: 2}"])
-    assert cfg.rollout.window == 7 and cfg.data.batch_size == 2 and cfg.data.prefix_ratio == 0.5
+    assert cfg.rollout.window == 7 and cfg.data.batch_size == 2 and cfg.data.prefix_ratio == 0.0
 
 
 def test_num_workers_range():
