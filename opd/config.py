@@ -298,6 +298,9 @@ class EvalConfig:
     """Images generated per engine call during evaluation."""
     reference: str | None = None
     """Reference statistics file (opd.eval.fidelity.save_reference_statistics); None = the held-out split's images."""
+    prefix_ratio: float = bounded(0.5, ge=0.0, lt=1.0)
+    """Held-out prefix ratio of the on-policy KL (`kl_samples`): the student completes held-out
+    prefixes; whole images from the class token are what FID / class accuracy measure."""
     kl_rows: int | None = bounded(None, ge=1)
     """Held-out rows for the KL measures tracked during training (held-out KL(teacher‖student), on-policy KL); None = the whole held-out split."""
     num_cpus: float = bounded(0.5, ge=0.0)

@@ -3,7 +3,8 @@
 - `student_nll`: the student's NLL per token of held-out sequences (nats).
 - `kl_data`: KL(teacher ‖ student) per token on held-out sequences, all positions.
 - `kl_samples`: KL(teacher ‖ student) per token on the positions the student generated itself
-  after held-out prefixes (the on-policy distribution OPD trains on).
+  after held-out prefixes of `eval.prefix_ratio` (completions; whole images from the class
+  token are measured by the sample metrics of `opd.eval`).
 - `teacher_nll_samples`: the teacher's NLL of those student-generated tokens.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ def quality_report(student, teacher, heldout: TokenDataset, cfg: RunConfig, *,
     student.eval()
     engine = build_engine(cfg)
     n = heldout.num_rows if num_rows is None else min(num_rows, heldout.num_rows)
-    P = prefix_len_for(cfg.data.prefix_ratio, heldout.seq_len)
+    P = prefix_len_for(cfg.eval.prefix_ratio, heldout.seq_len)
     sums = dict(student_nll=0.0, kl_data=0.0, kl_samples=0.0, teacher_nll_samples=0.0)
     data_tokens = gen_tokens = 0
     for start in range(0, n, batch_size):
