@@ -39,6 +39,9 @@ def plot_training(rows: list[dict], path: Path, *, quality: list[dict] | None = 
     a.set(xlabel="step", ylabel="loss", title="distillation loss")
     b.plot(steps, speed, lw=1, color="tab:green")
     b.set(xlabel="step", ylabel="generated tokens / s", title="rollout speed")
+    if np.isnan(speed).all():
+        b.text(0.5, 0.5, "no student rollouts\n(data batches: distill.lam=0)", ha="center",
+               va="center", transform=b.transAxes, color="0.4")
     if students:
         _quality_panel(axes[2], students, teacher)
     fig.tight_layout()
