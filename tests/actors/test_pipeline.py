@@ -164,7 +164,7 @@ def test_learner_world_size_2_zero2_matches_world_size_1(ray_session, tiny_overr
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference],
                                                            rel=1e-4)
-    assert all(r["tokens"] == 4 * 128 for r in rows)             # both shards counted
+    assert all(r["tokens"] == 4 * (64 - r["prefix_len"]) for r in rows)   # both shards counted
     assert_each_batch_once(rows, tmp_path)
 
 
