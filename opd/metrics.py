@@ -60,4 +60,6 @@ def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         path = path / FILE
-    return pq.read_table(path).to_pylist()
+    # One read of the whole file: a path read may open it twice (footer, then pages), and a
+    # running run replaces the file after every step.
+    return pq.read_table(pa.BufferReader(path.read_bytes())).to_pylist()

@@ -98,13 +98,16 @@ def make_inputs(model, B: int, prefix_ratio: float, source: str, seed: int,
     if source == "data":
         from sklearn.datasets import load_digits
 
-        from opd.data import digits_images_to_tokens
-        if (model.vocab_size, model.block_size, model.num_classes) != (17, 256, 10):
+        from opd.data import DIGITS_TOKENIZERS, digits_images_to_tokens
+        grids = {g * g: g for g in DIGITS_TOKENIZERS}
+        if (model.vocab_size, model.num_classes) != (17, 10) or model.block_size not in grids:
             raise ConfigError("bench preset key prefix=data needs a digits-shaped model "
-                              "(vocab 17, 16x16 grid, 10 classes); use prefix: random", "prefix")
+                              "(vocab 17, an 8x8 or 16x16 grid, 10 classes); use prefix: random",
+                              "prefix")
         d = load_digits()
         pick = torch.randint(0, len(d.target), (B,), generator=g).numpy()
-        tokens = torch.as_tensor(digits_images_to_tokens(d.images[pick])).long().reshape(B, -1)
+        tokens = torch.as_tensor(digits_images_to_tokens(d.images[pick], grids[model.block_size]))
+        tokens = tokens.long().reshape(B, -1)
         labels = torch.as_tensor(d.target[pick]).long()
     else:
         labels = torch.randint(0, model.num_classes, (B,), generator=g)

@@ -58,10 +58,10 @@ def test_balanced_labels_cycle_classes_in_a_fixed_order():
 def test_sampling_is_balanced_seeded_and_batch_independent(student):
     cfg, model = student
     a = sample_tokens(model, cfg, N, engine="hbsjd", decoding="sample", seed=5)
-    assert a.tokens.shape == (N, 256) and a.tokens.dtype == torch.int64
+    assert a.tokens.shape == (N, 64) and a.tokens.dtype == torch.int64
     assert torch.bincount(a.labels).tolist() == [2] * 10
     assert a.stats["engine"] == "hbsjd" and a.stats["decoding"] == "sample"
-    assert a.stats["generated_tokens"] == N * 256 and a.stats["mean_committed"] >= 1.0
+    assert a.stats["generated_tokens"] == N * 64 and a.stats["mean_committed"] >= 1.0
     assert a.stats["options"]["gamma"] == 2                   # the run's rollout.gamma
     again = sample_tokens(model, cfg, N, engine="hbsjd", decoding="sample", seed=5, batch_size=7)
     assert torch.equal(a.tokens, again.tokens)           # keyed by (seed, image), not by batch
@@ -83,7 +83,7 @@ def test_greedy_hbsjd_equals_greedy_cached_ar_and_repeats_per_class(student):
     ar = sample_tokens(model, cfg, N, engine="cached_ar", decoding="greedy")
     hb = sample_tokens(model, cfg, N, engine="hbsjd", decoding="greedy")
     assert torch.equal(ar.tokens, hb.tokens)
-    assert ar.stats["rounds"] == 256 and hb.stats["rounds"] < 256
+    assert ar.stats["rounds"] == 64 and hb.stats["rounds"] < 64
     # from scratch, greedy decoding gives one image per class: images i and i + 10 coincide
     assert torch.equal(ar.tokens[:10], ar.tokens[10:])
 
@@ -93,7 +93,9 @@ def test_decoded_images_are_the_digits_pixels(student):
     s = sample_images(model, cfg, N)
     assert s.images.shape == (N, 3, 16, 16) and s.images.dtype == torch.uint8
     assert torch.equal(s.images[:, 0], s.images[:, 2])
-    assert torch.equal(s.images[:, 0].long(), (s.tokens.view(N, 16, 16) * 510 + 16) // 32)
+    from opd.data import digits_images_to_tokens                # 8x8 tokens -> 16x16 levels
+    levels = torch.from_numpy(digits_images_to_tokens(s.tokens.view(N, 8, 8).numpy(), 16))
+    assert torch.equal(s.images[:, 0].long(), (levels.view(N, 16, 16) * 510 + 16) // 32)
 
 
 def test_opd_eval_end_to_end(run_dir, capsys):
@@ -110,7 +112,7 @@ def test_opd_eval_end_to_end(run_dir, capsys):
         assert math.isfinite(m[key]), key
     assert m["fid"] > 0 and 1.0 <= m["isc"] <= 10.0 and 0 <= m["precision"] <= 1 and 0 <= m["recall"] <= 1
     assert m["class_acc"] * N == pytest.approx(round(m["class_acc"] * N))  # a fraction of 20 images
-    assert report["rollout"]["rounds"] == 256 and report["rollout"]["mean_committed"] == 1.0
+    assert report["rollout"]["rounds"] == 64 and report["rollout"]["mean_committed"] == 1.0
     assert report["training"] == {"engine": "hbsjd", "decoding": "greedy", "objective": "gkd",
                                   "steps": 3, "mode": "reference"}
     with Image.open(out / "samples.png") as img:
