@@ -11,8 +11,8 @@ round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are d
 calibration, first-call allocations).  A row has rollout_s, teacher_s, learner_s and step_s;
 Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
 nothing travels, 0).  Steps of two engines see the same prefix batches (seeded order), so
-their per-step ratios pair up.  GKD runs on-policy here (distill.lam=1) whatever the config
-says: a step without student rollouts has nothing for the engines to differ in.
+their per-step ratios pair up.  KD and GKD configs run as on-policy GKD here (lambda 1): a
+step without student rollouts has nothing for the engines to differ in.
 """
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
     def call(mode: str, engine: str):
         count[mode, engine] += 1
         run_dir = out / "runs" / f"{mode}-{engine}-{count[mode, engine]}"
-        # GKD on-policy (lambda 1): the bench measures student rollouts inside the step, which
-        # the digits default (lambda 0, data batches) does not run.
-        on_policy = ["distill.lam=1"] if cfg.distill.objective == "gkd" else []
+        # On-policy GKD (lambda 1) unless the objective rolls out itself (VarKD, SeqKD): the
+        # bench measures rollouts inside the step, which the digits default (KD on data) has not.
+        on_policy = ([] if cfg.distill.objective in ("varkd", "seqkd")
+                     else ["distill.objective=gkd", "distill.lam=1"])
         run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}", *on_policy,
                                         f"distill.steps={warmup_steps + steps}",
                                         "run.checkpoint_every=0", "eval.track=false",

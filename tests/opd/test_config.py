@@ -25,7 +25,7 @@ def test_defaults_are_the_digits_setup_and_valid():
     assert validate(cfg) == cfg
     assert load_config() == cfg
     assert (cfg.model.student, cfg.model.teacher, cfg.model.vocab_size) == ("GPT-digits-S", "GPT-digits-T", 17)
-    assert (cfg.rollout.engine, cfg.rollout.window, cfg.distill.objective) == ("hbsjd", 4, "gkd")
+    assert (cfg.rollout.engine, cfg.rollout.window, cfg.distill.objective) == ("hbsjd", 4, "kd")
     assert cfg.learner.betas == (0.9, 0.95) and cfg.learner.weight_decay == 0.0
     assert cfg.cluster.address is None and cfg.run.dir is None
 
