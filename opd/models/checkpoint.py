@@ -22,6 +22,15 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, unsafe or does not fit the model."""
 
 
+def _looks_like_torch_save(path: Path) -> bool:
+    """torch.save writes a zip archive (torch >= 1.6; local-header magic "PK\\3\\4") or, in the
+    legacy format, a pickle stream (PROTO opcode 0x80).  Only the start is read: a truncated
+    checkpoint still looks like one, and torch.load then names what is wrong with it."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head[:1] == b"\x80" or head == b"PK\x03\x04"
+
+
 def load_state_dict_safely(path: str | Path) -> dict[str, Tensor]:
     """Return the weights of a LlamaGen-style file: under `model`, else `module`, else
     `state_dict`, else the file itself; DDP/compile prefixes stripped, `freqs_cis` dropped."""
@@ -29,6 +38,10 @@ def load_state_dict_safely(path: str | Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path "
                               "(model.student_ckpt / model.teacher_ckpt in the config)")
+    if not _looks_like_torch_save(path):
+        raise CheckpointError(f"{path} is not a checkpoint (not a file written by torch.save); "
+                              "pass a LlamaGen c2i_*.pt, a run's checkpoints/step_N/student.pt "
+                              "or a run directory")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)

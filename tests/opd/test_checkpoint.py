@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from opd.models import CheckpointError, create_model, load_llamagen_checkpoint
+from opd.models import CheckpointError, create_model, load_llamagen_checkpoint, load_state_dict_safely
 from opd.models.args import PRESETS
 
 # GPT-B's official key names and shapes (FACTS.md §1), one block shown; 12 blocks in the file.
@@ -91,3 +91,12 @@ def test_missing_file_is_named(tmp_path):
 
 def test_all_presets_are_constructible_as_args():
     assert {"GPT-B", "GPT-L", "GPT-XL", "GPT-XXL", "GPT-XXXL", "GPT-3B"} <= set(PRESETS)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_as_such(tmp_path):
+    for name, data in (("notes.txt", b"hello, not weights\n"), ("empty.pt", b""),
+                       ("data.parquet", b"PAR1\x00\x01")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=r"is not a checkpoint \(not a file written by torch.save\)"):
+            load_state_dict_safely(path)
