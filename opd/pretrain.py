@@ -101,7 +101,7 @@ def pretrain_key(cfg: RunConfig, role: str, train_file: Path) -> dict:
     steps = p.teacher_steps if role == "teacher" else p.student_steps
     return {"role": role, "preset": preset, "model": model_overrides(cfg),
             "data": dataset_digest(train_file), "steps": steps, "batch_size": p.batch_size,
-            "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 1}
+            "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 2}
 
 
 def dataset_digest(path: Path) -> str:
@@ -117,6 +117,8 @@ def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
     key = pretrain_key(cfg, role, train_file)
     path = cache_dir() / "pretrained" / f"{role}-{key['preset']}-{config_hash(key)}.pt"
     preset = key["preset"]
+    seed = cfg.pretrain.seed + (role == "student")
+    torch.manual_seed(seed)       # the initialization too: the same key, the same model
     model = create_model(preset, class_dropout_prob=cfg.pretrain.class_dropout,
                          **model_overrides(cfg))
     report_path = path.with_suffix(".json")
@@ -127,7 +129,7 @@ def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
     heldout = open_dataset(cfg, "heldout")
     start = time.time()
     losses = train_supervised(model, train, steps=key["steps"], batch_size=key["batch_size"],
-                              lr=key["lr"], seed=cfg.pretrain.seed + (role == "student"),
+                              lr=key["lr"], seed=seed,
                               desc=f"pretrain {role} ({preset})", progress=progress)
     report = {"role": role, "preset": preset, "path": str(path), "steps": key["steps"],
               "params": sum(p.numel() for p in model.parameters()),
