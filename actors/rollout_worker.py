@@ -15,6 +15,7 @@ import torch
 
 from actors.metrics import RoleMetrics
 from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
+from opd.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config import RunConfig, config_from_dict
 from opd.models import create_model
 from opd.pretrain import model_overrides
@@ -50,6 +51,8 @@ class RolloutWorker:
         self.model = create_model(self.cfg.model.student, **model_overrides(self.cfg))
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
+        # gamma=auto: every sub-batch size of the run, measured once by the first worker
+        prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
         self.version: int | None = None
         self.metrics = RoleMetrics("rollout", index)
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None

@@ -12,20 +12,7 @@ import dataclasses
 import torch
 
 from opd.batch import TrajectoryBatch
-from opd.steps import RolloutJob
-
-
-def row_ranges(batch: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous [start, stop) ranges covering 0..batch, sizes differing by at most one
-    (first ranges larger); empty ranges are dropped."""
-    parts = max(1, min(parts, batch))
-    base, extra = divmod(batch, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + base + (i < extra)
-        out.append((start, stop))
-        start = stop
-    return out
+from opd.steps import RolloutJob, row_ranges  # noqa: F401  (row_ranges re-exported)
 
 
 def split_job(job: RolloutJob, parts: int) -> list[RolloutJob]:

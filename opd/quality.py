@@ -16,6 +16,9 @@ from opd.config import RunConfig
 from opd.data import TokenDataset
 from opd.steps import RolloutJob, build_engine, prefix_len_for, rollout
 
+KL_BATCH = 50
+"""Held-out rows per rollout of `quality_report` (a batch size γ calibration must cover)."""
+
 
 @torch.no_grad()
 def _log_probs(model, labels, tokens):
@@ -26,7 +29,7 @@ def _log_probs(model, labels, tokens):
 
 @torch.no_grad()
 def quality_report(student, teacher, heldout: TokenDataset, cfg: RunConfig, *,
-                   num_rows: int | None = None, batch_size: int = 50, seed: int = 1234) -> dict:
+                   num_rows: int | None = None, batch_size: int = KL_BATCH, seed: int = 1234) -> dict:
     """The four held-out measures above, token means in nats."""
     was = student.training
     student.eval()

@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from opd.batch import TrajectoryBatch
-from opd.cache import cache_dir
+from opd.cache import calibration_file
 from opd.config import RunConfig
 from opd.objectives import Objective, get_objective
 from rollout import make_engine
@@ -60,11 +59,6 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
     return objective.choose_source(step, seed)
 
 
-def calibration_file() -> Path:
-    """Where `gamma=auto` reads and writes γ: $OPD_CACHE/calibration.json."""
-    return cache_dir() / "calibration.json"
-
-
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine (options that the engine does not take are left out)."""
     r = cfg.rollout
@@ -74,8 +68,21 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
         options.update(W=r.window, H=r.history_offset)
     if name == "hbsjd":
         options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
-                       calibrate_missing=True)
+                       calibrate_missing=True)    # measured once under the file's lock
     return make_engine(name, **options)
+
+
+def row_ranges(batch: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous [start, stop) ranges covering 0..batch, sizes differing by at most one
+    (first ranges larger); empty ranges are dropped."""
+    parts = max(1, min(parts, batch))
+    base, extra = divmod(batch, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        out.append((start, stop))
+        start = stop
+    return out
 
 
 @dataclass(frozen=True)

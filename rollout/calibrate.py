@@ -13,13 +13,22 @@ means Compact was faster even with every image active; gamma = 1 means never Com
 
 The JSON file holds a list of entries keyed by (model signature, batch, W, cfg); writing an
 entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` uses.
+
+There is one calibration file, `calibration_file()` = `$OPD_CACHE/calibration.json` (default
+`~/.cache/opd/calibration.json`): `opd calibrate` writes it, training, evaluation and the benches
+read it.  The cache directory is defined here, not in opd/cache.py, because rollout/ imports
+nothing from opd/; `opd.cache.cache_dir` returns `cache_root()`.  `ensure_calibration` measures
+missing entries under an exclusive lock on the file, so processes sharing it (Ray workers)
+measure each entry once: the first one measures, the others wait and read it.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +36,18 @@ import torch
 from rollout.engine import model_device, synchronize
 
 FORMAT = 1
+CACHE_ENV = "OPD_CACHE"
+CALIBRATION_NAME = "calibration.json"
+
+
+def cache_root() -> Path:
+    """`$OPD_CACHE` if set, else `~/.cache/opd`: where opd keeps what it computes once."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "opd")
+
+
+def calibration_file() -> Path:
+    """The calibration file every part of opd reads and writes: `$OPD_CACHE/calibration.json`."""
+    return cache_root() / CALIBRATION_NAME
 
 
 def model_signature(model) -> str:
@@ -149,8 +170,13 @@ def read_calibration(path: str | Path) -> list[dict]:
 
 
 def save_calibration(path: str | Path, entry: dict) -> None:
-    """Add `entry` to the JSON file at `path` (replacing one with the same key)."""
-    path = Path(path)
+    """Add `entry` to the JSON file at `path` (replacing one with the same key), under
+    `file_lock(path)`."""
+    with file_lock(path):
+        _write_entry(Path(path), entry)
+
+
+def _write_entry(path: Path, entry: dict) -> None:
     entries = read_calibration(path) if path.exists() else []
     entries = [e for e in entries if _key(e) != _key(entry)] + [entry]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,13 +185,60 @@ def save_calibration(path: str | Path, entry: dict) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def file_lock(path: str | Path):
+    """An exclusive lock on `path` (a `<name>.lock` file beside it), held for the block;
+    another process asking for it waits."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def find_entry(path: str | Path, model, batch: int, W: int, cfg: bool) -> dict | None:
+    """The entry of (this model, batch, W, cfg) in the file at `path`, else None (also when
+    the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    key = (model_signature(model), batch, W, bool(cfg))
+    return next((e for e in read_calibration(path) if _key(e) == key), None)
+
+
+def ensure_calibration(model, batches, W: int, *, cfg: bool = False,
+                       path: str | Path | None = None, preset: str | None = None,
+                       repeats: int = 3, **measure_kw) -> dict[int, dict]:
+    """{batch: entry} for (this model, each batch, W, cfg) from the calibration file (default
+    `calibration_file()`), measuring and saving only the entries it lacks.  The measuring
+    happens under `file_lock(path)` after reading the file again, so of several processes
+    that need the same entry one measures it and the others read it."""
+    path = Path(path or calibration_file())
+    batches = sorted(set(int(b) for b in batches))
+    found = {b: find_entry(path, model, b, W, cfg) for b in batches}
+    if all(e is not None for e in found.values()):
+        return found
+    with file_lock(path):
+        for b in batches:
+            found[b] = find_entry(path, model, b, W, cfg)
+            if found[b] is None:
+                found[b] = calibrate(model, b, W, cfg=cfg, preset=preset, repeats=repeats,
+                                     **measure_kw)
+                _write_entry(path, found[b])
+    return found
+
+
 def load_gamma(path: str | Path, model, batch: int, W: int, cfg: bool) -> int:
     """gamma for (this model, batch, W, cfg) from `opd calibrate`'s file; ValueError if the
     file or the entry is missing, saying how to make it."""
     path = Path(path)
     sig = model_signature(model)
+    out = "" if path == calibration_file() else f" --out {path}"
     hint = (f"run `opd calibrate --model PRESET --batch {batch} --window {W}"
-            f"{' --cfg-scale 2.0' if cfg else ''} --out {path}`")
+            f"{' --cfg-scale 2.0' if cfg else ''}{out}`")
     if not path.exists():
         raise ValueError(f"gamma='auto': calibration file {path} does not exist; {hint}")
     for e in read_calibration(path):

@@ -26,7 +26,6 @@ ENGINES: dict[str, type[Engine]] = {}
 
 DECODINGS = ("greedy", "sample")
 EXECUTIONS = ("full", "compact", "hybrid")
-DEFAULT_CALIBRATION = ".opd_cache/calibration.json"
 
 
 def register(name: str):
@@ -237,4 +236,6 @@ class Engine:
 
 
 def calibration_path(options: dict) -> Path:
-    return Path(options.get("calibration") or DEFAULT_CALIBRATION)
+    """The engine option `calibration`, else the one calibration file (rollout.calibrate)."""
+    from rollout.calibrate import calibration_file     # rollout.calibrate imports this module
+    return Path(options.get("calibration") or calibration_file())

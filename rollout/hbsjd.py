@@ -109,8 +109,9 @@ class IndependentSJD(JacobiEngine):
 @register("hbsjd")
 class HBSJD(JacobiEngine):
     """HB-SJD.  execution: full | compact | hybrid; gamma: Compact below this many active
-    images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`; with
-    calibrate_missing=True a missing entry is measured here, a few forwards, and saved), or
+    images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`, default
+    $OPD_CACHE/calibration.json; with calibrate_missing=True a missing entry is measured here,
+    a few forwards, and saved under the file's lock), or
     None (uncalibrated fallback: half the batch, rounded up)."""
     DEFAULTS = dict(W=16, H=None, decoding="greedy", execution="hybrid", gamma=None,
                     calibration=None, calibrate_missing=False)
@@ -128,7 +129,7 @@ class HBSJD(JacobiEngine):
         if g is None:
             return (req.batch + 1) // 2
         if g == "auto":
-            from rollout.calibrate import calibrate, load_gamma, model_signature, save_calibration
+            from rollout.calibrate import ensure_calibration, load_gamma, model_signature
             key = (model_signature(model), req.batch, self.options["W"], req.cfg)
             if key not in self._auto:
                 path = calibration_path(self.options)
@@ -138,9 +139,8 @@ class HBSJD(JacobiEngine):
                 except ValueError:
                     if not self.options["calibrate_missing"]:
                         raise
-                    entry = calibrate(model, req.batch, self.options["W"], cfg=req.cfg,
-                                      repeats=3)
-                    save_calibration(path, entry)
+                    entry = ensure_calibration(model, [req.batch], self.options["W"],
+                                               cfg=req.cfg, path=path)[req.batch]
                     self._auto[key] = int(entry["gamma"])
             return self._auto[key]
         return g

@@ -1,11 +1,14 @@
 """`opd calibrate`: measure Full vs Compact verifier latency and write gamma for Hybrid HB-SJD.
 
     opd calibrate --model GPT-B --grid-size 24 --batch 64 --window 16 --cfg-scale 2.0 --device cuda \
-        --dtype bfloat16 --out .opd_cache/calibration.json
-    opd calibrate --config tiny            # student, batch, window, CFG and dtype of a run config
+        --dtype bfloat16
+    opd calibrate --config tiny            # every batch size of a run: its Ray sub-batches and
+                                           # evaluation batches (opd.calibration.run_batch_sizes)
 
-The rollout engine reads the file with `gamma="auto"` (key: model shape + dtype + device, batch,
-W, CFG on/off).  Latency does not depend on the weights, so no checkpoint is loaded.
+It writes the one calibration file, $OPD_CACHE/calibration.json (`opd.cache.calibration_file`),
+which training (reference loop and Ray rollout workers), evaluation and the benches read with
+`gamma="auto"` (key: model shape + dtype + device, batch, W, CFG on/off).  Latency does not
+depend on the weights, so no checkpoint is loaded.
 """
 from __future__ import annotations
 
@@ -32,23 +35,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "student, with its vocab / classes / grid)")
     p.add_argument("--grid-size", type=_positive, help="grid side for --model (e.g. 24 = 576 "
                    "tokens for LlamaGen at 384 px)")
-    p.add_argument("--batch", type=_positive, help="images per batch (default data.batch_size)")
+    p.add_argument("--batch", type=_positive, help="images per batch (default: every batch size "
+                   "the run config's rollouts and evaluation use)")
     p.add_argument("--window", type=_positive, help="window W (default rollout.window)")
     p.add_argument("--cfg-scale", type=float, metavar="SCALE",
                    help="CFG scale; only on/off matters (default rollout.cfg_scale)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", help="cpu or cuda (default: with --model cuda if available, else "
+                   "the run's rollout device)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    help="model dtype (default model.dtype)")
     p.add_argument("--repeats", type=_positive, default=5, help="timed forwards per point")
     p.add_argument("--threads", type=_positive, help="torch intra-op threads (CPU)")
-    p.add_argument("--out", default=".opd_cache/calibration.json", metavar="FILE",
-                   help="JSON file to add the entry to (default .opd_cache/calibration.json)")
+    p.add_argument("--out", metavar="FILE", help="another JSON file to add the entries to "
+                   "(default, and the only file runs read: $OPD_CACHE/calibration.json)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from opd.cache import calibration_file
+    from opd.calibration import run_batch_sizes
     from opd.models import create_model
     from rollout.calibrate import calibrate, save_calibration
 
@@ -57,24 +64,29 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.model:
         preset, overrides = args.model, ({"grid_size": args.grid_size} if args.grid_size else {})
+        default_device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
         m = cfg.model
         preset = m.student
         overrides = dict(vocab_size=m.vocab_size, num_classes=m.num_classes,
                          grid_size=args.grid_size or m.grid_size)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = cfg.run.mode == "ray" and cfg.rollout.num_gpus > 0
+        default_device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
+    device = args.device or default_device
     dtype = getattr(torch, args.dtype or cfg.model.dtype)
     model = create_model(preset, **overrides).to(device=device, dtype=dtype).eval()
-    batch = args.batch or cfg.data.batch_size
+    batches = [args.batch] if args.batch else run_batch_sizes(cfg)
     window = args.window or cfg.rollout.window
     scale = cfg.rollout.cfg_scale if args.cfg_scale is None else args.cfg_scale
-    entry = calibrate(model, batch, window, cfg=scale != 1.0, preset=preset,
-                      repeats=args.repeats)
-    save_calibration(args.out, entry)
-    print(f"{'active':>6}  {'full ms':>8}  {'compact ms':>10}")
-    for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
-        print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
-    print(f"opd calibrate: {preset} batch {batch} W {window} cfg {scale != 1.0} on {device}: "
-          f"gamma = {entry['gamma']} (Compact below {entry['gamma']} active images) "
-          f"-> {args.out}")
+    out = args.out or calibration_file()
+    for batch in batches:
+        entry = calibrate(model, batch, window, cfg=scale != 1.0, preset=preset,
+                          repeats=args.repeats)
+        save_calibration(out, entry)
+        print(f"{'active':>6}  {'full ms':>8}  {'compact ms':>10}")
+        for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
+            print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
+        print(f"opd calibrate: {preset} batch {batch} W {window} cfg {scale != 1.0} on {device}: "
+              f"gamma = {entry['gamma']} (Compact below {entry['gamma']} active images) "
+              f"-> {out}")
     return 0

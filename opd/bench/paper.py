@@ -40,7 +40,7 @@ from opd.bench import common
 from opd.bench.common import DTYPES, interleave, make_inputs
 from opd.config import ConfigError
 from rollout import make_engine
-from rollout.calibrate import calibrate
+from rollout.calibrate import ensure_calibration
 
 AR = "cached_ar"
 JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")
@@ -216,12 +216,14 @@ class Context:
         return self.models[key]
 
     def gamma(self, B: int, W: int) -> int:
-        """The preset's gamma, or the one rollout.calibrate measures for (batch B, window W)."""
+        """The preset's gamma, or the calibrated one for (batch B, window W): the entry of the
+        calibration file ($OPD_CACHE/calibration.json), measured and saved if it has none."""
         if self.b.gamma != "measure":
             return int(self.b.gamma)
         if (B, W) not in self.calibrations:
-            self.calibrations[B, W] = calibrate(self.models["main"], B, W, cfg=self.cfg,
-                                                repeats=self.b.calibration_repeats)
+            self.calibrations[B, W] = ensure_calibration(
+                self.models["main"], [B], W, cfg=self.cfg,
+                repeats=self.b.calibration_repeats)[B]
         return int(self.calibrations[B, W]["gamma"])
 
     def variant(self, label: str, engine: str, *, B: int, ratio: float | None = None,

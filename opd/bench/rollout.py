@@ -17,7 +17,9 @@ Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up r
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
 rounds, tokens per image-round, latency mean and P95, speedup over Cached AR with the same
 decoding and batch, and (greedy) whether the tokens equal Cached AR's.  Full vs Compact verifier
-latency is measured per (batch, W) (rollout.calibrate); `gamma: measure` uses its gamma.
+latency per (batch, W) is the calibration file's entry ($OPD_CACHE/calibration.json, what
+`opd calibrate` writes and training reads), measured and saved when it has none (delete the
+file to measure again); `gamma: measure` uses its gamma.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from opd.bench import common
 from opd.bench.common import DTYPES
 from opd.config import ConfigError
 from rollout import make_engine
-from rollout.calibrate import choose_gamma, measure_verifier_latency
+from rollout.calibrate import ensure_calibration
 
 VARIANTS = {
     "sjd_sync": ("sjd_sync", {}),
@@ -158,8 +160,10 @@ def run_bench(b: RolloutBench, log=print) -> dict:
     for B in b.batch_sizes:
         gammas = {}
         for W in b.windows:
-            c = measure_verifier_latency(model, B, W, cfg=cfg_on, repeats=b.calibration_repeats)
-            gammas[B, W] = choose_gamma(**c) if b.gamma == "measure" else b.gamma
+            e = ensure_calibration(model, [B], W, cfg=cfg_on, preset=b.model,
+                                   repeats=b.calibration_repeats)[B]
+            c = {k: e[k] for k in ("active", "full_s", "compact_s")}
+            gammas[B, W] = int(e["gamma"]) if b.gamma == "measure" else b.gamma
             curves.append({"batch": B, "W": W, "gamma": gammas[B, W], **c})
         labels, prefix = make_inputs(model, b, B)
         N = model.block_size - prefix.shape[1]

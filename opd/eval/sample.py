@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from opd.cache import calibration_file
 from opd.config import ConfigError, RunConfig
 from opd.steps import build_engine
-from rollout.engine import calibration_path
 
 
 def balanced_labels(num_samples: int, num_classes: int) -> Tensor:
@@ -51,12 +51,12 @@ def eval_engine_name(cfg: RunConfig) -> str:
 def sampling_config(cfg: RunConfig, *, engine: str | None = None,
                     decoding: str | None = None) -> RunConfig:
     """A copy of `cfg` whose rollout section samples as evaluation does: the engine and decoding
-    given (else `eval_engine_name`, `eval_decoding`).  `rollout.gamma='auto'` without a
-    calibration file becomes the engine's uncalibrated default: execution (and so gamma) never
-    changes the tokens (invariant 3), only the speed."""
+    given (else `eval_engine_name`, `eval_decoding`).  `rollout.gamma='auto'` without the
+    calibration file (`opd.cache.calibration_file()`) becomes the engine's uncalibrated
+    default: execution (and so gamma) never changes the tokens (invariant 3), only the speed."""
     r = cfg.rollout
     gamma = r.gamma
-    if gamma == "auto" and not calibration_path({}).is_file():
+    if gamma == "auto" and not calibration_file().is_file():
         gamma = None
     rollout = dataclasses.replace(r, engine=engine or eval_engine_name(cfg),
                                   decoding=decoding or eval_decoding(cfg), gamma=gamma)

@@ -72,7 +72,7 @@ def test_sampling_is_balanced_seeded_and_batch_independent(student):
 
 def test_uncalibrated_auto_gamma_falls_back(student, tmp_path, monkeypatch):
     cfg, _ = student
-    monkeypatch.chdir(tmp_path)                               # no .opd_cache/calibration.json
+    monkeypatch.setenv("OPD_CACHE", str(tmp_path))           # no $OPD_CACHE/calibration.json
     auto = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gamma="auto"))
     assert sampling_config(auto).rollout.gamma is None        # execution never changes tokens
     assert sampling_config(cfg).rollout.gamma == 2

@@ -98,9 +98,9 @@ def test_cli_bench_and_calibrate(tiny_preset, tmp_path, capsys):
     assert "gamma = " in capsys.readouterr().out
     assert main(["calibrate", "--config", "tiny", "rollout.window=3", "--device", "cpu",
                  "--repeats", "1", "--threads", "1", "--out", str(cal)]) == 0
-    entries = json.loads(cal.read_text())["entries"]              # the run config's student
-    assert len(entries) == 2 and entries[1]["preset"] == "GPT-digits-S"
-    assert (entries[1]["batch"], entries[1]["W"], entries[1]["cfg"]) == (4, 3, False)
+    entries = json.loads(cal.read_text())["entries"]   # the run config's student, every batch
+    assert [e["preset"] for e in entries] == ["GPT-tiny", "GPT-digits-S", "GPT-digits-S"]
+    assert [(e["batch"], e["W"], e["cfg"]) for e in entries[1:]] == [(4, 3, False), (8, 3, False)]
     capsys.readouterr()
     assert main(["bench", "rollout", "--config", str(tiny_preset), "nonsense=1"]) == 2
     assert "unknown bench preset key 'nonsense'" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""Which γ calibration entries a run needs, and preparing them.
+
+With `rollout.gamma=auto` (the default) and Hybrid HB-SJD, every batch size an engine is called
+with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e.
+`$OPD_CACHE/calibration.json`), keyed by the model's signature, the batch, W and CFG on/off:
+
+    reference mode   data.batch_size
+    ray mode         the sub-batch sizes: a step's batch is cut into `parts` row ranges
+                     (`opd.steps.row_ranges`), parts = rollout.sub_batches, else one per rollout
+                     worker up and at least one per teacher worker (actors/pipeline.py), so
+                     every parts count from teacher.num_workers to the largest pool
+    evaluation       eval.batch_size chunks of eval.num_samples (samples) and
+                     `opd.quality.KL_BATCH` chunks of eval.kl_rows (on-policy KL), when set
+
+`opd calibrate --config X` measures all of them for run X; each rollout worker calls
+`prepare_calibration` when it starts, so an entry a run lacks is measured once, by the first
+worker, under the file's lock (`rollout.calibrate.ensure_calibration`), and read by the rest.
+"""
+from __future__ import annotations
+
+from opd.cache import calibration_file
+from opd.config import RunConfig
+from opd.steps import row_ranges
+from rollout.calibrate import ensure_calibration
+from rollout.sampling import uses_cfg
+
+
+def chunk_sizes(total: int, batch: int) -> set[int]:
+    """The batch sizes of `total` items taken `batch` at a time."""
+    if total < 1:
+        return set()
+    return {min(batch, total)} | ({total % batch} if total % batch else set())
+
+
+def rollout_parts(cfg: RunConfig) -> list[int]:
+    """Every count of parts a Ray step's batch may be split into (see the module docstring)."""
+    if cfg.rollout.sub_batches:
+        return [cfg.rollout.sub_batches]
+    n = cfg.rollout.num_workers
+    most = n[1] if isinstance(n, tuple) else n
+    teachers = cfg.teacher.num_workers
+    return list(range(teachers, max(most, teachers) + 1))
+
+
+def rollout_batch_sizes(cfg: RunConfig) -> list[int]:
+    """The batch sizes training rollouts are generated at, in cfg.run.mode."""
+    B = cfg.data.batch_size
+    if cfg.run.mode == "reference":
+        return [B]
+    return sorted({b - a for p in rollout_parts(cfg) for a, b in row_ranges(B, p)})
+
+
+def eval_batch_sizes(cfg: RunConfig) -> list[int]:
+    """The batch sizes evaluation samples (and completes held-out prefixes) at."""
+    from opd.quality import KL_BATCH
+    e = cfg.eval
+    sizes = chunk_sizes(e.num_samples, e.batch_size)
+    if e.kl_rows:
+        sizes |= chunk_sizes(e.kl_rows, KL_BATCH)
+    return sorted(sizes)
+
+
+def run_batch_sizes(cfg: RunConfig) -> list[int]:
+    """Every batch size run `cfg` calls an engine with: training rollouts and evaluation."""
+    return sorted({*rollout_batch_sizes(cfg), *eval_batch_sizes(cfg)})
+
+
+def uses_calibration(cfg: RunConfig, engine: str | None = None) -> bool:
+    """Whether `engine` (default rollout.engine) reads the calibration file in this config."""
+    r = cfg.rollout
+    return (engine or r.engine) == "hbsjd" and r.execution == "hybrid" and r.gamma == "auto"
+
+
+def prepare_calibration(model, cfg: RunConfig, batches, **measure_kw) -> dict[int, dict]:
+    """{batch: entry} of `model` at W = rollout.window and the config's CFG for each batch in
+    `batches`, measuring only the missing ones (once, under the calibration file's lock);
+    {} when the config does not calibrate (`uses_calibration`)."""
+    if not uses_calibration(cfg) or not batches:
+        return {}
+    return ensure_calibration(model, batches, cfg.rollout.window,
+                              cfg=uses_cfg(cfg.rollout.cfg_scale), path=calibration_file(),
+                              preset=cfg.model.student, **measure_kw)
