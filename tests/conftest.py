@@ -51,3 +51,22 @@ def ray_session(opd_cache):
                  log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def fresh_calibration(opd_cache, tiny_overrides, tmp_path, monkeypatch) -> Path:
+    """OPD_CACHE set, for this test, to a directory that links every entry of the session cache
+    (pretrained tiny models, feature extractor, ...) except the calibration file: the test
+    starts without calibrations and does not touch the session's.  Returns the directory."""
+    from opd.config import load_config
+    from opd.pretrain import load_role_model
+    cfg = load_config("tiny", tiny_overrides)
+    for role in ("teacher", "student"):                 # pretrained once, in the session cache
+        load_role_model(cfg, role, progress=False)
+    mine = tmp_path / "opd_cache"
+    mine.mkdir()
+    for p in opd_cache.iterdir():
+        if not p.name.startswith("calibration.json"):
+            (mine / p.name).symlink_to(p)
+    monkeypatch.setenv("OPD_CACHE", str(mine))
+    return mine

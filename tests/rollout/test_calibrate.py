@@ -89,3 +89,82 @@ def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
     assert torch.equal(out.tokens, ref.tokens)
     strict.generate(model, labels, prefix, 6)                 # the entry now exists
     assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+def test_one_calibration_file_under_opd_cache(tmp_path, monkeypatch):
+    from opd.cache import cache_dir
+    from rollout.calibrate import calibration_file
+    from rollout.engine import calibration_path
+    monkeypatch.setenv("OPD_CACHE", str(tmp_path / "c"))
+    assert calibration_file() == tmp_path / "c" / "calibration.json"
+    assert cache_dir() == tmp_path / "c"
+    assert calibration_path({}) == calibration_file()                  # the engines' default
+    assert calibration_path({"calibration": "x.json"}).name == "x.json"
+    monkeypatch.delenv("OPD_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert calibration_file() == tmp_path / "home" / ".cache" / "opd" / "calibration.json"
+
+
+def counting_measure(monkeypatch, log: list):
+    """Make rollout.calibrate's measurement append its batch to `log`."""
+    import rollout.calibrate as rc
+    measure = rc.measure_verifier_latency
+
+    def counted(model, batch, W, **kw):
+        log.append(batch)
+        return measure(model, batch, W, **kw)
+    monkeypatch.setattr(rc, "measure_verifier_latency", counted)
+
+
+def test_ensure_calibration_measures_only_missing_entries(tiny, tmp_path, monkeypatch):
+    from rollout.calibrate import ensure_calibration, read_calibration
+    model, path, measured = tiny(0), tmp_path / "cal.json", []
+    counting_measure(monkeypatch, measured)
+    first = ensure_calibration(model, [3, 2, 3], 4, path=path, repeats=1, warmup=0)
+    assert measured == [2, 3] and sorted(first) == [2, 3]
+    again = ensure_calibration(model, [2, 3, 4], 4, path=path, repeats=1, warmup=0)
+    assert measured == [2, 3, 4]                                  # only batch 4 was missing
+    assert again[2] == first[2] and again[3] == first[3]
+    assert [(e["batch"], e["W"]) for e in read_calibration(path)] == [(2, 4), (3, 4), (4, 4)]
+    engine = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path),
+                         calibrate_missing=True)
+    engine.generate(model, torch.tensor([0, 1, 2]), torch.zeros(3, 2, dtype=torch.long), 6)
+    assert measured == [2, 3, 4]                                  # gamma='auto' read batch 3
+
+
+def _measure_in_child(model, path: str, log: str, go) -> None:
+    """A process that needs batch 3's entry: it waits for `go`, then ensures it; a
+    measurement appends a line to `log` (and takes long enough for the other to wait)."""
+    import time
+
+    import rollout.calibrate as rc
+    measure = rc.measure_verifier_latency
+
+    def slow(model, batch, W, **kw):
+        with open(log, "a") as f:
+            f.write(f"{batch}\n")
+        time.sleep(0.5)
+        return measure(model, batch, W, **kw)
+    rc.measure_verifier_latency = slow
+    go.wait()
+    rc.ensure_calibration(model, [3], 4, path=path, repeats=1, warmup=0)
+
+
+def test_processes_sharing_the_file_measure_an_entry_once(tiny, tmp_path):
+    """Two processes (as two Ray rollout workers) need the same entry at the same moment: the
+    file lock makes one measure it and the other read it."""
+    import multiprocessing as mp
+    from rollout.calibrate import read_calibration
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    path, log = tmp_path / "cal.json", tmp_path / "measured.txt"
+    procs = [ctx.Process(target=_measure_in_child, args=(tiny(0), str(path), str(log), go))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    go.set()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert log.read_text() == "3\n"
+    assert [e["batch"] for e in read_calibration(path)] == [3]

@@ -1,0 +1,70 @@
+"""One calibration file: which entries a run needs (opd/calibration.py), and `opd calibrate`
+writing exactly what training and evaluation then read without measuring again."""
+import pytest
+
+from opd.calibration import (eval_batch_sizes, prepare_calibration, rollout_batch_sizes,
+                             run_batch_sizes, uses_calibration)
+from opd.config import load_config
+from opd.eval.sample import sample_tokens
+from opd.pretrain import load_role_model
+from opd.reference import run_reference
+from rollout.calibrate import read_calibration
+
+
+@pytest.mark.parametrize("extra,sizes", [
+    ([], [4]),                                               # one rollout, one teacher worker
+    (["run.mode=reference", "rollout.num_workers=3"], [4]),  # the reference loop: whole batches
+    (["rollout.num_workers=2"], [2, 4]),                     # two parts, or one while one is down
+    (["rollout.num_workers=1..3"], [1, 2, 4]),               # elastic: 1, 2 or 3 parts
+    (["teacher.num_workers=2"], [2]),                        # at least one part per teacher
+    (["rollout.sub_batches=3"], [1, 2]),                     # 4 rows in 3 parts: 2, 1, 1
+    (["data.batch_size=5", "rollout.num_workers=2"], [2, 3, 5]),
+])
+def test_rollout_batch_sizes_cover_every_split_of_the_step(tiny_overrides, extra, sizes):
+    assert rollout_batch_sizes(load_config("tiny", [*tiny_overrides, *extra])) == sizes
+
+
+def test_eval_batch_sizes(tiny_overrides):
+    cfg = load_config("tiny", tiny_overrides)
+    assert eval_batch_sizes(cfg) == [8]                      # 8 samples, 8 KL rows
+    assert run_batch_sizes(cfg) == [4, 8]
+    big = load_config("tiny", [*tiny_overrides, "eval.num_samples=120", "eval.kl_rows=60"])
+    assert eval_batch_sizes(big) == [10, 20, 50]             # 50+50+20 samples, 50+10 rows
+
+
+def test_fixed_gamma_needs_no_calibration(tiny_overrides, fresh_calibration):
+    cfg = load_config("tiny", [*tiny_overrides, "rollout.gamma=2"])
+    assert uses_calibration(load_config("tiny", tiny_overrides))
+    assert not uses_calibration(cfg)
+    assert not uses_calibration(load_config("tiny", [*tiny_overrides, "rollout.engine=cached_ar"]))
+    assert prepare_calibration(load_role_model(cfg, "student", progress=False), cfg, [4]) == {}
+    assert not (fresh_calibration / "calibration.json").exists()
+
+
+def test_opd_calibrate_writes_what_training_and_evaluation_read(
+        tiny_overrides, fresh_calibration, tmp_path, monkeypatch, capsys):
+    import rollout.calibrate as rc
+    from launch.cli import main
+    measured = []
+    measure = rc.measure_verifier_latency
+    monkeypatch.setattr(rc, "measure_verifier_latency",
+                        lambda model, batch, W, **kw: measured.append(batch) or
+                        measure(model, batch, W, **kw))
+    assert main(["calibrate", "--config", "tiny", *tiny_overrides, "--repeats", "1",
+                 "--threads", "1"]) == 0
+    path = fresh_calibration / "calibration.json"
+    assert f"-> {path}" in capsys.readouterr().out
+    assert measured == [4, 8]                    # the run's rollout batch and evaluation batch
+    written = read_calibration(path)
+    assert [(e["batch"], e["W"], e["cfg"], e["preset"]) for e in written] == \
+        [(4, 4, False, "GPT-digits-S"), (8, 4, False, "GPT-digits-S")]
+
+    cfg = load_config("tiny", [*tiny_overrides, "run.mode=reference", "distill.steps=2",
+                               "eval.track=false"])
+    rows = run_reference(cfg, tmp_path / "run", progress=False)
+    assert [r["source"] for r in rows] == ["student", "student"]      # HB-SJD rollouts ran
+    student = load_role_model(cfg, "student", progress=False)
+    samples = sample_tokens(student, cfg, cfg.eval.num_samples)      # what evaluation samples
+    assert samples.stats["options"]["gamma"] == "auto"
+    assert measured == [4, 8]                                        # nothing measured again
+    assert read_calibration(path) == written                         # nor written
