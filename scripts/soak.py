@@ -1,10 +1,11 @@
 """Chaos soak of the Ray pipeline: kill workers at random, then count what was lost.
 
     scripts/soak.sh                                  # 300 steps at staleness 0 and 2 (minutes)
-    scripts/soak.sh --steps 12 --kills 1 --json r.json   # the short version the slow test runs
+    scripts/soak.sh --steps 8 --kills 1 --checkpoint-every 2   # the short one tests/test_soak.py runs
 
 For each staleness (`distill.staleness`, 0 = strict on-policy) one run of the tiny config
-(2 rollout, 2 teacher workers, greedy HB-SJD, gamma=auto) on a local Ray that this script
+(2 rollout, 2 teacher workers, sampled HB-SJD, gamma=auto; sampled so that the losses stay
+well above float round-off: with greedy rollouts the tiny student's loss falls to ~1e-6) on a local Ray that this script
 starts, with faults injected through the pipeline's hooks (as tests/actors/test_pipeline.py):
 
 - rollout and teacher workers, `--kills` times each, at random steps: half with `ray.kill`
@@ -47,7 +48,7 @@ TASK_OF = {"rollout": "rollout", "teacher": "score"}
 
 def run_overrides(args, data_dir: str, staleness: int) -> list[str]:
     return [f"data.data_dir={data_dir}", f"distill.steps={args.steps}",
-            f"distill.staleness={staleness}", "rollout.decoding=greedy",
+            f"distill.staleness={staleness}", "rollout.decoding=sample",
             f"rollout.num_workers={args.rollout_workers}",
             f"teacher.num_workers={args.teacher_workers}", "eval.track=false",
             f"run.checkpoint_every={args.checkpoint_every}",
@@ -83,6 +84,43 @@ def store_usage() -> dict:
 def alive_actors() -> list[str]:
     import ray._private.state as state
     return sorted(a["ActorClassName"] for a in state.actors().values() if a["State"] == "ALIVE")
+
+
+class Watchdog:
+    """Interrupts the run (as Ctrl-C would: the pipeline checkpoints and writes consumed.json)
+    when no step has finished for `stall_s` seconds, and records what the driver was waiting
+    on: its plans' policy versions against the published one, and how fast it re-issues."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s, self.last, self.pipeline = stall_s, time.monotonic(), None
+        self.stalled: dict | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self, pipeline) -> None:
+        self.last, self.pipeline = time.monotonic(), pipeline
+
+    def _watch(self) -> None:
+        import _thread
+        while not self.done.wait(1.0):
+            if time.monotonic() - self.last > self.stall_s and self.pipeline is not None:
+                pl = self.pipeline
+                before = pl.reissued
+                time.sleep(5.0)
+                self.stalled = {
+                    "after_step": pl.version - 1, "published_version": pl.published.version,
+                    "unfinished_plans": {s: {"version": p.version, "source": p.source,
+                                             "parts_generated": len(p.trajs),
+                                             "parts": len(p.jobs)}
+                                         for s, p in sorted(pl.plans.items())},
+                    "tasks_in_flight": sorted(f"{t.kind}:{t.step}:{t.worker}"
+                                              for t in list(pl.tasks.values())),
+                    "reissues_per_s": (pl.reissued - before) / 5.0}
+                _thread.interrupt_main()
+                return
+
+    def close(self) -> None:
+        self.done.set()
 
 
 class Chaos:
@@ -180,9 +218,19 @@ def soak_run(args, data_dir: str, staleness: int, reference: list[dict] | None, 
     chaos = Chaos(random.Random(args.seed * 1000 + staleness), args.steps, args.kills, log)
     start = time.perf_counter()
     resumed_from, resume = [], False
+    watchdog = Watchdog(args.stall_s)
+    hooks = chaos.hooks()
+    after_step = hooks["after_step"]
+    hooks["after_step"] = lambda pipeline, **kw: (watchdog.beat(pipeline),
+                                                  after_step(pipeline, **kw))
     while True:
         try:
-            run_distributed(cfg, run_dir, progress=False, resume=resume, hooks=chaos.hooks())
+            run_distributed(cfg, run_dir, progress=False, resume=resume, hooks=hooks)
+            break
+        except KeyboardInterrupt:
+            if watchdog.stalled is None:                  # a real Ctrl-C
+                raise
+            log(f"  stalled: no step for {args.stall_s:g} s: {watchdog.stalled}")
             break
         except LearnerFailure as e:
             if resumed_from:                              # the learner is killed once
@@ -190,6 +238,7 @@ def soak_run(args, data_dir: str, staleness: int, reference: list[dict] | None, 
             log(f"  learner killed: {str(e).splitlines()[0]}; resuming")
             resumed_from.append(e.checkpoint)
             resume = True
+    watchdog.close()
     seconds = time.perf_counter() - start
     for t in chaos.timers:
         t.join()
@@ -211,29 +260,39 @@ def soak_run(args, data_dir: str, staleness: int, reference: list[dict] | None, 
               "steps_in_metrics": [r["step"] for r in rows] == list(range(args.steps)),
               "batches_lost": len(lost), "lost_ids": lost[:20],
               "batches_duplicated": len(duplicated), "duplicated_ids": duplicated[:20],
-              "faults_seen": chaos.faults(),
+              "faults_seen": chaos.faults(), "stalled": watchdog.stalled,
               "learner_resumed_from": resumed_from, "kills": chaos.fired(),
               "roles_killed": sorted({e["role"] for e in chaos.plan if e["fired"]}),
               "memory": chaos.memory, "leaked_actors": alive_actors(),
-              "max_policy_lag": max(r["policy_lag"] for r in rows), "pids": sorted(chaos.pids)}
+              "max_policy_lag": max((r["policy_lag"] for r in rows), default=None),
+              "pids": sorted(chaos.pids)}
     if reference is not None:
-        diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, reference)]
-        report["max_loss_diff"] = max(diffs) if len(diffs) == args.steps else None
+        pairs = list(zip([r["loss"] for r in rows], [r["loss"] for r in reference]))
+        complete = len(pairs) == args.steps
+        report["max_loss_diff"] = max(abs(a - b) for a, b in pairs) if complete else None
+        report["max_rel_loss_diff"] = (max(abs(a - b) / abs(b) for a, b in pairs if b)
+                                       if complete else None)
+        report["losses_identical"] = sum(a == b for a, b in pairs)
+        report["loss_range"] = [min(r["loss"] for r in reference),
+                                max(r["loss"] for r in reference)]
     return report
 
 
 def checks(report: dict) -> dict[str, bool]:
     mem = report["memory"]
     bound = mem["start"]["bytes"] + MEMORY_BOUND_MB * 2**20
-    out = {"no batch lost": report["batches_lost"] == 0,
+    out = {"finished (no stall)": report["stalled"] is None,
+           "no batch lost": report["batches_lost"] == 0,
            "no batch duplicated": report["batches_duplicated"] == 0,
            "metrics for every step": report["steps_in_metrics"],
            "rollout, teacher and learner killed": report["roles_killed"] == [
                "learner", "rollout", "teacher"],
            "learner killed and resumed": len(report["learner_resumed_from"]) == 1,
-           "object store bounded": all(mem[k]["bytes"] <= bound for k in ("middle", "end")),
+           "object store bounded": all(k in mem and mem[k]["bytes"] <= bound
+                                       for k in ("middle", "end")),
            "no leaked actors": not report["leaked_actors"],
-           "lag within staleness": report["max_policy_lag"] <= report["staleness"]}
+           "lag within staleness": (report["max_policy_lag"] is not None
+                                    and report["max_policy_lag"] <= report["staleness"])}
     if "max_loss_diff" in report:
         out["losses equal the reference"] = (report["max_loss_diff"] is not None
                                              and report["max_loss_diff"] <= LOSS_TOL)
@@ -276,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local Ray")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stall-s", type=float, default=180.0,
+                   help="stop a run that finished no step for this long (reported as stalled)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--keep", action="store_true", help="keep the run directories (else removed)")
     args = p.parse_args(argv)
@@ -339,12 +400,16 @@ def print_report(summary: dict) -> None:
               f"driver saw {r['faults_seen']}, "
               f"learner resumed from {r['learner_resumed_from']}")
         if "max_loss_diff" in r:
-            print(f"  max |loss - reference| = {r['max_loss_diff']}")
+            print(f"  max |loss - reference| = {r['max_loss_diff']} (relative "
+                  f"{r['max_rel_loss_diff']}); bit-identical {r['losses_identical']}/{r['steps']}; "
+                  f"reference losses in {r['loss_range']}")
         print(f"  max policy lag {r['max_policy_lag']}; kills {r['kills']}")
         print("  object store: " + ", ".join(
             f"{k} {m[k]['bytes'] / mib:.2f} MiB ({m[k]['objects']} objects)"
             for k in ("start", "middle", "end", "after") if k in m))
         print(f"  leaked actors: {r['leaked_actors'] or 0}")
+        if r["stalled"]:
+            print(f"  STALLED: {r['stalled']}")
         for name, good in r["checks"].items():
             print(f"  [{'ok' if good else 'FAIL'}] {name}")
     print(f"leaked processes after Ray's shutdown: {summary['leaked_processes'] or 0}")
