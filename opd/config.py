@@ -129,6 +129,8 @@ class RolloutConfig:
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Literal["greedy", "sample"] = "sample"
     """Greedy verification (lossless vs greedy AR) or probabilistic (sampling) verification."""
+    refresh: Literal["coupled", "resample"] = "coupled"
+    """Sampled drafts after the commit point: kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)

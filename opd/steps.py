@@ -71,7 +71,7 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
     name = engine or r.engine
     options = {"decoding": r.decoding}
     if name != "cached_ar":
-        options.update(W=r.window, H=r.history_offset)
+        options.update(W=r.window, H=r.history_offset, refresh=r.refresh)
     if name == "hbsjd":
         options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
                        calibrate_missing=True)

@@ -25,6 +25,7 @@ ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name: cached_ar, sjd_sync, sjd_independent, hbsjd."""
 
 DECODINGS = ("greedy", "sample")
+REFRESHES = ("coupled", "resample")
 EXECUTIONS = ("full", "compact", "hybrid")
 DEFAULT_CALIBRATION = ".opd_cache/calibration.json"
 
@@ -64,6 +65,8 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
     if "decoding" in o and o["decoding"] not in DECODINGS:
         raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
+    if "refresh" in o and o["refresh"] not in REFRESHES:
+        raise ValueError(f"option refresh must be one of {REFRESHES}, got {o['refresh']!r}")
     if "execution" in o and o["execution"] not in EXECUTIONS:
         raise ValueError(f"option execution must be one of {EXECUTIONS}, got {o['execution']!r}")
     g = o.get("gamma")

@@ -24,10 +24,12 @@ from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool) -> RolloutResult:
+def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
+               coupled: bool = True) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
     gamma: Compact execution when fewer than gamma images are active (0 = always Full,
-    > B = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD)."""
+    > B = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD).
+    coupled: sampled drafts are refreshed by maximal coupling (rollout/jacobi.py)."""
     B, T, dev = req.batch, req.total, req.labels.device
     times = [time.perf_counter()]          # round boundaries (each follows a device sync)
     first = prefill_token(model, req)
@@ -40,7 +42,7 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool) -> R
         return _result(req, torch.cat([req.prefix, first[:, None]], 1), committed, accepted,
                        rejected, active_log, modes, times)
     W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
-    plan = make_plan(T, W, H, sync, dev)
+    plan = make_plan(T, W, H, sync, dev, coupled)
     st = init_state(req, first, plan, model.vocab_size)
     while True:
         live = st.cur < T
@@ -78,7 +80,9 @@ def _result(req, tokens, committed, accepted, rejected, active, modes, times) ->
 
 class JacobiEngine(Engine):
     """Shared option handling: W (window = tokens per verifier forward, [last committed,
-    W - 1 drafts]), H (history offset; None = one grid row), decoding."""
+    W - 1 drafts]), H (history offset; None = one grid row), decoding, refresh (sampled drafts
+    after the commit point: "coupled" = maximal coupling with their new distribution,
+    "resample" = drawn afresh; both lossless, see rollout/jacobi.py)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -97,13 +101,14 @@ class JacobiEngine(Engine):
 
     def run(self, model, req: Request) -> RolloutResult:
         return run_jacobi(model, req, self.options["W"], self.history(model),
-                          self.gamma(model, req), self.SYNC)
+                          self.gamma(model, req), self.SYNC,
+                          self.options["refresh"] == "coupled")
 
 
 @register("sjd_independent")
 class IndependentSJD(JacobiEngine):
     """Independent Batched SJD: per-image cursors, Full execution, no switching."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy")
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled")
 
 
 @register("hbsjd")
@@ -112,8 +117,8 @@ class HBSJD(JacobiEngine):
     images (int), 'auto' (read `opd calibrate`'s JSON at option `calibration`; with
     calibrate_missing=True a missing entry is measured here, a few forwards, and saved), or
     None (uncalibrated fallback: half the batch, rounded up)."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", execution="hybrid", gamma=None,
-                    calibration=None, calibrate_missing=False)
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", execution="hybrid",
+                    gamma=None, calibration=None, calibrate_missing=False)
 
     def __init__(self, **options):
         super().__init__(**options)
