@@ -75,9 +75,9 @@ class JacobiState:
         return JacobiState(*(None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
                              for f in fields(self)))
 
-    def assign(self, idx: Tensor, sub: JacobiState) -> None:
-        """Write a sub-batch back into rows idx (`key` never changes)."""
-        for name in ("seq", "cur", "rounds", "q"):
+    def assign(self, idx: Tensor, sub: JacobiState, new_images: bool = False) -> None:
+        """Write a sub-batch back into rows idx (`key` changes only when rows get new images)."""
+        for name in ("seq", "cur", "rounds", "q") + (("key",) if new_images else ()):
             if getattr(self, name) is not None:
                 getattr(self, name)[idx] = getattr(sub, name)
 
@@ -99,18 +99,19 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
-def init_state(req: Request, first: Tensor, plan: Plan, V: int) -> JacobiState:
-    """State after round 0 (prefill chose token P): cur = P + 1, drafts from history."""
-    B, P, T, W = req.batch, req.prefix_len, req.total, plan.W
+def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int) -> JacobiState:
+    """State of images `images` after their round 0 (prefill chose token P): cur = P + 1,
+    drafts from history."""
+    B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
     seq = torch.zeros(B, T + W, dtype=torch.long, device=first.device)
-    seq[:, :P] = req.prefix
+    seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
     fill_history(seq, cur, cur + W - 1, plan)
     q = None
     if req.sampled:
         q = one_hot(seq[:, P + 1: P + W], V, torch.float32)
-    return JacobiState(seq, cur, torch.ones_like(cur), req.keys, q)
+    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,6 +22,7 @@ class RolloutResult:
     modes: list[str]        # (R,) execution of each round: "full" | "compact"
     wall_time: float        # seconds for the whole generate call (device synchronised)
     round_times: list[float] = field(default_factory=list)  # (R,) s per round; Jacobi only
+    prefills: int = 0       # prefill forwards after round 0 (slots: images admitted into rows)
     engine: str = ""
     options: dict = field(default_factory=dict)
 
@@ -60,5 +61,6 @@ class RolloutResult:
             "mean_committed": self.mean_committed,
             "accepted": int(self.accepted.sum()), "rejected": int(self.rejected.sum()),
             "compact_rounds": sum(m == "compact" for m in self.modes),
+            "prefills": self.prefills,
             "wall_time_s": self.wall_time,
         }
