@@ -94,5 +94,12 @@ class RolloutWorker:
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
                             rollout_rounds=s.get("rounds", 0),
-                            rollout_mean_committed=s.get("mean_committed", 0.0))
+                            rollout_mean_committed=s.get("mean_committed", 0.0),
+                            rollout_longest_single_run=s.get("longest_single_run", 0),
+                            rollout_image_rounds_max=s.get("image_rounds_max", 0))
+        for k, count in enumerate(s.get("commit_hist", [])):   # acceptance lengths
+            for _ in range(count):
+                self.metrics.observe("opd_rollout_commit_length", k + 1)
+        for r in s.get("image_rounds", []):
+            self.metrics.observe("opd_rollout_image_rounds", r)
         return traj.to_numpy_dict()

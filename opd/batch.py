@@ -38,7 +38,14 @@ ARROW_METADATA_KEY = b"opd.trajectory_batch"
 _TENSOR_FIELDS = ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices")
 _ARROW_COLUMNS = {"labels": "label"}  # field name -> arrow column name (one row per image)
 
-Stat = int | float | str | bool
+Stat = int | float | str | bool | list[int]
+
+
+def _is_stat(value: Any) -> bool:
+    """A scalar (int / float / str / bool) or a list of ints (a histogram, per-image rounds)."""
+    if isinstance(value, list):
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, (int, float, str, bool))
 
 
 @dataclass
@@ -52,8 +59,8 @@ class TrajectoryBatch:
     policy_version: int, version of the student weights that generated the suffix.
     source: "student" (on-policy rollout), "data" (suffix from the dataset) or "teacher"
         (teacher-generated suffix, SeqKD).
-    rollout_stats: scalar stats of the rollout (rounds, mean committed tokens, seconds,
-        engine name, ...); int / float / str / bool values.
+    rollout_stats: stats of the rollout (rounds, mean committed tokens, seconds, engine
+        name, committed-tokens histogram, ...); int / float / str / bool or list-of-int values.
     teacher_logprobs: (B, L, V) float full-vocabulary teacher log-probs, or None.
     teacher_topk_values: (B, L, k) float teacher log-probs (normalized over the full
         vocabulary) at its k most likely tokens, or None.
@@ -83,8 +90,9 @@ class TrajectoryBatch:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         for key, value in self.rollout_stats.items():
-            if not isinstance(key, str) or not isinstance(value, (int, float, str, bool)):
-                raise ValueError(f"rollout_stats[{key!r}] must map str to int/float/str/bool, got {value!r}")
+            if not isinstance(key, str) or not _is_stat(value):
+                raise ValueError(f"rollout_stats[{key!r}] must map str to int/float/str/bool or "
+                                 f"a list of ints, got {value!r}")
         full = self.teacher_logprobs
         vals, idx = self.teacher_topk_values, self.teacher_topk_indices
         if full is not None:
@@ -231,7 +239,11 @@ def _to_tensor(a: np.ndarray, copy: bool) -> Tensor:
 
 
 def _py(v: Any) -> Stat:
-    """numpy scalar -> Python scalar (Ray may hand back numpy types)."""
+    """numpy scalar / array -> Python scalar / list (Ray may hand back numpy types)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_py(x) for x in v]
     return v.item() if isinstance(v, np.generic) else v
 
 

@@ -61,6 +61,11 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
             "rounds": s.get("rounds", 0), "mean_committed": s.get("mean_committed", 0.0),
+            "commit_hist": s.get("commit_hist"),
+            "image_rounds_max": s.get("image_rounds_max", 0),
+            "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
+                                  else 0.0),
+            "longest_single_run": s.get("longest_single_run", 0),
             "generated_tokens": gen,
             "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
 

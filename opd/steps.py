@@ -60,6 +60,11 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
     return objective.choose_source(step, seed)
 
 
+COMMIT_HIST_WIDTH = 16
+"""Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
+counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
+
+
 def calibration_file() -> Path:
     """Where `gamma=auto` reads and writes γ: $OPD_CACHE/calibration.json."""
     return cache_dir() / "calibration.json"
@@ -103,11 +108,17 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
     result = engine.generate(
         model, job.labels.to(device), job.tokens[:, :P].to(device), T - P,
         cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
-        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids)
+        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
+        slots=r.slots or None)
+    image_rounds = result.image_rounds
     stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds,
              "mean_committed": result.mean_committed, "engine": result.engine,
              "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
-             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum())}
+             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
+             "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
+             "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
+             "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
+             "longest_single_run": int(result.longest_single_run.max())}
     tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
     return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
                            job.source, stats)

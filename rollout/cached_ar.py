@@ -39,7 +39,9 @@ class CachedAR(Engine):
         for k, i in enumerate(parts):                # batch k owns rounds k*N .. (k+1)*N - 1
             committed[k * N:(k + 1) * N, i] = 1
         zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        first_round = torch.cat([torch.full_like(i, k * N) for k, i in enumerate(parts)])
         return RolloutResult(tokens=tokens, prefix_len=req.prefix_len, committed=committed,
                              accepted=zeros, rejected=zeros.clone(),
                              active=[len(i) for i in parts for _ in range(N)],
-                             modes=["full"] * (N * len(parts)), wall_time=0.0)
+                             modes=["full"] * (N * len(parts)), wall_time=0.0,
+                             prefills=len(parts) - 1, first_round=first_round)

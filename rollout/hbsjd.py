@@ -49,6 +49,7 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     plan = make_plan(T, W, H, sync, dev, coupled)
     st = init_state(req, img, first, plan, model.vocab_size)
     out = torch.empty(B, T, dtype=torch.long, device=dev)
+    first_round = torch.zeros(B, dtype=torch.long, device=dev)
     waiting = R                                               # next image to admit
     while True:
         live = st.cur < T
@@ -61,6 +62,7 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
             st.assign(done, init_state(req, new, prefill_token(model, req, new, done), plan,
                                        model.vocab_size), new_images=True)
             committed[-1][new] = 1
+            first_round[new] = len(committed) - 1
             waiting, prefills, A = waiting + done.shape[0], prefills + 1, A + done.shape[0]
             live = st.cur < T
         times.append(time.perf_counter())
@@ -86,7 +88,8 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
         active_log.append(A)
         modes.append("compact" if compact else "full")
     out[img] = st.seq[:, :T]
-    return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills)
+    return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
+                   first_round)
 
 
 def _single_token(model, req: Request, times: list) -> RolloutResult:
@@ -102,12 +105,12 @@ def _single_token(model, req: Request, times: list) -> RolloutResult:
 
 
 def _result(req, tokens, committed, accepted, rejected, active, modes, times,
-            prefills=0) -> RolloutResult:
+            prefills=0, first_round=None) -> RolloutResult:
     return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
                          committed=torch.stack(committed), accepted=accepted,
                          rejected=rejected, active=active, modes=modes, wall_time=0.0,
                          round_times=[b - a for a, b in zip(times, times[1:])],
-                         prefills=prefills)
+                         prefills=prefills, first_round=first_round)
 
 
 class JacobiEngine(Engine):
