@@ -89,6 +89,11 @@ class StudentLearner:
         import deepspeed
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            # gloo does the CPU all-reduce; DeepSpeed's optional shared-memory op would be
+            # JIT-compiled first (40-250 s on 2 cores, again whenever another environment
+            # built it last into ~/.cache/torch_extensions)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
         student = load_role_model(self.cfg, "student", progress=False).to(self.device)
