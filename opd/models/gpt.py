@@ -205,9 +205,17 @@ class GPT(nn.Module):
 
     # ---- rollout protocol -------------------------------------------------------------
     def setup_cache(self, max_batch: int, max_len: int) -> None:
+        """KV caches for `max_batch` rows of `max_len` positions.  Caches that already hold at
+        least that many rows and positions in the parameters' dtype and device are kept: a
+        cached forward writes every position before any query attends to it, so what an
+        earlier call left behind is never read, and rollouts allocate once per worker."""
         if max_len > self.block_size + 1:
             raise ValueError(f"max_len {max_len} exceeds block_size + 1 = {self.block_size + 1}")
         p = next(self.parameters())
+        kc = self.layers[0].attention.k_cache
+        if (kc is not None and kc.dtype == p.dtype and kc.device == p.device
+                and kc.shape[0] >= max_batch and kc.shape[2] >= max_len):
+            return
         shape = (max_batch, self.args.kv_heads, max_len, self.args.head_dim)
         for layer in self.layers:
             layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)

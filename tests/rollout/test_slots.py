@@ -60,3 +60,20 @@ def test_slots_must_be_a_positive_int(tiny):
     model = tiny(0, vocab_size=5, grid_size=4)
     with pytest.raises(ValueError, match="slots must be None or an int >= 1"):
         make_engine("hbsjd").generate(model, torch.zeros(2, dtype=torch.long), None, 4, slots=0)
+
+
+def test_the_kv_cache_is_allocated_once_and_reused(tiny, batch):
+    """Calls that fit the cache reuse its storage (slots make a smaller one suffice); tokens
+    equal those of a freshly zeroed cache."""
+    model = tiny(3, vocab_size=5, grid_size=4)
+    labels, prefix = batch(model, 6, 2, seed=9)
+    engine = make_engine("hbsjd", W=4, decoding="sample")
+    first = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1)
+    storage = model.layers[0].attention.k_cache.data_ptr()
+    again = engine.generate(model, labels[:4], prefix[:4], 14, cfg_scale=2.0, seed=1)
+    slotted = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1, slots=2)
+    assert model.layers[0].attention.k_cache.data_ptr() == storage
+    model.release_cache()
+    fresh = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1)
+    assert torch.equal(first.tokens, fresh.tokens) and torch.equal(slotted.tokens, fresh.tokens)
+    assert torch.equal(again.tokens, fresh.tokens[:4])
