@@ -81,6 +81,9 @@ def scrape_metrics() -> str:
 EXPECTED = {  # metric -> a (role, worker) it must carry
     "ray_opd_rollout_tokens_per_s": ("rollout", "1"),
     "ray_opd_rollout_mean_committed": ("rollout", "0"),
+    "ray_opd_rollout_commit_length_count": ("rollout", "0"),
+    "ray_opd_rollout_image_rounds_count": ("rollout", "1"),
+    "ray_opd_rollout_longest_single_run": ("rollout", "0"),
     "ray_opd_teacher_tokens_per_s": ("teacher", "1"),
     "ray_opd_learner_step_seconds_count": ("learner", "0"),
     "ray_opd_queue_depth": ("driver", "0"),
@@ -142,16 +145,22 @@ def test_metrics_reach_ray_and_the_run_directory(two_by_two):
                 "policy_lag", "rollout_idle", "teacher_idle", "learner_idle", "mean_committed"):
         assert all(r[key] is not None and r[key] >= 0 for r in table), key
     assert all(r["weight_bytes"] > 0 and r["rollout_tokens_per_s"] > 0 for r in table)
+    for r in table:     # every generated token of a step sits in its commit histogram
+        assert sum((k + 1) * n for k, n in enumerate(r["commit_hist"])) == r["generated_tokens"]
 
 
 @pytest.mark.parametrize("workers,decoding", [((1, 1), "greedy"), ((1, 2), "greedy"),
                                               ((2, 1), "sample")])
 def test_other_worker_counts_equal_the_reference(workers, decoding, ray_session, tiny_overrides,
                                                  references, tmp_path):
+    """Sampled: the Ray rollout workers also run their images through one slot each
+    (continuous batching), the reference through none: the same tokens, the same losses."""
     r, t = workers
     extra = () if decoding == "greedy" else ("rollout.decoding=sample",)
+    slots = () if decoding == "greedy" else ("rollout.slots=1",)
     rows = run_distributed(cfg_for(tiny_overrides, f"rollout.num_workers={r}",
-                                   f"teacher.num_workers={t}", *extra), tmp_path, progress=False)
+                                   f"teacher.num_workers={t}", *extra, *slots), tmp_path,
+                           progress=False)
     assert losses(rows) == pytest.approx(losses(references(*extra)), rel=0, abs=LOSS_TOL)
     assert_each_batch_once(rows, tmp_path)
 
