@@ -63,14 +63,14 @@ class RunRecords:
         """Every learner rank saves into checkpoints/step_N.tmp; once all have returned, the
         driver writes state.json and renames the directory into place (opd.checkpoints.commit)."""
         step = self.version
-        tmp = ckpt.begin(self.run_dir, step)
-        try:
-            ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
-        except RayActorError as e:
-            raise self._learner_failure("checkpoint", step, e) from e
-        state = ckpt.checkpoint_state(self.cfg, step, self.cursor[step], "ray",
-                                      consumed=sorted(self.consumed.elements()))
-        self.last_checkpoint = str(ckpt.commit(tmp, state))
+        with ckpt.writing(self.run_dir, step) as tmp:   # an OSError of a rank: CheckpointWriteError
+            try:
+                ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
+            except RayActorError as e:
+                raise self._learner_failure("checkpoint", step, e) from e
+            state = ckpt.checkpoint_state(self.cfg, step, self.cursor[step], "ray",
+                                          consumed=sorted(self.consumed.elements()))
+            self.last_checkpoint = str(ckpt.commit(tmp, state))
 
     def _load_checkpoint(self, path: Path) -> int:
         state = ckpt.read_state(path, mode="ray")
