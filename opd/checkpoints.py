@@ -234,24 +234,32 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def newest_complete(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """(the newest complete checkpoint or None, "step_N (why)" of each newer damaged one)."""
+    skipped = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        why = damage(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{path.name} ({why})")
+    return None, skipped
+
+
 def latest_checkpoint(run_dir: str | os.PathLike,
                       report: Callable[[str], None] | None = _stderr) -> Path | None:
     """The newest complete checkpoint of a run (None: there is none); `step_N.tmp` directories
     are never considered.  Damaged newer ones are skipped, and `report` (default: stderr) gets
     one line naming them, why, and the checkpoint used instead."""
-    skipped = []
-    found = None
-    for path in reversed(checkpoint_dirs(run_dir)):
-        why = damage(path)
-        if why is None:
-            found = path
-            break
-        skipped.append(f"{path.name} ({why})")
+    found, skipped = newest_complete(run_dir)
     if skipped and report is not None:
-        used = f"using {found}" if found else "no complete checkpoint is left: starting at step 0"
-        report(f"opd: skipped damaged checkpoint{'s' if len(skipped) > 1 else ''} "
-               f"{'; '.join(skipped)}; {used}")
+        report(_fallback_line(skipped, found))
     return found
+
+
+def _fallback_line(skipped: list[str], found: Path | None) -> str:
+    used = f"using {found}" if found else "no complete checkpoint is left: starting at step 0"
+    return (f"opd: skipped damaged checkpoint{'s' if len(skipped) > 1 else ''} "
+            f"{'; '.join(skipped)}; {used}")
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -266,11 +274,15 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path | None]:
     if path.name == CHECKPOINTS and not (path / CHECKPOINTS).is_dir():
         path = path.parent
     if (path / "config.yaml").is_file() or (path / CHECKPOINTS).is_dir():
-        ckpt = latest_checkpoint(path)
+        ckpt, skipped = newest_complete(path)
         if ckpt is None:
+            why = f" (damaged: {'; '.join(skipped)})" if skipped else " yet"
             raise CheckpointError(f"run directory {path} holds no complete checkpoint "
-                                  f"({CHECKPOINTS}/step_N/{STUDENT_FILE}) yet; train it first "
-                                  f"(opd train) or wait for its first one (run.checkpoint_every)")
+                                  f"({CHECKPOINTS}/step_N/{STUDENT_FILE}){why}; train it "
+                                  f"(opd train, --resume) or wait for its first one "
+                                  f"(run.checkpoint_every)")
+        if skipped:
+            _stderr(_fallback_line(skipped, ckpt))
         return ckpt, path
     why = damage(path)
     if why is not None:
@@ -296,4 +308,4 @@ __all__ = ["CHECKPOINTS", "STUDENT_FILE", "STATE_FILE", "OPTIMIZER_DIR", "TORCH_
            "LATEST_FILE", "CheckpointWriteError", "step_name", "begin", "writing", "checkpoint_state",
            "student_state", "save_torch", "write_student", "file_crc32", "commit",
            "read_state", "damage", "is_complete", "checkpoint_dirs", "latest_checkpoint",
-           "find_checkpoint", "student_file", "checkpoint_step"]
+           "newest_complete", "find_checkpoint", "student_file", "checkpoint_step"]
