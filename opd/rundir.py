@@ -13,6 +13,8 @@ sample grids and plots, and while a run uses it `lock`: "<pid> <host>" of that `
   process is refused, naming the pid; a lock whose process is gone (killed, crashed) is taken
   over with one line.  A lock written on another host cannot be checked and counts as live
   (delete it by hand once that run is gone).  The lock is released when `opd train` returns.
+  Two runs that find the same dead lock at the same instant may both take it over (the lock
+  guards against a second command by a person, not against a race of milliseconds).
 """
 from __future__ import annotations
 
@@ -77,8 +79,8 @@ def acquire_lock(path: str | os.PathLike, report: Callable[[str], None] = _stder
                 raise RunDirError(f"run directory {path} is in use by another opd train (pid "
                                   f"{holder[0]} on {holder[1]}, {lock}); wait for it or stop it, "
                                   f"or delete {lock} if that process is gone") from None
-            who = f"pid {holder[0]}, which is no longer running" if holder else "an unreadable lock"
-            report(f"opd train: taking over {lock} from {who}")
+            report(f"opd train: taking over {lock} from pid {holder[0]}, which is no longer "
+                   f"running" if holder else f"opd train: taking over {lock}, which is unreadable")
             lock.unlink(missing_ok=True)
             continue
         except OSError as e:

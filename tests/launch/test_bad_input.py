@@ -210,6 +210,20 @@ def test_a_full_disk_during_a_checkpoint_write(existing, digits_dir, tmp_path, c
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(existing[0])]
 
 
+def test_a_full_disk_while_writing_the_metrics(digits_dir, tmp_path, capsys, monkeypatch):
+    from opd.metrics import MetricsLog
+    run = tmp_path / "run"
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+    monkeypatch.setattr(MetricsLog, "flush", full)
+    assert main(["train", *tiny(digits_dir), f"run.dir={run}"]) == 2
+    assert one_line(capsys) == (f"opd: error: {run}/metrics.parquet: No space left on device; "
+                                f"free space or fix the permissions there, then continue with: "
+                                f"opd train --resume {run}")
+    assert not (run / "lock").exists()
+
+
 def test_ctrl_c_twice_aborts_with_130_and_keeps_the_last_checkpoint(digits_dir, tmp_path,
                                                                     capsys, monkeypatch):
     import opd.reference
