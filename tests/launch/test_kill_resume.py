@@ -7,10 +7,10 @@ One subprocess (this file run as a script) imports opd once and forks each `opd 
 start.  The run is in run.mode=reference: its process group is the whole `opd train`.
 Kill points, in order: (1) inside the write of step_000004.tmp/optimizer/optimizer.pt, half of
 it written; (2) in step_000006.tmp after state.json, before the rename; (3) after the rename of
-step_000008, before `latest` names it; (4-6) at a random time (seeded) after the attempt starts;
-then one attempt runs to the end.  A random kill waits for a random step of its own attempt
-(metrics.parquet rewritten with that step), then a random 0-0.3 s more: inside a step, a
-metrics write or a checkpoint write.
+step_000008, before `latest` names it; (4-6) at a random point (seeded); then one attempt runs
+to the end (also when a resume starts too near the end for a random kill).  A random kill waits
+for a random step of its own attempt (metrics.parquet rewritten with that step), then a random
+0-0.3 s more: inside a step, a metrics write or a checkpoint write.
 """
 import json
 import os
@@ -164,9 +164,12 @@ def main(digits_dir: str, run_dir: str) -> None:
     for i, (what, hook) in enumerate(plan):
         argv = ["train", *overrides(digits_dir, run)] if i == 0 else ["train", "--resume", str(run)]
         start = _resumed_from(run) if i else 0
+        if what == "random" and start > STEPS - 4:
+            what = "end"               # too close to the end for a kill that surely lands in it
         metrics = run / "metrics.parquet"
         mtime = metrics.stat().st_mtime_ns if metrics.is_file() else 0
         target, extra = rng.randint(start, max(start, STEPS - 4)), rng.uniform(0.0, 0.3)
+        # (at least 3 steps and 2 checkpoints are left after the kill point: it lands in the run)
         log = run.parent / f"attempt{i}.err"
         pid = _attempt(argv, hook, log)
         status = None
@@ -184,8 +187,8 @@ def main(digits_dir: str, run_dir: str) -> None:
                          "target": target if what == "random" else None,
                          "status": os.waitstatus_to_exitcode(status),
                          "holder": (lock_holder(run) or (None,))[0], "stderr": log.read_text()})
-        if what == "random" and attempts[-1]["status"] == 0:
-            break                                        # finished before the kill came
+        if what == "end" or attempts[-1]["status"] == 0:
+            break
     print(json.dumps(attempts))
 
 
