@@ -210,10 +210,12 @@ def damage(ckpt_dir: str | os.PathLike) -> str | None:
             return f"{f} is missing"
         if f.stat().st_size != size:
             return f"{f} has {f.stat().st_size} bytes, not the {size} it was written with"
-    crcs = state.get("crc32") or {}
-    for name, crc in crcs.items():
-        if file_crc32(path / name) != crc:
-            return f"{path / name} has another CRC-32 than when it was written"
+    for name, crc in (state.get("crc32") or {}).items():
+        try:
+            if file_crc32(path / name) != crc:
+                return f"{path / name} has another CRC-32 than when it was written"
+        except OSError as e:
+            return f"{path / name} cannot be read ({e.strerror})"
     return None
 
 
