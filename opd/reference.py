@@ -73,11 +73,12 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
 def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher,
                     cfg: RunConfig) -> Path:
     """checkpoints/step_<n>/ (opd/checkpoints.py): student.pt, optimizer/optimizer.pt (torch)
-    and state.json (mode "reference"); returns its path."""
-    tmp = ckpt.begin(run_dir, step)
-    ckpt.write_student(tmp, student.state_dict())
-    torch.save(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
-    return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
+    and state.json (mode "reference"); returns its path.  CheckpointWriteError if the disk
+    refuses it (the partial step_<n>.tmp is removed, earlier checkpoints stay)."""
+    with ckpt.writing(run_dir, step) as tmp:
+        ckpt.write_student(tmp, student.state_dict())
+        ckpt.save_torch(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
+        return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
 
 
 def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:
