@@ -82,6 +82,7 @@ class Task:
     step: int = -1
     part: int = -1
     worker: int = -1
+    version: int = -1   # the plan's policy version when it was submitted (rollout, score)
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -349,7 +350,7 @@ class Pipeline(RunRecords):
         else:
             actor = self.rollout[i] if kind == "rollout" else self.teacher[i]
             ref = actor.generate.remote(plan.jobs[part], plan.version)
-        self.tasks[ref] = Task(kind, role, plan.step, part, i)
+        self.tasks[ref] = Task(kind, role, plan.step, part, i, plan.version)
         pool.busy[i] += 1
         self._hook("after_submit", kind=kind, step=plan.step, part=part, worker=i)
 
@@ -417,6 +418,7 @@ class Pipeline(RunRecords):
         """A batch that became too old in the queue: generate it again at the current version."""
         plan.trajs.clear()
         plan.scored.clear()
+        self.backlog = [w for w in self.backlog if w[1] != plan.step]   # all parts go again
         plan.queued, plan.version = False, self.published.version
         self.reissued += len(plan.jobs)
         for part in range(len(plan.jobs)):
@@ -517,6 +519,9 @@ class Pipeline(RunRecords):
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
         plan = self.plans.get(task.step)
+        if plan is not None and task.kind in ("rollout", "teacher-rollout", "score") \
+                and task.version != plan.version:
+            return                               # a part of a plan since re-planned (_again)
         if task.kind in ("rollout", "teacher-rollout"):
             if plan is not None and task.part not in plan.trajs:     # first answer wins
                 self._rollout_finished(plan, task.part, ref, now - task.submitted)
@@ -563,9 +568,16 @@ class Pipeline(RunRecords):
         self._again(task)
 
     def _again(self, task: Task) -> None:
-        """Issue a failed part again (same job, so the same tokens)."""
+        """Issue a failed part again (same job, so the same tokens).  A student rollout whose
+        plan is older than the published weights cannot be generated again (workers hold only
+        the published version, and would answer StaleWeightsError for ever): the whole plan is
+        re-planned at the published version, as for a batch that expired in the queue."""
         plan = self.plans.get(task.step)
-        if plan is None:
+        if plan is None or task.version != plan.version:
+            return                               # gone, or re-planned since it was submitted
+        if (task.kind == "rollout" and plan.source == "student"
+                and plan.version != self.published.version):
+            self._reissue(plan)
             return
         self.reissued += 1
         if task.kind == "score":
