@@ -56,7 +56,7 @@ from actors.queue import QueueItem
 from actors.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.rollout_worker import StaleWeightsError
 from actors.shards import split_job
-from actors.weights import PublishedWeights, weights_nbytes
+from actors.weights import PublishedWeights
 from opd.batch import TrajectoryBatch
 from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
@@ -234,19 +234,24 @@ class Pipeline(RunRecords):
             self.published = PublishedWeights(version, None, self.sync["bytes"])
             self._sync_done()
             return
-        refs = [a.get_weights.remote(version) for a in self.learners]   # ZeRO-3: every rank
-        try:
-            payload = ray.get(refs)[0]
-        except RayActorError as e:
-            raise self._learner_failure("weights", version, e) from e
-        self.sync["bytes"] = weights_nbytes(payload["weights"])
-        del payload
-        self.published = PublishedWeights(version, refs[0], self.sync["bytes"],
-                                          time.perf_counter() - start)
+        ref, nbytes = self._weights_from_learners(version)
+        self.sync["bytes"] = nbytes
+        self.published = PublishedWeights(version, ref, nbytes, time.perf_counter() - start)
         for i in self.pools["rollout"].loadable():
             self.sync["pending"].add(self._load(i))
         if not self.sync["pending"]:
             self._sync_done()
+
+    def _weights_from_learners(self, version: int) -> tuple[ray.ObjectRef, int]:
+        """The ref of `version`'s weights payload (made by learner rank 0; every rank takes part,
+        ZeRO-3 gathers) and its size in bytes, counted by the learner: the driver waits for the
+        size only and never fetches the weights."""
+        calls = [a.publish_weights.remote(version) for a in self.learners]   # [payload, nbytes]
+        try:
+            nbytes = ray.get([size for _, size in calls])[0]
+        except RayActorError as e:
+            raise self._learner_failure("weights", version, e) from e
+        return calls[0][0], int(nbytes)
 
     def _broadcast(self, version: int) -> bool:
         """Send `version` through the broadcast group; False if a member had died (the group
@@ -304,9 +309,8 @@ class Pipeline(RunRecords):
         """A broadcast group cannot re-admit a restarted member: object-store weights from now on."""
         self.collective = False
         self.learners[0].leave_broadcast.remote()
-        refs = [a.get_weights.remote(self.published.version) for a in self.learners]
-        ray.get(refs)
-        self.published = PublishedWeights(self.published.version, refs[0], self.published.nbytes)
+        ref, nbytes = self._weights_from_learners(self.published.version)
+        self.published = PublishedWeights(self.published.version, ref, nbytes)
 
     # -- issuing work -------------------------------------------------------------------------------
 
