@@ -75,7 +75,12 @@ class StudentLearner:
         self.steps = 0
 
     def info(self) -> dict:
-        return {**worker_info("learner", self.rank, self.device), "steps": self.steps}
+        return {**worker_info("learner", self.rank, self.device), "steps": self.steps,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        """Rank and the policy version its weights are (= learner steps done)."""
+        return f"StudentLearner(opd/learner/{self.rank}, version={self.steps})"
 
     def master_address(self, loopback: bool) -> tuple[str, int]:
         """(host, free port) for the group's rendezvous, chosen on this (rank 0's) node."""
