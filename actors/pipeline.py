@@ -1,5 +1,6 @@
 """The driver: `run_distributed(cfg, run_dir)` runs OPD on Ray and returns the per-step metric
-rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5).
+rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5;
+the invariants, roles and one step's data flow are in docs/ARCHITECTURE.md).
 
 Per step k, the reference's order of work:
 
@@ -11,7 +12,8 @@ Per step k, the reference's order of work:
     scored = TeacherWorker.score(traj)              (each part as soon as it is generated)
     queue  ← (k, batch id, version, scored refs)    (bounded; strict: only version k leaves it)
     learn  = StudentLearner.train_step(*scored)     (every rank; merges parts, takes its shard)
-    publish weights k + 1                           (one object-store object, or a broadcast)
+    publish weights k + 1                           (one object-store object, or a broadcast;
+                                                     its size counted by the learner)
 
 Parts of a step are generated and scored side by side on different workers.  Steps whose
 sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
@@ -30,7 +32,10 @@ raises `RunInterrupted` naming it.
 Faults: rollout and teacher workers restart (`cluster.max_restarts`); the driver probes a
 failed worker until it answers, a rollout worker reloads the current weights before it
 generates again, and work in flight on a dead worker is issued again (the driver keeps every
-job).  A learner failure stops the run and names the last checkpoint.  Every prefix batch id is
+job).  A part of a plan older than the published weights is not generated again at its old
+version (no worker holds it): the whole plan is re-planned at the published version and late
+answers for the old plan are dropped.  A learner failure stops the run and names the last
+checkpoint.  Every prefix batch id is
 consumed exactly once: counted, written to `consumed.json` in the run directory, and checked.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The roles of one OPD step as pure functions: rollout → score → learn.
 
 The single-process reference loop (`opd.reference`) and the Ray actors (`actors/`) call exactly
-these functions, so a distributed run computes what the reference computes (invariant 5).
+these functions, so a distributed run computes what the reference computes (invariant 5,
+docs/ARCHITECTURE.md).
 Every random choice is keyed by (run seed, step or batch id), never drawn in call order.
 """
 from __future__ import annotations
