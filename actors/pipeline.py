@@ -35,8 +35,8 @@ generates again, and work in flight on a dead worker is issued again (the driver
 job).  A part of a plan older than the published weights is not generated again at its old
 version (no worker holds it): the whole plan is re-planned at the published version and late
 answers for the old plan are dropped.  A learner failure stops the run and names the last
-checkpoint.  Every prefix batch id is
-consumed exactly once: counted, written to `consumed.json` in the run directory, and checked.
+checkpoint.  Every prefix batch id is consumed exactly once: counted, written to
+`consumed.json` in the run directory, and checked.
 """
 from __future__ import annotations
 
