@@ -88,6 +88,14 @@ class TrajectoryQueue:
     def __init__(self, capacity: int, staleness: int = 0):
         self.core = QueueCore(capacity, staleness)
         self._room = asyncio.Condition()
+        self.version: int | None = None      # the learner version of the last `get`
+
+    def __repr__(self) -> str:
+        return (f"TrajectoryQueue(opd/queue, version={self.version}, "
+                f"depth={len(self.core.items)}/{self.core.capacity})")
+
+    async def info(self) -> dict:
+        return {"role": "queue", "version": self.version, "repr": repr(self)}
 
     async def put(self, item: QueueItem, timeout: float = 0.0) -> bool:
         """Add an item; when full, wait up to `timeout` seconds for room, then refuse (False)."""
@@ -100,6 +108,7 @@ class TrajectoryQueue:
             return self.core.put(item)
 
     async def get(self, learner_version: int, step: int | None = None) -> QueueItem | None:
+        self.version = learner_version
         async with self._room:
             item = self.core.get(learner_version, step)
             self._room.notify_all()

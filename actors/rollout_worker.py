@@ -55,7 +55,13 @@ class RolloutWorker:
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
 
     def info(self) -> dict:
-        return {**worker_info("rollout", self.index, self.device), "version": self.version}
+        return {**worker_info("rollout", self.index, self.device), "version": self.version,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        """Role, index and the policy version it holds (Ray's dashboard shows the repr the
+        actor had when it was built or restarted: version None)."""
+        return f"RolloutWorker(opd/rollout/{self.index}, version={self.version})"
 
     def load_weights(self, version: int, payload: dict) -> float:
         """Copy the tagged flat numpy weights of `version` (one object-store object) into the

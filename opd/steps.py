@@ -1,7 +1,8 @@
 """The roles of one OPD step as pure functions: rollout → score → learn.
 
 The single-process reference loop (`opd.reference`) and the Ray actors (`actors/`) call exactly
-these functions, so a distributed run computes what the reference computes (invariant 5).
+these functions, so a distributed run computes what the reference computes (invariant 5,
+docs/ARCHITECTURE.md).
 Every random choice is keyed by (run seed, step or batch id), never drawn in call order.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from opd.batch import TrajectoryBatch
+from opd.batch import TrajectoryBatch, index_dtype
 from opd.cache import cache_dir
 from opd.config import RunConfig
 from opd.objectives import Objective, get_objective
@@ -139,17 +140,20 @@ def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: 
 
 
 def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
-    """The batch with the teacher's scores attached: full-vocabulary log-probs, or top-k
-    log-probs (normalised over the full vocabulary) with their token ids."""
+    """The batch with the teacher's scores of its suffix positions (P..L-1, the only ones a
+    loss reads) attached: float32 full-vocabulary log-probs (B, N, V), or top-k float32
+    log-probs (normalised over the full vocabulary) with their token ids in the smallest
+    exact integer type (B, N, k) (opd.batch: `teacher_start`, `index_dtype`)."""
     start = time.perf_counter()
     t = cfg.teacher
-    logp = F.log_softmax(teacher_logits(teacher, batch, guided=t.guided,
-                                        cfg_scale=cfg.rollout.cfg_scale), -1).cpu()
+    logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg.rollout.cfg_scale)
+    logp = F.log_softmax(logits[:, batch.prefix_len:], -1).cpu()          # (B, N, V)
     if t.transport == "full":
-        out = batch.with_teacher(logprobs=logp)
+        out = batch.with_teacher(logprobs=logp.contiguous())
     else:
         values, indices = logp.topk(t.topk, dim=-1)
-        out = batch.with_teacher(topk_values=values.contiguous(), topk_indices=indices.contiguous())
+        out = batch.with_teacher(topk_values=values.contiguous(),
+                                 topk_indices=indices.to(index_dtype(logp.shape[-1])).contiguous())
     out.rollout_stats["teacher_seconds"] = time.perf_counter() - start
     return out
 
