@@ -4,10 +4,19 @@
                                                # queue, and the evaluation worker (eval.track)
     ...
     groups.shutdown()
+
+Every actor is named by role and index — `opd/learner/0`, `opd/rollout/1`, `opd/teacher/0`,
+`opd/queue`, `opd/eval` (`actor_name`) — in a namespace of the run's own (`run_namespace`:
+`opd-<run dir name>-<8 random hex digits>`), so the Ray dashboard's Actors page reads by role,
+two runs on one cluster (or a run resumed while the old one's actors are still dying) never
+collide, and `ray.get_actor("opd/rollout/0", namespace=groups.namespace)` finds a worker.  A
+worker that Ray restarts after a fault keeps its name; a worker added later (elastic pools)
+takes the next index, so no name is ever given twice within a run.
 """
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +100,24 @@ def connect(cfg: RunConfig) -> bool:
     return True
 
 
+ROLE_NAMES = {"learner": "learner", "rollout": "rollout", "teacher": "teacher",
+              "queue": "queue", "evaluation": "eval"}
+
+
+def actor_name(role: str, index: int | None = None) -> str:
+    """The Ray name of a run's actor: `opd/<role>/<index>`, or `opd/<role>` for a single one
+    (role: learner | rollout | teacher | queue | evaluation, which is named `opd/eval`)."""
+    name = f"opd/{ROLE_NAMES[role]}"
+    return name if index is None else f"{name}/{index}"
+
+
+def run_namespace(run_dir: str | Path | None = None) -> str:
+    """A Ray namespace of one run's own: `opd-<run dir name>-<8 random hex digits>` (the
+    random part keeps two starts of the same run directory apart)."""
+    stem = f"opd-{Path(run_dir).name}" if run_dir is not None else "opd"
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
 def pool_size(n: int | tuple[int, int]) -> int:
     """Workers to start: the count, or the lower end of an elastic "min..max" range (the
     driver adds the others while rollouts hold the run up: actors/elastic.py)."""
@@ -131,6 +158,7 @@ class ActorGroups:
     queue: object = None
     evaluator: object = None
     pgs: list = field(default_factory=list)
+    namespace: str = ""                         # the run's Ray namespace (run_namespace)
 
     @classmethod
     def start(cls, cfg: RunConfig, run_dir: str | Path | None = None, *,
@@ -142,7 +170,7 @@ class ActorGroups:
         for role in ("teacher", "student"):     # train or find the cached pretrained models once
             if not (cfg.model.teacher_ckpt if role == "teacher" else cfg.model.student_ckpt):
                 load_role_model(cfg, role, progress=progress)
-        groups = cls()
+        groups = cls(namespace=run_namespace(run_dir))
         try:
             groups._start(cfg, run_dir if cfg.eval.track else None)
         except BaseException:
@@ -181,9 +209,11 @@ class ActorGroups:
                                   f"{name}.num_gpus and the worker counts); it has "
                                   f"{ray.cluster_resources()}", f"{name}.num_cpus")
         for name, cls_, count, sec, restarts in roles:
-            actors = [_spawn(cls_, c, i, sec, restarts, pgs[name], i) for i in range(count)]
+            actors = [_spawn(cls_, c, i, sec, restarts, pgs[name], i,
+                             actor_name(name, i), self.namespace) for i in range(count)]
             setattr(self, name if name != "learner" else "learners", actors)
-        self.queue = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(
+        self.queue = ray.remote(TrajectoryQueue).options(
+            num_cpus=0, name=actor_name("queue"), namespace=self.namespace).remote(
             cfg.distill.queue_capacity, cfg.distill.staleness)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
@@ -206,6 +236,7 @@ class ActorGroups:
             num_cpus=e.num_cpus, num_gpus=e.num_gpus,
             runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
             max_restarts=0, max_task_retries=0,
+            name=actor_name("evaluation"), namespace=self.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0),
         ).remote(c, str(Path(run_dir).resolve()))
@@ -220,7 +251,7 @@ class ActorGroups:
         """Start rollout worker `index` in the placed one-bundle group `pg` (not waited for:
         its first call answers once it is built).  The caller appends it to self.rollout."""
         return _spawn(RolloutWorker, actor_config(cfg), index, cfg.rollout,
-                      cfg.cluster.max_restarts, pg, 0)
+                      cfg.cluster.max_restarts, pg, 0, actor_name("rollout", index), self.namespace)
 
     def remove_group(self, pg) -> None:
         """Give back a placement group started by this run (its actor is gone)."""
@@ -259,10 +290,12 @@ class ActorGroups:
         self.evaluator = None
 
 
-def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int):
-    """One worker actor of class `cls_` in bundle `bundle_index` of placement group `pg`."""
+def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int, name: str,
+           namespace: str):
+    """One worker actor of class `cls_` in bundle `bundle_index` of placement group `pg`, named
+    `name` in `namespace`."""
     return ray.remote(cls_).options(
-        num_cpus=sec.num_cpus, num_gpus=sec.num_gpus,
+        num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, name=name, namespace=namespace,
         runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
         max_restarts=restarts, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(

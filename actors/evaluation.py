@@ -39,9 +39,15 @@ class EvaluationWorker:
         teacher = load_role_model(self.cfg, "teacher", progress=False)
         teacher = teacher.to(self.device, dtype).eval().requires_grad_(False)
         self.evaluator = Evaluator(self.cfg, teacher)
+        self.version: int | None = None
 
     def info(self) -> dict:
-        return worker_info("evaluation", 0, self.device)
+        return {**worker_info("evaluation", 0, self.device), "version": self.version,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        """The policy version it evaluated last."""
+        return f"EvaluationWorker(opd/eval, version={self.version})"
 
     def teacher_row(self) -> dict:
         """The teacher's quality row (cached across runs) and samples/teacher.png."""
@@ -51,6 +57,7 @@ class EvaluationWorker:
         """Load the weights of `version` into the student copy and evaluate them as `step`
         (writes samples/student_step_<step>.png); returns the quality row."""
         load_numpy_weights(self.evaluator.student, untag_weights(payload, version))
+        self.version = int(version)
         return self.evaluator.student_row(step, self.run_dir)
 
 

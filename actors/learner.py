@@ -28,7 +28,7 @@ from actors.metrics import RoleMetrics
 from actors.rollout_worker import role_device, worker_info
 from actors.shards import merge_batches, shard_rows, take_rows
 from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
-                            tag_weights)
+                            tag_weights, weights_nbytes)
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
@@ -75,7 +75,12 @@ class StudentLearner:
         self.steps = 0
 
     def info(self) -> dict:
-        return {**worker_info("learner", self.rank, self.device), "steps": self.steps}
+        return {**worker_info("learner", self.rank, self.device), "steps": self.steps,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        """Rank and the policy version its weights are (= learner steps done)."""
+        return f"StudentLearner(opd/learner/{self.rank}, version={self.steps})"
 
     def master_address(self, loopback: bool) -> tuple[str, int]:
         """(host, free port) for the group's rendezvous, chosen on this (rank 0's) node."""
@@ -89,6 +94,11 @@ class StudentLearner:
         import deepspeed
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            # gloo does the CPU all-reduce; DeepSpeed's optional shared-memory op would be
+            # JIT-compiled first (40-250 s on 2 cores, again whenever another environment
+            # built it last into ~/.cache/torch_extensions)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
         student = load_role_model(self.cfg, "student", progress=False).to(self.device)
@@ -156,6 +166,15 @@ class StudentLearner:
         with self._full_parameters():
             flat = state_dict_to_numpy(self.engine.module) if self.rank == 0 else None
         return None if flat is None else tag_weights(flat, version)
+
+    @ray.method(num_returns=2)
+    def publish_weights(self, version: int) -> tuple[dict | None, int]:
+        """`get_weights` and the payload's size, counted here where it is made: (tagged payload,
+        bytes of its arrays) on rank 0, (None, 0) on other ranks.  Called with two return
+        objects, so the driver reads the size and passes the payload's ref on to the rollout
+        workers without ever fetching the weights.  Every rank must call it (ZeRO-3)."""
+        payload = self.get_weights(version)
+        return payload, 0 if payload is None else weights_nbytes(payload["weights"])
 
     def bucket_plan(self) -> list[Bucket]:
         """The buckets of the collective weight broadcast (sorted names, learner.weight_bucket_mb)."""

@@ -16,6 +16,8 @@ GAUGES = {
     "opd_rollout_tokens_per_s": "Generated tokens per second of the last rollout.",
     "opd_rollout_rounds": "Sequential verifier forwards of the last rollout (prefill included).",
     "opd_rollout_mean_committed": "Tokens committed per image per active round in the last rollout.",
+    "opd_rollout_longest_single_run": "Longest run of one-token rounds of any image in the last rollout (a stalled image).",
+    "opd_rollout_image_rounds_max": "Rounds of the slowest image of the last rollout.",
     "opd_teacher_tokens_per_s": "Scored tokens per second of the last teacher call.",
     "opd_queue_depth": "Trajectory batches waiting for the learner.",
     "opd_policy_lag": "Policy-version lag of the last consumed batch (0 in strict on-policy mode).",
@@ -24,8 +26,12 @@ GAUGES = {
     "opd_policy_version": "Current policy version (learner steps done).",
     "opd_idle_ratio": "Fraction of the last step the role's workers were idle.",
 }
+COMMIT_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5]
+ROUNDS_BOUNDARIES = [4, 8, 16, 24, 32, 48, 64, 128, 256, 576]
 HISTOGRAMS = {
     "opd_rollout_seconds": "Seconds per rollout call.",
+    "opd_rollout_commit_length": "Tokens committed per image per round (acceptance length).",
+    "opd_rollout_image_rounds": "Rounds each image of a rollout was active (per-image rounds).",
     "opd_teacher_seconds": "Seconds per teacher scoring call.",
     "opd_learner_step_seconds": "Seconds per learner step.",
     "opd_weight_sync_seconds": "Seconds from a learner update to every rollout worker holding it.",
@@ -38,6 +44,8 @@ COUNTERS = {
     "opd_reissued_jobs": "Rollout or scoring jobs issued again after a worker failure.",
 }
 ALL = {**GAUGES, **HISTOGRAMS, **COUNTERS}
+BOUNDARIES = {"opd_rollout_commit_length": COMMIT_BOUNDARIES,
+              "opd_rollout_image_rounds": ROUNDS_BOUNDARIES}
 
 
 class RoleMetrics:
@@ -52,7 +60,8 @@ class RoleMetrics:
             if name in GAUGES:
                 m = Gauge(name, description=GAUGES[name], tag_keys=TAG_KEYS)
             elif name in HISTOGRAMS:
-                m = Histogram(name, description=HISTOGRAMS[name], boundaries=SECONDS_BOUNDARIES,
+                m = Histogram(name, description=HISTOGRAMS[name],
+                              boundaries=BOUNDARIES.get(name, SECONDS_BOUNDARIES),
                               tag_keys=TAG_KEYS)
             elif name in COUNTERS:
                 m = Counter(name, description=COUNTERS[name], tag_keys=TAG_KEYS)

@@ -1,5 +1,6 @@
 """The driver: `run_distributed(cfg, run_dir)` runs OPD on Ray and returns the per-step metric
-rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5).
+rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5;
+the invariants, roles and one step's data flow are in docs/ARCHITECTURE.md).
 
 Per step k, the reference's order of work:
 
@@ -11,7 +12,8 @@ Per step k, the reference's order of work:
     scored = TeacherWorker.score(traj)              (each part as soon as it is generated)
     queue  ← (k, batch id, version, scored refs)    (bounded; strict: only version k leaves it)
     learn  = StudentLearner.train_step(*scored)     (every rank; merges parts, takes its shard)
-    publish weights k + 1                           (one object-store object, or a broadcast)
+    publish weights k + 1                           (one object-store object, or a broadcast;
+                                                     its size counted by the learner)
 
 Parts of a step are generated and scored side by side on different workers.  Steps whose
 sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
@@ -30,8 +32,11 @@ raises `RunInterrupted` naming it.
 Faults: rollout and teacher workers restart (`cluster.max_restarts`); the driver probes a
 failed worker until it answers, a rollout worker reloads the current weights before it
 generates again, and work in flight on a dead worker is issued again (the driver keeps every
-job).  A learner failure stops the run and names the last checkpoint.  Every prefix batch id is
-consumed exactly once: counted, written to `consumed.json` in the run directory, and checked.
+job).  A part of a plan older than the published weights is not generated again at its old
+version (no worker holds it): the whole plan is re-planned at the published version and late
+answers for the old plan are dropped.  A learner failure stops the run and names the last
+checkpoint.  Every prefix batch id is consumed exactly once: counted, written to
+`consumed.json` in the run directory, and checked.
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ from actors.queue import QueueItem
 from actors.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.rollout_worker import StaleWeightsError
 from actors.shards import split_job
-from actors.weights import PublishedWeights, weights_nbytes
+from actors.weights import PublishedWeights
 from opd.batch import TrajectoryBatch
 from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
@@ -82,6 +87,7 @@ class Task:
     step: int = -1
     part: int = -1
     worker: int = -1
+    version: int = -1   # the plan's policy version when it was submitted (rollout, score)
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -233,19 +239,24 @@ class Pipeline(RunRecords):
             self.published = PublishedWeights(version, None, self.sync["bytes"])
             self._sync_done()
             return
-        refs = [a.get_weights.remote(version) for a in self.learners]   # ZeRO-3: every rank
-        try:
-            payload = ray.get(refs)[0]
-        except RayActorError as e:
-            raise self._learner_failure("weights", version, e) from e
-        self.sync["bytes"] = weights_nbytes(payload["weights"])
-        del payload
-        self.published = PublishedWeights(version, refs[0], self.sync["bytes"],
-                                          time.perf_counter() - start)
+        ref, nbytes = self._weights_from_learners(version)
+        self.sync["bytes"] = nbytes
+        self.published = PublishedWeights(version, ref, nbytes, time.perf_counter() - start)
         for i in self.pools["rollout"].loadable():
             self.sync["pending"].add(self._load(i))
         if not self.sync["pending"]:
             self._sync_done()
+
+    def _weights_from_learners(self, version: int) -> tuple[ray.ObjectRef, int]:
+        """The ref of `version`'s weights payload (made by learner rank 0; every rank takes part,
+        ZeRO-3 gathers) and its size in bytes, counted by the learner: the driver waits for the
+        size only and never fetches the weights."""
+        calls = [a.publish_weights.remote(version) for a in self.learners]   # [payload, nbytes]
+        try:
+            nbytes = ray.get([size for _, size in calls])[0]
+        except RayActorError as e:
+            raise self._learner_failure("weights", version, e) from e
+        return calls[0][0], int(nbytes)
 
     def _broadcast(self, version: int) -> bool:
         """Send `version` through the broadcast group; False if a member had died (the group
@@ -303,9 +314,8 @@ class Pipeline(RunRecords):
         """A broadcast group cannot re-admit a restarted member: object-store weights from now on."""
         self.collective = False
         self.learners[0].leave_broadcast.remote()
-        refs = [a.get_weights.remote(self.published.version) for a in self.learners]
-        ray.get(refs)
-        self.published = PublishedWeights(self.published.version, refs[0], self.published.nbytes)
+        ref, nbytes = self._weights_from_learners(self.published.version)
+        self.published = PublishedWeights(self.published.version, ref, nbytes)
 
     # -- issuing work -------------------------------------------------------------------------------
 
@@ -349,7 +359,7 @@ class Pipeline(RunRecords):
         else:
             actor = self.rollout[i] if kind == "rollout" else self.teacher[i]
             ref = actor.generate.remote(plan.jobs[part], plan.version)
-        self.tasks[ref] = Task(kind, role, plan.step, part, i)
+        self.tasks[ref] = Task(kind, role, plan.step, part, i, plan.version)
         pool.busy[i] += 1
         self._hook("after_submit", kind=kind, step=plan.step, part=part, worker=i)
 
@@ -417,6 +427,7 @@ class Pipeline(RunRecords):
         """A batch that became too old in the queue: generate it again at the current version."""
         plan.trajs.clear()
         plan.scored.clear()
+        self.backlog = [w for w in self.backlog if w[1] != plan.step]   # all parts go again
         plan.queued, plan.version = False, self.published.version
         self.reissued += len(plan.jobs)
         for part in range(len(plan.jobs)):
@@ -517,6 +528,9 @@ class Pipeline(RunRecords):
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
         plan = self.plans.get(task.step)
+        if plan is not None and task.kind in ("rollout", "teacher-rollout", "score") \
+                and task.version != plan.version:
+            return                               # a part of a plan since re-planned (_again)
         if task.kind in ("rollout", "teacher-rollout"):
             if plan is not None and task.part not in plan.trajs:     # first answer wins
                 self._rollout_finished(plan, task.part, ref, now - task.submitted)
@@ -563,9 +577,16 @@ class Pipeline(RunRecords):
         self._again(task)
 
     def _again(self, task: Task) -> None:
-        """Issue a failed part again (same job, so the same tokens)."""
+        """Issue a failed part again (same job, so the same tokens).  A student rollout whose
+        plan is older than the published weights cannot be generated again (workers hold only
+        the published version, and would answer StaleWeightsError for ever): the whole plan is
+        re-planned at the published version, as for a batch that expired in the queue."""
         plan = self.plans.get(task.step)
-        if plan is None:
+        if plan is None or task.version != plan.version:
+            return                               # gone, or re-planned since it was submitted
+        if (task.kind == "rollout" and plan.source == "student"
+                and plan.version != self.published.version):
+            self._reissue(plan)
             return
         self.reissued += 1
         if task.kind == "score":

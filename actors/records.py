@@ -6,7 +6,8 @@
                               optimizer/ (DeepSpeed's files of every rank), state.json (step,
                               policy version, data cursor, consumed batch ids, mode "ray")
     consumed.json             every prefix batch id with its use count (must be 1), re-issued
-                              jobs, sample lags, queue stats, worker failures, rollout pool events
+                              jobs, sample lags ({lag: samples}), queue stats, worker failures,
+                              rollout pool events
 
 Its methods use the pipeline's state (learners, cursor, consumed, pools, queue, ...).
 """
@@ -24,6 +25,14 @@ from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.pi
 from opd.reference import RunInterrupted
 
 CONSUMED_FILE = "consumed.json"
+
+
+def lag_histogram(record: dict) -> dict[int, int]:
+    """{lag: samples} of a consumed.json record; also reads the older list of one lag per sample."""
+    lags = record.get("lags", {})
+    if isinstance(lags, list):
+        return {lag: lags.count(lag) for lag in sorted(set(lags))}
+    return {int(k): n for k, n in lags.items()}
 
 
 class LearnerFailure(RuntimeError):
@@ -63,14 +72,14 @@ class RunRecords:
         """Every learner rank saves into checkpoints/step_N.tmp; once all have returned, the
         driver writes state.json and renames the directory into place (opd.checkpoints.commit)."""
         step = self.version
-        tmp = ckpt.begin(self.run_dir, step)
-        try:
-            ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
-        except RayActorError as e:
-            raise self._learner_failure("checkpoint", step, e) from e
-        state = ckpt.checkpoint_state(self.cfg, step, self.cursor[step], "ray",
-                                      consumed=sorted(self.consumed.elements()))
-        self.last_checkpoint = str(ckpt.commit(tmp, state))
+        with ckpt.writing(self.run_dir, step) as tmp:   # an OSError of a rank: CheckpointWriteError
+            try:
+                ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
+            except RayActorError as e:
+                raise self._learner_failure("checkpoint", step, e) from e
+            state = ckpt.checkpoint_state(self.cfg, step, self.cursor[step], "ray",
+                                          consumed=sorted(self.consumed.elements()))
+            self.last_checkpoint = str(ckpt.commit(tmp, state))
 
     def _load_checkpoint(self, path: Path) -> int:
         state = ckpt.read_state(path, mode="ray")
@@ -84,7 +93,8 @@ class RunRecords:
     def _write_consumed(self) -> None:
         queue = self.groups.queue
         record = {"consumed": {str(k): v for k, v in sorted(self.consumed.items())},
-                  "reissued": self.reissued, "lags": ray.get(queue.lags.remote()),
+                  "reissued": self.reissued,
+                  "lags": {str(k): n for k, n in ray.get(queue.lags.remote()).items()},
                   "queue": ray.get(queue.stats.remote()),
                   "worker_failures": {r: p.failures for r, p in self.pools.items()},
                   "rollout_workers": (self.elastic.summary() if self.elastic is not None

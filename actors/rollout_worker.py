@@ -58,7 +58,13 @@ class RolloutWorker:
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
 
     def info(self) -> dict:
-        return {**worker_info("rollout", self.index, self.device), "version": self.version}
+        return {**worker_info("rollout", self.index, self.device), "version": self.version,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        """Role, index and the policy version it holds (Ray's dashboard shows the repr the
+        actor had when it was built or restarted: version None)."""
+        return f"RolloutWorker(opd/rollout/{self.index}, version={self.version})"
 
     def load_weights(self, version: int, payload: dict) -> float:
         """Copy the tagged flat numpy weights of `version` (one object-store object) into the
@@ -97,5 +103,12 @@ class RolloutWorker:
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
                             rollout_rounds=s.get("rounds", 0),
-                            rollout_mean_committed=s.get("mean_committed", 0.0))
+                            rollout_mean_committed=s.get("mean_committed", 0.0),
+                            rollout_longest_single_run=s.get("longest_single_run", 0),
+                            rollout_image_rounds_max=s.get("image_rounds_max", 0))
+        for k, count in enumerate(s.get("commit_hist", [])):   # acceptance lengths
+            for _ in range(count):
+                self.metrics.observe("opd_rollout_commit_length", k + 1)
+        for r in s.get("image_rounds", []):
+            self.metrics.observe("opd_rollout_image_rounds", r)
         return traj.to_numpy_dict()

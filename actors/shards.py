@@ -26,17 +26,22 @@ def split_job(job: RolloutJob, parts: int) -> list[RolloutJob]:
 
 def merge_stats(parts: list[dict]) -> dict:
     """Rollout stats of sub-batches generated side by side, as stats of the whole batch:
-    counts add up, rounds and seconds are the slowest part's, mean committed tokens is
-    re-weighted by image rounds."""
+    counts and histograms add up, rounds, seconds and the longest stall are the slowest
+    part's, mean committed tokens is re-weighted by image rounds."""
     if len(parts) == 1:
         return dict(parts[0])
     out: dict = {}
     for key in {k for p in parts for k in p}:
         values = [p[key] for p in parts if key in p]
-        if key in ("generated_tokens", "accepted", "rejected"):
+        if key in ("generated_tokens", "accepted", "rejected", "image_rounds_sum", "images"):
             out[key] = sum(values)
-        elif key in ("rounds", "rollout_seconds", "teacher_seconds"):
+        elif key in ("rounds", "rollout_seconds", "teacher_seconds", "image_rounds_max",
+                     "longest_single_run"):
             out[key] = max(values)
+        elif key == "commit_hist":
+            out[key] = [sum(col) for col in zip(*values)]
+        elif key == "image_rounds":
+            out[key] = [r for v in values for r in v]
         elif key != "mean_committed":
             out[key] = values[0]
     gen = [p.get("generated_tokens", 0) for p in parts]

@@ -24,14 +24,20 @@ class TeacherWorker:
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
         self.metrics = RoleMetrics("teacher", index)
+        self.version: int | None = None       # policy version of the last trajectory it handled
 
     def info(self) -> dict:
-        return worker_info("teacher", self.index, self.device)
+        return {**worker_info("teacher", self.index, self.device), "version": self.version,
+                "repr": repr(self)}
+
+    def __repr__(self) -> str:
+        return f"TeacherWorker(opd/teacher/{self.index}, version={self.version})"
 
     def score(self, traj: dict) -> dict:
         """The trajectory (`to_numpy_dict()`) with teacher scores attached, full or top-k as
         `teacher.transport` says."""
         batch = TrajectoryBatch.from_numpy_dict(traj)
+        self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
         seconds = float(out.rollout_stats["teacher_seconds"])
         tokens = batch.batch_size * batch.seq_len
@@ -41,6 +47,7 @@ class TeacherWorker:
 
     def generate(self, job: RolloutJob, version: int) -> dict:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`."""
+        self.version = version
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
         tokens = job_tokens(job)

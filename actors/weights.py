@@ -4,7 +4,9 @@ Object-store path (default, any cluster): the learner's rank 0 returns the full 
 flat dict of float32 numpy arrays tagged with its version (`tag_weights`); that return value is
 ONE object in the store, owned by the driver (`publish_weights` is the same for a dict the
 driver holds), and every rollout worker reads it zero-copy (same node) and checks the tag before
-generating at that version.  Never one RPC per parameter.
+generating at that version.  Never one RPC per parameter.  The learner also counts the
+payload's bytes (`StudentLearner.publish_weights`: a second, tiny return object), so the driver
+passes the payload's ref on without ever fetching the weights.
 
 Collective path (`learner.weight_sync=collective`): learner rank 0 and the rollout workers form
 a broadcast group of their own (nccl on GPUs, gloo on CPUs), outside the learner's

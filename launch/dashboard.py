@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from actors.metrics import COUNTERS, GAUGES, HISTOGRAMS
+from actors.metrics import BOUNDARIES, COUNTERS, GAUGES, HISTOGRAMS
 
 PATH = "launch/grafana/opd_dashboard.json"
 
@@ -33,6 +33,11 @@ def build_dashboard() -> dict:
         unit = "bytes" if name.endswith("bytes") else "percentunit" if "ratio" in name else "short"
         panels.append((name, desc, f"ray_{name}", legend, unit))
     for name, desc in HISTOGRAMS.items():
+        if name in BOUNDARIES:        # counts (tokens, rounds): the median, not a latency p95
+            expr = (f"histogram_quantile(0.5, sum by (le, role) "
+                    f"(rate(ray_{name}_bucket[1m])))")
+            panels.append((name + " (median)", desc, expr, "{{role}} median", "short"))
+            continue
         expr = (f"histogram_quantile(0.95, sum by (le, role) "
                 f"(rate(ray_{name}_bucket[1m])))")
         panels.append((name + " (p95)", desc, expr, "{{role}} p95", "s"))
@@ -44,7 +49,23 @@ def build_dashboard() -> dict:
         "tags": ["opd", "ray"], "time": {"from": "now-30m", "to": "now"}, "refresh": "10s",
         "templating": {"list": [{"name": "datasource", "type": "datasource",
                                  "query": "prometheus", "label": "Prometheus"}]},
-        "panels": [_panel(i + 1, *p) for i, p in enumerate(panels)],
+        "panels": [_panel(i + 1, *p) for i, p in enumerate(panels)]
+        + [_distribution(len(panels) + 1, "opd_rollout_commit_length")],
+    }
+
+
+def _distribution(pid: int, name: str) -> dict:
+    """A bar gauge of a count histogram's buckets over the last 5 minutes: how many
+    image-rounds committed up to 1, 2, 3, ... tokens (stalled images show as a tall first bar)."""
+    return {
+        "id": pid, "type": "bargauge", "title": name + " (distribution, last 5 min)",
+        "description": HISTOGRAMS[name],
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 24, "x": 0, "y": 8 * -(-(pid - 1) // 3)},   # below the grid
+        "fieldConfig": {"defaults": {"unit": "short"}, "overrides": []},
+        "options": {"displayMode": "gradient", "orientation": "vertical"},
+        "targets": [{"expr": f"sum by (le) (increase(ray_{name}_bucket[5m]))",
+                     "legendFormat": "<= {{le}}", "format": "heatmap", "refId": "A"}],
     }
 
 

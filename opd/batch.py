@@ -4,9 +4,13 @@ rollout worker → (tokens, rollout stats) → teacher worker → (+ teacher sco
 
 Layout: `tokens[:, :prefix_len]` is the real prefix (from data), `tokens[:, prefix_len:]` the
 generated suffix (by the student, the teacher, or taken from data, see `source`).  Losses are
-taken on the suffix positions (`loss_mask`).  Position i of every per-position tensor refers to
-image token i, so teacher scores at i are the teacher's distribution of token i given the class
-label and tokens[:, :i].
+taken on the suffix positions (`loss_mask`).  Position i of `tokens` is image token i.  Teacher
+scores cover either every position (S = L rows per sequence) or, as `opd.steps.score` ships
+them, the suffix only (S = N = L − P): row j of a per-position teacher tensor is the teacher's
+distribution of token `teacher_start + j` given the class label and the tokens before it
+(`teacher_start` is 0 or P).  Top-k indices travel in the smallest integer type that holds
+every token id of the vocabulary (`index_dtype`: int16 up to 32,768 tokens, else int32; int64 is
+accepted too); losses widen them to int64.
 
 In memory the batch holds torch tensors.  Two wire formats:
 
@@ -38,7 +42,21 @@ ARROW_METADATA_KEY = b"opd.trajectory_batch"
 _TENSOR_FIELDS = ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices")
 _ARROW_COLUMNS = {"labels": "label"}  # field name -> arrow column name (one row per image)
 
-Stat = int | float | str | bool
+Stat = int | float | str | bool | list[int]
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def _is_stat(value: Any) -> bool:
+    """A scalar (int / float / str / bool) or a list of ints (a histogram, per-image rounds)."""
+    if isinstance(value, list):
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, (int, float, str, bool))
+
+
+def index_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest integer type that holds every token id 0..vocab_size − 1 exactly: int16
+    up to 32,768 tokens (LlamaGen's 16,384 included), else int32."""
+    return torch.int16 if vocab_size - 1 <= torch.iinfo(torch.int16).max else torch.int32
 
 
 @dataclass
@@ -52,13 +70,14 @@ class TrajectoryBatch:
     policy_version: int, version of the student weights that generated the suffix.
     source: "student" (on-policy rollout), "data" (suffix from the dataset) or "teacher"
         (teacher-generated suffix, SeqKD).
-    rollout_stats: scalar stats of the rollout (rounds, mean committed tokens, seconds,
-        engine name, ...); int / float / str / bool values.
-    teacher_logprobs: (B, L, V) float full-vocabulary teacher log-probs, or None.
-    teacher_topk_values: (B, L, k) float teacher log-probs (normalized over the full
+    rollout_stats: stats of the rollout (rounds, mean committed tokens, seconds, engine
+        name, committed-tokens histogram, ...); int / float / str / bool or list-of-int values.
+    teacher_logprobs: (B, S, V) float full-vocabulary teacher log-probs, or None.
+    teacher_topk_values: (B, S, k) float teacher log-probs (normalized over the full
         vocabulary) at its k most likely tokens, or None.
-    teacher_topk_indices: (B, L, k) int64 token ids of those values, or None.
-    At most one teacher transport (full or top-k) is present.
+    teacher_topk_indices: (B, S, k) int16 / int32 / int64 token ids of those values, or None.
+    S is L (every position) or L − P (the suffix only, see `teacher_start`).  At most one
+    teacher transport (full or top-k) is present.
     """
 
     batch_id: int
@@ -83,22 +102,26 @@ class TrajectoryBatch:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         for key, value in self.rollout_stats.items():
-            if not isinstance(key, str) or not isinstance(value, (int, float, str, bool)):
-                raise ValueError(f"rollout_stats[{key!r}] must map str to int/float/str/bool, got {value!r}")
+            if not isinstance(key, str) or not _is_stat(value):
+                raise ValueError(f"rollout_stats[{key!r}] must map str to int/float/str/bool or "
+                                 f"a list of ints, got {value!r}")
         full = self.teacher_logprobs
         vals, idx = self.teacher_topk_values, self.teacher_topk_indices
+        rows = ((B, L), (B, L - self.prefix_len))          # every position, or the suffix
         if full is not None:
-            if full.dim() != 3 or full.shape[:2] != (B, L) or not full.is_floating_point():
-                raise ValueError(f"teacher_logprobs must be (B, L, V) float with (B, L) = {(B, L)}, got "
-                                 f"{tuple(full.shape)} {full.dtype}")
+            if full.dim() != 3 or full.shape[:2] not in rows or not full.is_floating_point():
+                raise ValueError(f"teacher_logprobs must be (B, L, V) or (B, L - P, V) float with "
+                                 f"(B, L, P) = {(B, L, self.prefix_len)}, got {tuple(full.shape)} {full.dtype}")
         if (vals is None) != (idx is None):
             raise ValueError("teacher_topk_values and teacher_topk_indices come together (both or neither)")
         if vals is not None:
-            if vals.dim() != 3 or vals.shape[:2] != (B, L) or idx.shape != vals.shape:
-                raise ValueError(f"teacher top-k values and indices must both be (B, L, k) with (B, L) = "
-                                 f"{(B, L)}, got {tuple(vals.shape)} and {tuple(idx.shape)}")
-            if not vals.is_floating_point() or idx.dtype != torch.int64:
-                raise ValueError(f"teacher top-k values must be float and indices int64, got {vals.dtype}, {idx.dtype}")
+            if vals.dim() != 3 or vals.shape[:2] not in rows or idx.shape != vals.shape:
+                raise ValueError(f"teacher top-k values and indices must both be (B, L, k) or "
+                                 f"(B, L - P, k) with (B, L, P) = {(B, L, self.prefix_len)}, got "
+                                 f"{tuple(vals.shape)} and {tuple(idx.shape)}")
+            if not vals.is_floating_point() or idx.dtype not in INDEX_DTYPES:
+                raise ValueError(f"teacher top-k values must be float and indices one of "
+                                 f"{INDEX_DTYPES}, got {vals.dtype}, {idx.dtype}")
             if full is not None:
                 raise ValueError("a batch carries one teacher transport: full log-probs or top-k, not both")
 
@@ -123,6 +146,13 @@ class TrajectoryBatch:
         """(B, L) bool, true at the generated positions i >= prefix_len."""
         pos = torch.arange(self.seq_len, device=self.tokens.device)
         return (pos >= self.prefix_len).expand(self.batch_size, -1)
+
+    @property
+    def teacher_start(self) -> int:
+        """The position of row 0 of the teacher tensors: 0 when they cover every position,
+        P when they cover the suffix only (also 0 without teacher scores)."""
+        t = self.teacher_logprobs if self.teacher_logprobs is not None else self.teacher_topk_values
+        return 0 if t is None or t.shape[1] == self.seq_len else self.prefix_len
 
     @property
     def teacher_transport(self) -> str | None:
@@ -231,7 +261,11 @@ def _to_tensor(a: np.ndarray, copy: bool) -> Tensor:
 
 
 def _py(v: Any) -> Stat:
-    """numpy scalar -> Python scalar (Ray may hand back numpy types)."""
+    """numpy scalar / array -> Python scalar / list (Ray may hand back numpy types)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_py(x) for x in v]
     return v.item() if isinstance(v, np.generic) else v
 
 

@@ -12,6 +12,9 @@ with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e
     evaluation       eval.batch_size chunks of eval.num_samples (samples) and
                      `opd.quality.KL_BATCH` chunks of eval.kl_rows (on-policy KL), when set
 
+An entry is keyed by the physical rows the engine runs: with `rollout.slots` S a training or
+on-policy-KL rollout of B images runs min(S, B) rows (continuous batching).
+
 `opd calibrate --config X` measures all of them for run X; each rollout worker calls
 `prepare_calibration` when it starts, so an entry a run lacks is measured once, by the first
 worker, under the file's lock (`rollout.calibrate.ensure_calibration`), and read by the rest.
@@ -42,12 +45,18 @@ def rollout_parts(cfg: RunConfig) -> list[int]:
     return list(range(teachers, max(most, teachers) + 1))
 
 
+def slot_rows(cfg: RunConfig, sizes) -> set[int]:
+    """The physical rows of rollouts of these batch sizes (rollout.slots caps them)."""
+    S = cfg.rollout.slots
+    return {min(S, b) if S else b for b in sizes}
+
+
 def rollout_batch_sizes(cfg: RunConfig) -> list[int]:
-    """The batch sizes training rollouts are generated at, in cfg.run.mode."""
+    """The physical rows training rollouts are generated at, in cfg.run.mode."""
     B = cfg.data.batch_size
     if cfg.run.mode == "reference":
-        return [B]
-    return sorted({b - a for p in rollout_parts(cfg) for a, b in row_ranges(B, p)})
+        return sorted(slot_rows(cfg, [B]))
+    return sorted(slot_rows(cfg, {b - a for p in rollout_parts(cfg) for a, b in row_ranges(B, p)}))
 
 
 def eval_batch_sizes(cfg: RunConfig) -> list[int]:
@@ -56,7 +65,7 @@ def eval_batch_sizes(cfg: RunConfig) -> list[int]:
     e = cfg.eval
     sizes = chunk_sizes(e.num_samples, e.batch_size)
     if e.kl_rows:
-        sizes |= chunk_sizes(e.kl_rows, KL_BATCH)
+        sizes |= slot_rows(cfg, chunk_sizes(e.kl_rows, KL_BATCH))
     return sorted(sizes)
 
 

@@ -129,6 +129,10 @@ class RolloutConfig:
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Literal["greedy", "sample"] = "sample"
     """Greedy verification (lossless vs greedy AR) or probabilistic (sampling) verification."""
+    refresh: Literal["coupled", "resample"] = "coupled"
+    """Sampled drafts after the commit point: kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
+    slots: int = bounded(0, ge=0)
+    """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)

@@ -64,12 +64,22 @@ def get_objective(name: str, **cfg: object) -> Objective:
 
 
 def teacher_dist(batch: TrajectoryBatch) -> TeacherDist:
-    """The batch's teacher scores as a `TeacherDist` (full (B, L, V) or top-k (B, L, k))."""
+    """The batch's teacher scores as a `TeacherDist` (full (B, S, V) or top-k (B, S, k), S the
+    positions from `batch.teacher_start` on; top-k indices widened to int64)."""
     if batch.teacher_logprobs is not None:
         return TeacherDist(batch.teacher_logprobs)
     if batch.teacher_topk_values is not None:
-        return TeacherDist(batch.teacher_topk_values, batch.teacher_topk_indices)
+        return TeacherDist(batch.teacher_topk_values, batch.teacher_topk_indices.long())
     raise ValueError(f"batch {batch.batch_id} has no teacher scores: score it with the teacher first")
+
+
+def scored_positions(student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, TeacherDist, Tensor]:
+    """(student logits, teacher scores, loss mask) on the positions the teacher scores cover:
+    (B, S, V), (B, S, ·), (B, S) from position `batch.teacher_start` on.  The loss mask is
+    false before the prefix end, so the valid positions, and their order, are those of the
+    whole batch: a loss is the same whether the teacher scored every position or the suffix."""
+    start = batch.teacher_start
+    return student_logits[:, start:], teacher_dist(batch), batch.loss_mask[:, start:]
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -143,7 +153,7 @@ class KD(Objective):
         _check_positive("kd.temperature", self.temperature)
 
     def _loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
-        loss = masked_divergence(student_logits, teacher_dist(batch), batch.loss_mask, "forward_kl",
+        loss = masked_divergence(*scored_positions(student_logits, batch), "forward_kl",
                                  temperature=self.temperature)
         return loss, {}
 
@@ -196,7 +206,7 @@ class GKD(Objective):
         return "student" if u < self.lmbda else "data"
 
     def _loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
-        loss = masked_divergence(student_logits, teacher_dist(batch), batch.loss_mask, "jsd",
+        loss = masked_divergence(*scored_positions(student_logits, batch), "jsd",
                                  temperature=self.temperature, beta=self.beta)
         return loss, {}
 
@@ -270,8 +280,8 @@ class VarKD(Objective):
         return p.log()
 
     def _loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
-        teacher = teacher_dist(batch)
-        s, t = valid_atoms(student_logits, teacher, batch.loss_mask)                # (N, A)
+        logits, teacher, mask = scored_positions(student_logits, batch)
+        s, t = valid_atoms(logits, teacher, mask)                                   # (N, A)
         num_tokens = t.shape[-1] if teacher.indices is None else teacher.indices.shape[-1]
         h = entropy(t).detach()                                                     # (N,)
         w = self.weights(h)

@@ -61,6 +61,11 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
             "rounds": s.get("rounds", 0), "mean_committed": s.get("mean_committed", 0.0),
+            "commit_hist": s.get("commit_hist"),
+            "image_rounds_max": s.get("image_rounds_max", 0),
+            "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
+                                  else 0.0),
+            "longest_single_run": s.get("longest_single_run", 0),
             "generated_tokens": gen,
             "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
 
@@ -68,11 +73,12 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
 def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher,
                     cfg: RunConfig) -> Path:
     """checkpoints/step_<n>/ (opd/checkpoints.py): student.pt, optimizer/optimizer.pt (torch)
-    and state.json (mode "reference"); returns its path."""
-    tmp = ckpt.begin(run_dir, step)
-    ckpt.write_student(tmp, student.state_dict())
-    torch.save(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
-    return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
+    and state.json (mode "reference"); returns its path.  CheckpointWriteError if the disk
+    refuses it (the partial step_<n>.tmp is removed, earlier checkpoints stay)."""
+    with ckpt.writing(run_dir, step) as tmp:
+        ckpt.write_student(tmp, student.state_dict())
+        ckpt.save_torch(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
+        return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
 
 
 def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:

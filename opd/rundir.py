@@ -1,34 +1,137 @@
-"""Run directories: created fresh, never overwritten without asking, resumable.
+"""Run directories: created fresh, never overwritten without asking, resumable, held by one run.
 
 A run directory holds `config.yaml` (the resolved config), `metrics.parquet`, `checkpoints/`,
-sample grids and plots.  Starting a run in a non-empty directory is refused unless the run is
-resumed from it.
+sample grids and plots, and while a run uses it `lock`: "<pid> <host>" of that `opd train`.
+
+- A new run needs an empty directory, or one that holds nothing but `config.yaml` (and a lock
+  of a run that is gone): what a run leaves when it stops before its first step (bad data, a
+  missing file, Ctrl-C or a kill during start-up).  Such a directory is taken for the new run,
+  with one line saying so, and its config.yaml is replaced.  Anything else in it (metrics,
+  checkpoints, samples, a file of yours) makes a new run refuse it; `--resume` continues it.
+  So a run that fails early needs no clean-up, also after a SIGKILL.
+- The lock: a second `opd train` (new or `--resume`) on a directory whose lock names a live
+  process is refused, naming the pid; a lock whose process is gone (killed, crashed) is taken
+  over with one line.  A lock written on another host cannot be checked and counts as live
+  (delete it by hand once that run is gone).  The lock is released when `opd train` returns.
+  Two runs that find the same dead lock at the same instant may both take it over (the lock
+  guards against a second command by a person, not against a race of milliseconds).
 """
 from __future__ import annotations
 
+import os
+import socket
+import sys
 from pathlib import Path
+from typing import Callable
 
 from opd.config import ConfigError, RunConfig, default_run_dir, save_config
+
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = "lock"
 
 
 class RunDirError(ValueError):
     """A run directory that cannot be used as asked."""
 
 
-def prepare_run_dir(cfg: RunConfig, *, resume: bool = False) -> Path:
-    """Create (or, when resuming, reopen) the run directory and save the resolved config."""
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _me() -> tuple[int, str]:
+    return os.getpid(), socket.gethostname()
+
+
+def lock_holder(path: str | os.PathLike) -> tuple[int, str] | None:
+    """(pid, host) written in `path/lock`, or None when there is no readable lock."""
+    try:
+        pid, host = (Path(path) / LOCK_FILE).read_text().split()
+        return int(pid), host
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int, host: str) -> bool:
+    if host != socket.gethostname():
+        return True                       # another machine's process: cannot tell, assume live
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                       # another user's live process
+    return True
+
+
+def acquire_lock(path: str | os.PathLike, report: Callable[[str], None] = _stderr) -> Path:
+    """Write `path/lock` for this process.  A lock of a live process: RunDirError naming it; of
+    a process that is gone (or unreadable): taken over, saying so through `report`."""
+    path = Path(path)
+    lock = path / LOCK_FILE
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = lock_holder(path)
+            if holder == _me():
+                return lock                       # this process holds it already
+            if holder is not None and _alive(*holder):
+                raise RunDirError(f"run directory {path} is in use by another opd train (pid "
+                                  f"{holder[0]} on {holder[1]}, {lock}); wait for it or stop it, "
+                                  f"or delete {lock} if that process is gone") from None
+            report(f"opd train: taking over {lock} from pid {holder[0]}, which is no longer "
+                   f"running" if holder else f"opd train: taking over {lock}, which is unreadable")
+            lock.unlink(missing_ok=True)
+            continue
+        except OSError as e:
+            raise RunDirError(f"cannot write to run directory {path} ({e.strerror}); choose a "
+                              f"run.dir you can write to") from None
+        with os.fdopen(fd, "w") as f:
+            f.write("%d %s\n" % _me())
+        return lock
+    raise RunDirError(f"run directory {path}: another opd train keeps taking {lock}; "
+                      f"run one at a time")
+
+
+def release_lock(path: str | os.PathLike) -> None:
+    """Remove `path/lock` if this process holds it."""
+    if lock_holder(path) == _me():
+        (Path(path) / LOCK_FILE).unlink(missing_ok=True)
+
+
+def prepare_run_dir(cfg: RunConfig, *, resume: bool = False,
+                    report: Callable[[str], None] = _stderr) -> Path:
+    """Create (or, when resuming, reopen) the run directory, take its lock and save the
+    resolved config (new runs).  Release the lock with `release_lock` when the run ends."""
     path = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
     if resume:
-        if not (path / "config.yaml").is_file():
-            raise RunDirError(f"cannot resume from {path}: it holds no config.yaml; pass the "
+        if not (path / CONFIG_FILE).is_file():
+            raise RunDirError(f"cannot resume from {path}: it holds no {CONFIG_FILE}; pass the "
                               "directory of an earlier run")
+        acquire_lock(path, report)
         return path
-    if path.exists() and any(path.iterdir()):
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create run directory {path} ({e.strerror}); choose a run.dir "
+                          f"you can write to") from None
+    acquire_lock(path, report)
+    left = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+    if left and left != [CONFIG_FILE]:
+        release_lock(path)
         raise RunDirError(f"run directory {path} is not empty; choose another run.dir, delete it, "
                           f"or continue that run with --resume {path}")
-    path.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, path / "config.yaml")
+    if left:
+        report(f"opd train: {path} holds only the {CONFIG_FILE} of a run that stopped before its "
+               f"first step; starting a new run there")
+    try:
+        save_config(cfg, path / CONFIG_FILE)
+    except OSError as e:
+        release_lock(path)
+        raise RunDirError(f"cannot write {path / CONFIG_FILE} ({e.strerror}); choose a run.dir "
+                          f"you can write to") from None
     return path
 
 
-__all__ = ["RunDirError", "prepare_run_dir", "ConfigError"]
+__all__ = ["RunDirError", "CONFIG_FILE", "LOCK_FILE", "prepare_run_dir", "acquire_lock",
+           "release_lock", "lock_holder", "ConfigError"]

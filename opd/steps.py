@@ -1,7 +1,8 @@
 """The roles of one OPD step as pure functions: rollout → score → learn.
 
 The single-process reference loop (`opd.reference`) and the Ray actors (`actors/`) call exactly
-these functions, so a distributed run computes what the reference computes (invariant 5).
+these functions, so a distributed run computes what the reference computes (invariant 5,
+docs/ARCHITECTURE.md).
 Every random choice is keyed by (run seed, step or batch id), never drawn in call order.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from opd.batch import TrajectoryBatch
+from opd.batch import TrajectoryBatch, index_dtype
 from opd.cache import calibration_file
 from opd.config import RunConfig
 from opd.objectives import Objective, get_objective
@@ -59,13 +60,18 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
     return objective.choose_source(step, seed)
 
 
+COMMIT_HIST_WIDTH = 16
+"""Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
+counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
+
+
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine (options that the engine does not take are left out)."""
     r = cfg.rollout
     name = engine or r.engine
     options = {"decoding": r.decoding}
     if name != "cached_ar":
-        options.update(W=r.window, H=r.history_offset)
+        options.update(W=r.window, H=r.history_offset, refresh=r.refresh)
     if name == "hbsjd":
         options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
                        calibrate_missing=True)    # measured once under the file's lock
@@ -110,11 +116,17 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
     result = engine.generate(
         model, job.labels.to(device), job.tokens[:, :P].to(device), T - P,
         cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
-        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids)
+        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
+        slots=r.slots or None)
+    image_rounds = result.image_rounds
     stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds,
              "mean_committed": result.mean_committed, "engine": result.engine,
              "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
-             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum())}
+             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
+             "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
+             "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
+             "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
+             "longest_single_run": int(result.longest_single_run.max())}
     tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
     return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
                            job.source, stats)
@@ -135,17 +147,20 @@ def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: 
 
 
 def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
-    """The batch with the teacher's scores attached: full-vocabulary log-probs, or top-k
-    log-probs (normalised over the full vocabulary) with their token ids."""
+    """The batch with the teacher's scores of its suffix positions (P..L-1, the only ones a
+    loss reads) attached: float32 full-vocabulary log-probs (B, N, V), or top-k float32
+    log-probs (normalised over the full vocabulary) with their token ids in the smallest
+    exact integer type (B, N, k) (opd.batch: `teacher_start`, `index_dtype`)."""
     start = time.perf_counter()
     t = cfg.teacher
-    logp = F.log_softmax(teacher_logits(teacher, batch, guided=t.guided,
-                                        cfg_scale=cfg.rollout.cfg_scale), -1).cpu()
+    logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg.rollout.cfg_scale)
+    logp = F.log_softmax(logits[:, batch.prefix_len:], -1).cpu()          # (B, N, V)
     if t.transport == "full":
-        out = batch.with_teacher(logprobs=logp)
+        out = batch.with_teacher(logprobs=logp.contiguous())
     else:
         values, indices = logp.topk(t.topk, dim=-1)
-        out = batch.with_teacher(topk_values=values.contiguous(), topk_indices=indices.contiguous())
+        out = batch.with_teacher(topk_values=values.contiguous(),
+                                 topk_indices=indices.to(index_dtype(logp.shape[-1])).contiguous())
     out.rollout_stats["teacher_seconds"] = time.perf_counter() - start
     return out
 

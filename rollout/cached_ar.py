@@ -1,5 +1,5 @@
 """Cached AR: one token per forward with the static KV cache (the reference every engine must
-match in greedy mode).  Always Full execution (rows 0..B-1)."""
+match in greedy mode).  Always Full execution (rows 0..R-1); with slots, batches of R images."""
 from __future__ import annotations
 
 import torch
@@ -30,10 +30,18 @@ class CachedAR(Engine):
     DEFAULTS = dict(decoding="greedy")
 
     def run(self, model, req: Request) -> RolloutResult:
-        B, N = req.batch, req.num_new
-        tokens = decode_tokens(model, req, prefill_token(model, req))
-        ones = torch.ones(N, B, dtype=torch.long, device=tokens.device)
-        zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        return RolloutResult(tokens=tokens, prefix_len=req.prefix_len, committed=ones,
-                             accepted=zeros, rejected=zeros.clone(), active=[B] * N,
-                             modes=["full"] * N, wall_time=0.0)
+        B, N, R = req.batch, req.num_new, req.rows
+        dev = req.labels.device
+        parts = [torch.arange(i, min(i + R, B), device=dev) for i in range(0, B, R)]
+        tokens = torch.cat([decode_tokens(model, req.take(i), prefill_token(model, req.take(i)))
+                            for i in parts])
+        committed = torch.zeros(N * len(parts), B, dtype=torch.long, device=dev)
+        for k, i in enumerate(parts):                # batch k owns rounds k*N .. (k+1)*N - 1
+            committed[k * N:(k + 1) * N, i] = 1
+        zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        first_round = torch.cat([torch.full_like(i, k * N) for k, i in enumerate(parts)])
+        return RolloutResult(tokens=tokens, prefix_len=req.prefix_len, committed=committed,
+                             accepted=zeros, rejected=zeros.clone(),
+                             active=[len(i) for i in parts for _ in range(N)],
+                             modes=["full"] * (N * len(parts)), wall_time=0.0,
+                             prefills=len(parts) - 1, first_round=first_round)

@@ -4,8 +4,13 @@
     result = engine.generate(model, labels, prefix, num_new_tokens, cfg_scale=2.0, seed=0)
 
 An engine is a small object holding its options; `generate` validates the call, puts the model
-in eval mode (no label dropout), sizes the KV cache itself (B rows, 2B with CFG: conditional
-rows first, then the null-class rows) and returns a `RolloutResult`.
+in eval mode (no label dropout), sizes the KV cache itself (R physical rows, 2R with CFG:
+conditional rows first, then the null-class rows) and returns a `RolloutResult`.
+
+`slots=S` runs the B images of a call through R = min(S, B) physical rows (continuous
+batching): a Jacobi engine prefills the next waiting image into the row of one that finished
+and goes on with its round loop; Cached AR, whose images all take N rounds, runs ceil(B / S)
+batches.  An image's tokens never depend on its row or on S (keyed random numbers).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name: cached_ar, sjd_sync, sjd_independent, hbsjd."""
 
 DECODINGS = ("greedy", "sample")
+REFRESHES = ("coupled", "resample")
 EXECUTIONS = ("full", "compact", "hybrid")
 
 
@@ -63,6 +69,8 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
     if "decoding" in o and o["decoding"] not in DECODINGS:
         raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
+    if "refresh" in o and o["refresh"] not in REFRESHES:
+        raise ValueError(f"option refresh must be one of {REFRESHES}, got {o['refresh']!r}")
     if "execution" in o and o["execution"] not in EXECUTIONS:
         raise ValueError(f"option execution must be one of {EXECUTIONS}, got {o['execution']!r}")
     g = o.get("gamma")
@@ -85,10 +93,22 @@ class Request:
     seeds: Tensor         # (B,) int64 RNG seed of each image
     ids: Tensor           # (B,) int64 RNG image id of each image
     keys: Tensor          # (B,) int64 image_key(seed, id): every uniform hashes it
+    slots: int | None = None  # physical rows (continuous batching); None = B
 
     @property
     def batch(self) -> int:
         return self.labels.shape[0]
+
+    @property
+    def rows(self) -> int:
+        """Physical rows R = min(slots, B) (without the CFG copies)."""
+        return self.batch if self.slots is None else min(self.slots, self.batch)
+
+    def take(self, images: Tensor) -> Request:
+        """The request for the images `images` (in that order), every image keeping its key."""
+        return Request(self.labels[images], self.prefix[images], self.num_new, self.cfg_scale,
+                       self.temperature, self.top_k, self.top_p, self.sampled,
+                       self.seeds[images], self.ids[images], self.keys[images], self.slots)
 
     @property
     def prefix_len(self) -> int:
@@ -104,7 +124,8 @@ class Request:
 
 
 def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
-                 cfg_scale, temperature, top_k, top_p, seed, image_ids, sampled) -> Request:
+                 cfg_scale, temperature, top_k, top_p, seed, image_ids, sampled,
+                 slots: int | None = None) -> Request:
     """Check a generate call against the model; ValueError naming the bad argument."""
     if not (torch.is_tensor(labels) and labels.dim() == 1 and labels.numel() >= 1):
         raise ValueError(f"labels must be a non-empty (B,) tensor, got "
@@ -132,11 +153,13 @@ def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: i
         raise ValueError(f"num_new_tokens={num_new_tokens} overflows the sequence: prefix {P} + "
                          f"{num_new_tokens} > block_size {model.block_size}")
     check_sampling(model.vocab_size, cfg_scale, temperature, top_k, top_p, sampled)
+    if slots is not None and not (_is_int(slots) and slots >= 1):
+        raise ValueError(f"slots must be None or an int >= 1 (physical rows), got {slots!r}")
     seeds = _per_image("seed", seed, B, device)
     ids = (torch.arange(B, device=device) if image_ids is None
            else _per_image("image_ids", image_ids, B, device))
     return Request(labels, prefix, num_new_tokens, cfg_scale, temperature, top_k, top_p,
-                   sampled, seeds, ids, image_key(seeds, ids))
+                   sampled, seeds, ids, image_key(seeds, ids), slots)
 
 
 def model_device(model, default: torch.device) -> torch.device:
@@ -161,24 +184,33 @@ def cfg_rows(x: Tensor, req: Request) -> Tensor:
     return torch.cat([x, x]) if req.cfg else x
 
 
-def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor) -> Tensor:
+def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor,
+                 keys: Tensor | None = None) -> Tensor:
     """guided: (B, V) logits; position, attempt: (B,) -> (B,) int64 argmax (greedy) or a
-    sample keyed by (seed, image, position, attempt)."""
+    sample keyed by (seed, image, position, attempt); keys: the images' keys (default all)."""
     if not req.sampled:
         return guided.argmax(-1)
     p = warp(guided, req.temperature, req.top_k, req.top_p)
-    u = uniform(req.keys, position, attempt, STREAM_TOKEN)
+    u = uniform(req.keys if keys is None else keys, position, attempt, STREAM_TOKEN)
     return sample_from(p, u)
 
 
-def prefill_token(model, req: Request) -> Tensor:
-    """Round 0: prefill (class token + prefix) and choose image token P.  -> (B,) int64."""
-    labels = req.labels
+def prefill_token(model, req: Request, images: Tensor | None = None,
+                  rows: Tensor | None = None) -> Tensor:
+    """Round 0 of images `images` (default all): prefill (class token + prefix) into physical
+    rows `rows` (default 0..k-1; their CFG copies R rows later) and choose image token P.
+    -> (k,) int64."""
+    labels, prefix, keys = req.labels, req.prefix, req.keys
+    if images is not None:
+        labels, prefix, keys = labels[images], prefix[images], keys[images]
     if req.cfg:
         labels = torch.cat([labels, torch.full_like(labels, model.num_classes)])
-    logits = model.prefill(labels, cfg_rows(req.prefix, req), None)[:, -1]
-    pos = torch.full((req.batch,), req.prefix_len, dtype=torch.long, device=labels.device)
-    return choose_token(guide(logits, req.cfg_scale), req, pos, torch.zeros_like(pos))
+        prefix = torch.cat([prefix, prefix])
+        if rows is not None:
+            rows = torch.cat([rows, rows + req.rows])
+    logits = model.prefill(labels, prefix, rows)[:, -1]
+    pos = torch.full((keys.shape[0],), req.prefix_len, dtype=torch.long, device=labels.device)
+    return choose_token(guide(logits, req.cfg_scale), req, pos, torch.zeros_like(pos), keys)
 
 
 def synchronize(device: torch.device) -> None:
@@ -204,13 +236,15 @@ class Engine:
     def generate(self, model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
                  cfg_scale: float | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
-                 seed: int | Tensor = 0, image_ids: Tensor | None = None) -> RolloutResult:
+                 seed: int | Tensor = 0, image_ids: Tensor | None = None,
+                 slots: int | None = None) -> RolloutResult:
         """labels: (B,) class ids, prefix: (B, P) image tokens (or None), N = num_new_tokens.
         Returns a RolloutResult whose `tokens` are (B, P + N) int64.  `seed` and `image_ids`
-        (default 0..B-1) key the random numbers of each image."""
+        (default 0..B-1) key the random numbers of each image; `slots` caps the physical rows
+        (continuous batching; None = B)."""
         req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           image_ids=image_ids, sampled=self.sampled)
+                           image_ids=image_ids, sampled=self.sampled, slots=slots)
         self.check_model(model, req)
         was_training = bool(getattr(model, "training", False))
         if was_training:
@@ -218,7 +252,7 @@ class Engine:
         try:
             start = time.perf_counter()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
-                model.setup_cache(req.batch * (2 if req.cfg else 1), req.total)
+                model.setup_cache(req.rows * (2 if req.cfg else 1), req.total)
                 result = self.run(model, req)
             synchronize(req.labels.device)
             result.wall_time = time.perf_counter() - start

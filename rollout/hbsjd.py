@@ -24,61 +24,100 @@ from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool) -> RolloutResult:
+def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
+               coupled: bool = True) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
-    gamma: Compact execution when fewer than gamma images are active (0 = always Full,
-    > B = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD)."""
-    B, T, dev = req.batch, req.total, req.labels.device
+    gamma: Compact execution when fewer than gamma rows are active (0 = always Full,
+    > R = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD).
+    coupled: sampled drafts are refreshed by maximal coupling (rollout/jacobi.py).
+
+    With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
+    are complete at the start of a round and images wait, the rows' tokens are kept and the
+    next waiting images are prefilled into those rows (one prefill forward for all of them,
+    attributed to the round that completed the old images), then the round goes on."""
+    B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
     times = [time.perf_counter()]          # round boundaries (each follows a device sync)
-    first = prefill_token(model, req)
-    ones = torch.ones(B, dtype=torch.long, device=dev)
-    committed, active_log, modes = [ones], [B], ["full"]
-    accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
     if req.num_new == 1:
-        synchronize(dev)
-        times.append(time.perf_counter())
-        return _result(req, torch.cat([req.prefix, first[:, None]], 1), committed, accepted,
-                       rejected, active_log, modes, times)
+        return _single_token(model, req, times)
+    img = torch.arange(R, device=dev)                         # the image in each row
+    first = prefill_token(model, req, img)
+    ones = torch.ones(B, dtype=torch.long, device=dev)
+    committed = [torch.zeros_like(ones).index_fill_(0, img, 1)]
+    active_log, modes, prefills = [R], ["full"], 0
+    accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
     W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
-    plan = make_plan(T, W, H, sync, dev)
-    st = init_state(req, first, plan, model.vocab_size)
+    plan = make_plan(T, W, H, sync, dev, coupled)
+    st = init_state(req, img, first, plan, model.vocab_size)
+    out = torch.empty(B, T, dtype=torch.long, device=dev)
+    first_round = torch.zeros(B, dtype=torch.long, device=dev)
+    waiting = R                                               # next image to admit
     while True:
         live = st.cur < T
         A = int(live.sum())                                   # the one sync of the round
+        if A < R and waiting < B:                             # rows free and images waiting
+            done = (~live).nonzero().squeeze(1)[: B - waiting]
+            new = torch.arange(waiting, waiting + done.shape[0], device=dev)
+            out[img[done]] = st.seq[done, :T]
+            img[done] = new
+            st.assign(done, init_state(req, new, prefill_token(model, req, new, done), plan,
+                                       model.vocab_size), new_images=True)
+            committed[-1][new] = 1
+            first_round[new] = len(committed) - 1
+            waiting, prefills, A = waiting + done.shape[0], prefills + 1, A + done.shape[0]
+            live = st.cur < T
         times.append(time.perf_counter())
         if A == 0:
             break
         compact = A < gamma
         if compact:
             idx = live.nonzero().squeeze(1)
-            sub, rows = st.select(idx), (torch.cat([idx, idx + B]) if req.cfg else idx)
+            sub, rows = st.select(idx), (torch.cat([idx, idx + R]) if req.cfg else idx)
         else:
-            sub, rows = st, None
+            sub, rows, idx = st, None, None
         tokens, positions, offset = window_inputs(sub, plan)
         logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
         counts = torch.stack(jacobi_update(sub, guide(logits, req.cfg_scale), offset, req,
-                                           plan))                     # (3, A or B)
+                                           plan))                     # (3, A or R)
         if compact:
             st.assign(idx, sub)
-            counts = torch.zeros(3, B, dtype=torch.long, device=dev).index_copy_(1, idx, counts)
-        committed.append(counts[0])
-        accepted += counts[1]
-        rejected += counts[2]
+        per_image = torch.zeros(3, B, dtype=torch.long, device=dev)
+        per_image.index_add_(1, img if idx is None else img[idx], counts)
+        committed.append(per_image[0])
+        accepted += per_image[1]
+        rejected += per_image[2]
         active_log.append(A)
         modes.append("compact" if compact else "full")
-    return _result(req, st.seq[:, :T], committed, accepted, rejected, active_log, modes, times)
+    out[img] = st.seq[:, :T]
+    return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
+                   first_round)
 
 
-def _result(req, tokens, committed, accepted, rejected, active, modes, times) -> RolloutResult:
+def _single_token(model, req: Request, times: list) -> RolloutResult:
+    """N = 1: the prefill is the whole rollout (in batches of R images)."""
+    dev, B, R = req.labels.device, req.batch, req.rows
+    parts = [torch.arange(i, min(i + R, B), device=dev) for i in range(0, B, R)]
+    first = torch.cat([prefill_token(model, req, i) for i in parts])
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    synchronize(dev)
+    times.append(time.perf_counter())
+    return _result(req, torch.cat([req.prefix, first[:, None]], 1), [torch.ones_like(zeros)],
+                   zeros, zeros.clone(), [R], ["full"], times, len(parts) - 1)
+
+
+def _result(req, tokens, committed, accepted, rejected, active, modes, times,
+            prefills=0, first_round=None) -> RolloutResult:
     return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
                          committed=torch.stack(committed), accepted=accepted,
                          rejected=rejected, active=active, modes=modes, wall_time=0.0,
-                         round_times=[b - a for a, b in zip(times, times[1:])])
+                         round_times=[b - a for a, b in zip(times, times[1:])],
+                         prefills=prefills, first_round=first_round)
 
 
 class JacobiEngine(Engine):
     """Shared option handling: W (window = tokens per verifier forward, [last committed,
-    W - 1 drafts]), H (history offset; None = one grid row), decoding."""
+    W - 1 drafts]), H (history offset; None = one grid row), decoding, refresh (sampled drafts
+    after the commit point: "coupled" = maximal coupling with their new distribution,
+    "resample" = drawn afresh; both lossless, see rollout/jacobi.py)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -97,13 +136,14 @@ class JacobiEngine(Engine):
 
     def run(self, model, req: Request) -> RolloutResult:
         return run_jacobi(model, req, self.options["W"], self.history(model),
-                          self.gamma(model, req), self.SYNC)
+                          self.gamma(model, req), self.SYNC,
+                          self.options["refresh"] == "coupled")
 
 
 @register("sjd_independent")
 class IndependentSJD(JacobiEngine):
     """Independent Batched SJD: per-image cursors, Full execution, no switching."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy")
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled")
 
 
 @register("hbsjd")
@@ -113,8 +153,8 @@ class HBSJD(JacobiEngine):
     $OPD_CACHE/calibration.json; with calibrate_missing=True a missing entry is measured here,
     a few forwards, and saved under the file's lock), or
     None (uncalibrated fallback: half the batch, rounded up)."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", execution="hybrid", gamma=None,
-                    calibration=None, calibrate_missing=False)
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", execution="hybrid",
+                    gamma=None, calibration=None, calibrate_missing=False)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -125,22 +165,22 @@ class HBSJD(JacobiEngine):
         if execution == "full":
             return 0
         if execution == "compact":
-            return req.batch + 1
+            return req.rows + 1
         if g is None:
-            return (req.batch + 1) // 2
+            return (req.rows + 1) // 2
         if g == "auto":
             from rollout.calibrate import ensure_calibration, load_gamma, model_signature
-            key = (model_signature(model), req.batch, self.options["W"], req.cfg)
+            key = (model_signature(model), req.rows, self.options["W"], req.cfg)
             if key not in self._auto:
                 path = calibration_path(self.options)
                 try:
-                    self._auto[key] = load_gamma(path, model, req.batch, self.options["W"],
+                    self._auto[key] = load_gamma(path, model, req.rows, self.options["W"],
                                                  req.cfg)
                 except ValueError:
                     if not self.options["calibrate_missing"]:
                         raise
-                    entry = ensure_calibration(model, [req.batch], self.options["W"],
-                                               cfg=req.cfg, path=path)[req.batch]
+                    entry = ensure_calibration(model, [req.rows], self.options["W"],
+                                               cfg=req.cfg, path=path)[req.rows]
                     self._auto[key] = int(entry["gamma"])
             return self._auto[key]
         return g

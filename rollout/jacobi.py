@@ -13,8 +13,15 @@ has the fixed shape (B, W); only predictions of tokens < T are used.  W is at mo
 
 After verification (rollout/verify.py) `m` tokens are committed (`a` accepted drafts plus the
 replacement / bonus token; the batch minimum for Batch-Synchronous SJD).  The next drafts are
-this round's predictions after the committed point (argmax, or a fresh sample with q = p), and
-the rest of the window is filled from history: token j gets the token H positions earlier,
+this round's predictions after the committed point, and the rest of the window is filled from
+history.  Greedy: the argmax.  Sampled, refresh="resample": a fresh sample from this round's
+prediction p, q = p.  Sampled, refresh="coupled" (MC-SJD's maximal coupling): a draft x that was
+never verified (index > a) and was drawn from q_old is kept with probability
+min(1, p(x) / q_old(x)), else replaced by a sample of norm(max(0, p - q_old)); the result is
+distributed exactly as p, so q = p as before, but it mostly stays the token the drafts after it
+were predicted from, and the window converges like greedy Jacobi instead of being redrawn.
+Drafts at indices <= a (verified, or the batch-minimum's uncommitted accepts) are resampled.
+History filling: token j gets the token H positions earlier,
 following the chain j - H, j - 2H, ... back to a defined token (committed or predicted); H = 1
 copies the left neighbour.  Where the chain leaves the sequence the last defined token is used.
 """
@@ -26,9 +33,9 @@ import torch
 from torch import Tensor
 
 from rollout.engine import Request
-from rollout.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TOKEN, sample_from, uniform,
-                              warp)
-from rollout.verify import verify_greedy, verify_sample
+from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
+                              sample_from, uniform, warp)
+from rollout.verify import residual, verify_greedy, verify_sample
 
 
 @dataclass
@@ -38,17 +45,21 @@ class Plan:
     W: int               # window (<= N - 1)
     H: int               # history offset
     sync: bool           # commit the batch minimum (Batch-Synchronous SJD)
+    coupled: bool        # sampled drafts refreshed by maximal coupling (else resampled)
     ar: Tensor           # (W,) 0..W-1
     fill: Tensor         # (F,) 0..F-1 with F = max(W - 1, 1): offsets of history-filled drafts
     fill_mod: Tensor     # (F,) fill % H
-    streams: Tensor      # (3, 1, 1) the streams of a round's uniforms: token, accept, draft
+    streams: Tensor      # (4, 1, 1) the streams of a round's uniforms: token, accept, draft,
+    #                      couple
 
 
-def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device) -> Plan:
+def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
+              coupled: bool = True) -> Plan:
     ar = torch.arange(W, device=device)
     fill = torch.arange(max(W - 1, 1), device=device)
-    streams = torch.tensor([STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT], device=device)
-    return Plan(T, W, H, sync, ar, fill, fill % H, streams.view(3, 1, 1))
+    streams = torch.tensor([STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT, STREAM_COUPLE],
+                           device=device)
+    return Plan(T, W, H, sync, coupled, ar, fill, fill % H, streams.view(4, 1, 1))
 
 
 @dataclass
@@ -64,9 +75,9 @@ class JacobiState:
         return JacobiState(*(None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
                              for f in fields(self)))
 
-    def assign(self, idx: Tensor, sub: JacobiState) -> None:
-        """Write a sub-batch back into rows idx (`key` never changes)."""
-        for name in ("seq", "cur", "rounds", "q"):
+    def assign(self, idx: Tensor, sub: JacobiState, new_images: bool = False) -> None:
+        """Write a sub-batch back into rows idx (`key` changes only when rows get new images)."""
+        for name in ("seq", "cur", "rounds", "q") + (("key",) if new_images else ()):
             if getattr(self, name) is not None:
                 getattr(self, name)[idx] = getattr(sub, name)
 
@@ -88,18 +99,19 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
-def init_state(req: Request, first: Tensor, plan: Plan, V: int) -> JacobiState:
-    """State after round 0 (prefill chose token P): cur = P + 1, drafts from history."""
-    B, P, T, W = req.batch, req.prefix_len, req.total, plan.W
+def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int) -> JacobiState:
+    """State of images `images` after their round 0 (prefill chose token P): cur = P + 1,
+    drafts from history."""
+    B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
     seq = torch.zeros(B, T + W, dtype=torch.long, device=first.device)
-    seq[:, :P] = req.prefix
+    seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
     fill_history(seq, cur, cur + W - 1, plan)
     q = None
     if req.sampled:
         q = one_hot(seq[:, P + 1: P + W], V, torch.float32)
-    return JacobiState(seq, cur, torch.ones_like(cur), req.keys, q)
+    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
@@ -116,6 +128,30 @@ def commit_count(accepted: Tensor, live: Tensor, sync: bool) -> Tensor:
     if sync:
         m = torch.where(live, m, torch.iinfo(m.dtype).max).amin().expand_as(m)
     return m * live
+
+
+def refresh_drafts(p: Tensor, drafts: Tensor, q: Tensor, accepted: Tensor, u_draft: Tensor,
+                   u_couple: Tensor, plan: Plan) -> Tensor:
+    """New drafts for every aligned index, each distributed exactly as p[:, i] (so q = p).
+
+    p: (B, W, V) aligned predictions, drafts / q: (B, W - 1) / (B, W - 1, V) this round's
+    drafts and their proposals, accepted: (B,), u_draft / u_couple: (B, W) float64.
+    Resample: sample_from(p, u_draft).  Coupled: index i > accepted with a stale draft x keeps x
+    if u_couple * q(x) < p(x) (probability min(1, p(x) / q(x))), else samples the residual
+    norm(max(0, p - q)) -- maximal coupling of q and p."""
+    if not plan.coupled:
+        return sample_from(p, u_draft)
+    S = drafts.shape[1]
+    stale = plan.ar[:S] > accepted[:, None]                               # (B, S) never verified
+    dist = p.clone()
+    dist[:, :S] = torch.where(stale[..., None], residual(p[:, :S], q), p[:, :S])
+    dist[:, :S] = torch.where(dist[:, :S].sum(-1, keepdim=True) > 0, dist[:, :S], p[:, :S])
+    new = sample_from(dist, u_draft)
+    p_x = p[:, :S].gather(2, drafts[..., None]).squeeze(2).double()
+    q_x = q.gather(2, drafts[..., None]).squeeze(2).double()
+    keep = stale & (u_couple[:, :S] * q_x < p_x)
+    new[:, :S] = torch.where(keep, drafts, new[:, :S])
+    return new
 
 
 def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
@@ -139,10 +175,10 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
         V = guided.shape[-1]
         p = warp(guided, req.temperature, req.top_k, req.top_p)
         p = p.gather(1, idx[..., None].expand(-1, -1, V))                 # (B, W, V) aligned
-        u = uniform(st.key[:, None], pos, st.rounds[:, None], plan.streams)   # (3, B, W)
+        u = uniform(st.key[:, None], pos, st.rounds[:, None], plan.streams)   # (4, B, W)
         accepted, token = verify_sample(p, drafts, st.q, n_drafts, u[1, :, :-1], u[0])
         m = commit_count(accepted, live, plan.sync)
-        fresh = sample_from(p, u[2])                                      # (B, W) new drafts
+        fresh = refresh_drafts(p, drafts, st.q, accepted, u[2], u[3], plan)  # (B, W) ~ p
         committed = torch.where(ar < accepted[:, None], torch.cat([drafts, token[:, None]], 1),
                                 token[:, None])
         content = torch.where(ar < m[:, None], committed, fresh)

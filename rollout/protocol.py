@@ -31,8 +31,9 @@ class RolloutModel(Protocol):
     grid_size: int       # image tokens per grid row
 
     def setup_cache(self, max_batch: int, max_len: int) -> None:
-        """Allocate a KV cache of `max_batch` physical rows and `max_len` positions
-        (max_len <= block_size + 1), on the model's device and dtype."""
+        """Provide a KV cache of at least `max_batch` physical rows and `max_len` positions
+        (max_len <= block_size + 1), on the model's device and dtype; one that is large
+        enough may be kept from an earlier call (stale entries are never read, see above)."""
         ...
 
     def prefill(self, labels: Tensor, prefix: Tensor, rows: Tensor | None) -> Tensor:

@@ -11,7 +11,8 @@ Random numbers are not drawn from a generator in batch order.  Every uniform is 
 (splitmix64 in int64 tensor ops, vectorised), so an image's tokens never depend on which
 other images share its batch, on their order, or on Full / Compact execution.  `attempt` is the
 image's own round counter (0 = the prefill round) and `stream` separates the uses of one
-(image, token, attempt): the committed token, the acceptance test and a fresh draft.
+(image, token, attempt): the committed token, the acceptance test, a new draft and the test
+that keeps a stale draft under coupled refresh.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from torch import Tensor
 
 STREAM_TOKEN = 0    # a token drawn and committed directly (AR step, residual / bonus sample)
 STREAM_ACCEPT = 1   # acceptance test of a draft
-STREAM_DRAFT = 2    # a draft drawn for the next round
+STREAM_DRAFT = 2    # a draft drawn for the next round (fresh, or the residual of a coupling)
+STREAM_COUPLE = 3   # coupled refresh: the test that keeps a stale draft
 
 _U64 = 1 << 64
 

@@ -22,6 +22,9 @@ class RolloutResult:
     modes: list[str]        # (R,) execution of each round: "full" | "compact"
     wall_time: float        # seconds for the whole generate call (device synchronised)
     round_times: list[float] = field(default_factory=list)  # (R,) s per round; Jacobi only
+    prefills: int = 0       # prefill forwards after round 0 (slots: images admitted into rows)
+    first_round: Tensor | None = None  # (B,) int64 round holding each image's prefill token
+    #                                    (None = 0 for all: no slots)
     engine: str = ""
     options: dict = field(default_factory=dict)
 
@@ -50,6 +53,28 @@ class RolloutResult:
         zero = torch.zeros_like(self.committed[:1])
         return self.prefix_len + torch.cat([zero, self.committed]).cumsum(0)
 
+    def commit_histogram(self, width: int) -> list[int]:
+        """Image-rounds by tokens committed: entry k counts image-rounds that committed k + 1
+        tokens (k < width; larger counts land in the last entry).  Its mean is
+        `mean_committed` (the prefill round counts, with its one token)."""
+        c = self.committed[self.committed > 0].clamp(max=width) - 1
+        return torch.bincount(c.cpu(), minlength=width).tolist()
+
+    @property
+    def longest_single_run(self) -> Tensor:
+        """(B,) int64 the longest run of consecutive verifier rounds of each image that
+        committed exactly one token (a stalled image; its prefill round does not count)."""
+        c = self.committed.cpu()
+        first = (torch.zeros(c.shape[1], dtype=torch.long) if self.first_round is None
+                 else self.first_round.cpu())
+        run = torch.zeros(c.shape[1], dtype=torch.long)
+        best = run.clone()
+        for r in range(c.shape[0]):
+            counted = (c[r] > 0) & (r > first)
+            run = torch.where(counted, torch.where(c[r] == 1, run + 1, 0), run)
+            best = torch.maximum(best, run)
+        return best
+
     def summary(self) -> dict:
         """Plain-Python statistics (JSON-serialisable)."""
         return {
@@ -60,5 +85,6 @@ class RolloutResult:
             "mean_committed": self.mean_committed,
             "accepted": int(self.accepted.sum()), "rejected": int(self.rejected.sum()),
             "compact_rounds": sum(m == "compact" for m in self.modes),
+            "prefills": self.prefills,
             "wall_time_s": self.wall_time,
         }

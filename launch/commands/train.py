@@ -10,13 +10,18 @@ and at the end (quality.parquet, samples/student_step_N.png); the closing table 
 with the teacher (quality.md).
 
 Ctrl-C (SIGINT) during the steps: the current step is finished and checkpointed, the command
-names the checkpoint and the `--resume` command and exits with 130 (a second Ctrl-C aborts).
+names the checkpoint and the `--resume` command and exits with 130 (a second Ctrl-C aborts
+without a checkpoint, naming the last complete one; also 130).  The run directory is locked
+while the command runs (opd/rundir.py); a full disk or an unwritable directory is one line and
+exit code 2, earlier checkpoints intact.
 Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see README "Cluster".
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+from pathlib import Path
 
 from launch.commands import add_config_args
 
@@ -33,31 +38,61 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.interrupt import GracefulInterrupt
     from opd.config import load_config
     from opd.preflight import check_inputs
-    from opd.reference import RunInterrupted
-    from opd.rundir import prepare_run_dir
-    from opd.summary import print_summary
+    from opd.rundir import CONFIG_FILE, RunDirError, prepare_run_dir, release_lock
 
     cfg = args.cfg
     if args.resume:
-        cfg = load_config(f"{args.resume}/config.yaml", [f"run.dir={args.resume}"])
+        if not (Path(args.resume) / CONFIG_FILE).is_file():
+            raise RunDirError(f"cannot resume from {args.resume}: it holds no {CONFIG_FILE}; "
+                              f"pass the directory of an earlier opd train run")
+        cfg = load_config(f"{args.resume}/{CONFIG_FILE}", [f"run.dir={args.resume}"])
     check_inputs(cfg)
-    run_dir = prepare_run_dir(cfg, resume=bool(args.resume))
+    run_dir = prepare_run_dir(cfg, resume=bool(args.resume))     # takes run_dir/lock
+    try:
+        return train(cfg, run_dir, resume=bool(args.resume))
+    finally:
+        release_lock(run_dir)
+
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+"""OSErrors of a disk or directory the user can fix: one line, exit 2, not a stack trace."""
+
+
+def train(cfg, run_dir: Path, *, resume: bool) -> int:
+    """The run in `run_dir` (locked), its plots and tables; 130 after Ctrl-C."""
+    from actors.interrupt import GracefulInterrupt
+    from opd.checkpoints import latest_checkpoint
+    from opd.reference import RunInterrupted
+    from opd.rundir import RunDirError
+    from opd.summary import print_summary
+
     print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})", flush=True)
     try:
         with GracefulInterrupt() as stop:
             if cfg.run.mode == "reference":
                 from opd.reference import run_reference
-                rows = run_reference(cfg, run_dir, resume=bool(args.resume), stop=stop.check)
+                rows = run_reference(cfg, run_dir, resume=resume, stop=stop.check)
             else:
                 from actors.pipeline import run_distributed
-                rows = run_distributed(cfg, run_dir, resume=bool(args.resume), interrupt=stop)
+                rows = run_distributed(cfg, run_dir, resume=resume, interrupt=stop)
     except RunInterrupted as e:
         print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "
               f"continue with: opd train --resume {e.run_dir}", file=sys.stderr, flush=True)
         return 130
+    except KeyboardInterrupt:               # a second Ctrl-C, or one during start-up
+        last = latest_checkpoint(run_dir, report=None)
+        print(f"opd train: aborted without a checkpoint of this step; "
+              f"{f'the last complete one is {last}' if last else 'no checkpoint was written'}; "
+              f"continue with: opd train --resume {run_dir}", file=sys.stderr, flush=True)
+        return 130
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise RunDirError(f"{e.filename or run_dir}: {e.strerror}; free space or fix the "
+                          f"permissions there, then continue with: opd train --resume "
+                          f"{run_dir}") from None
     from opd.artifacts import plot_training
     from opd.eval.tracking import read_quality
     from opd.summary import write_quality_summary

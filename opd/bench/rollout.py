@@ -12,14 +12,18 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
     prefix_ratio: 0.25           batch_sizes: [1, 4, 16]     windows: [2, 4, 8, 16]
     engines: [sjd_sync, sjd_independent, hbsjd-full, hbsjd-compact, hbsjd-hybrid]
     decodings: [greedy]          gamma: measure | <int>     repeats: 3    warmup: 1
+    refreshes: [coupled]         # sampled drafts: coupled and/or resample (rollout/jacobi.py)
+    slots: null                  # physical rows per call (continuous batching); every engine,
+                                 # Cached AR included, runs the batch's images through them
 
 Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up round, then
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
-rounds, tokens per image-round, latency mean and P95, speedup over Cached AR with the same
-decoding and batch, and (greedy) whether the tokens equal Cached AR's.  Full vs Compact verifier
-latency per (batch, W) is the calibration file's entry ($OPD_CACHE/calibration.json, what
-`opd calibrate` writes and training reads), measured and saved when it has none (delete the
-file to measure again); `gamma: measure` uses its gamma.
+rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
+images admitted into freed rows, tokens per image-round, latency mean and P95, speedup over
+Cached AR with the same decoding and batch, and (greedy) whether the tokens equal Cached AR's.
+Full vs Compact verifier latency per (physical rows, W) is the calibration file's entry
+($OPD_CACHE/calibration.json, what `opd calibrate` writes and training reads), measured and
+saved when it has none (delete the file to measure again); `gamma: measure` uses its gamma.
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ class RolloutBench:
     warmup: int = 1
     calibration_repeats: int = 3
     seed: int = 0
+    refreshes: list = field(default_factory=lambda: ["coupled"])
+    slots: int | None = None
 
 
 def _fail(key: str, value, need: str) -> ConfigError:
@@ -89,6 +95,11 @@ def check_bench(b: RolloutBench) -> RolloutBench:
         bad = [x for x in v if x not in allowed] if isinstance(v, list) else [v]
         if bad or not v:
             raise _fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
+    v = b.refreshes
+    if not (isinstance(v, list) and v and all(x in ("coupled", "resample") for x in v)):
+        raise _fail("refreshes", v, "must be a non-empty list of coupled, resample")
+    if b.slots is not None and not (isinstance(b.slots, int) and b.slots >= 1):
+        raise _fail("slots", b.slots, "must be null or an int >= 1 (physical rows)")
     if b.dtype not in DTYPES:
         raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
     if b.device != "cpu" and not b.device.startswith("cuda"):
@@ -142,11 +153,12 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
     for d in b.decodings:
         for W in b.windows:
             for label in b.engines:
-                name, opts = VARIANTS[label]
-                opts = dict(opts, W=W, H=b.H, decoding=d)
-                if label == "hbsjd-hybrid":
-                    opts["gamma"] = gammas[B, W]
-                out.append((label, d, W, dict(name=name, **opts)))
+                for refresh in (b.refreshes if d == "sample" else ["coupled"]):
+                    name, opts = VARIANTS[label]
+                    opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
+                    if label == "hbsjd-hybrid":
+                        opts["gamma"] = gammas[B, W]
+                    out.append((label, d, W, dict(name=name, **opts)))
     return out
 
 
@@ -159,9 +171,10 @@ def run_bench(b: RolloutBench, log=print) -> dict:
     rows, curves, progress = [], [], {}
     for B in b.batch_sizes:
         gammas = {}
+        R = B if b.slots is None else min(b.slots, B)             # physical rows
         for W in b.windows:
-            e = ensure_calibration(model, [B], W, cfg=cfg_on, preset=b.model,
-                                   repeats=b.calibration_repeats)[B]
+            e = ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
+                                   repeats=b.calibration_repeats)[R]
             c = {k: e[k] for k in ("active", "full_s", "compact_s")}
             gammas[B, W] = int(e["gamma"]) if b.gamma == "measure" else b.gamma
             curves.append({"batch": B, "W": W, "gamma": gammas[B, W], **c})
@@ -173,20 +186,23 @@ def run_bench(b: RolloutBench, log=print) -> dict:
         def once(i):
             res = engines[i].generate(model, labels, prefix, N, cfg_scale=b.cfg_scale,
                                       temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
-                                      seed=b.seed)
+                                      seed=b.seed, slots=b.slots)
             return res.wall_time, res
         samples = common.interleave([lambda i=i: once(i) for i in range(len(configs))],
                                     b.repeats, b.warmup)
         times = [[t for t, _ in s] for s in samples]
         last = [s[-1][1] for s in samples]
-        base = {d: (np.mean(times[i]), last[i].tokens) for i, (lab, d, _, _) in
+        base = {d: (np.mean(times[i]), last[i].tokens, last[i].rounds) for i, (lab, d, _, _) in
                 enumerate(configs) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = last[i], np.asarray(times[i])
             rows.append({
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
-                "gamma": kw.get("gamma"), "rounds": res.rounds,
+                "gamma": kw.get("gamma"), "refresh": kw.get("refresh") if d == "sample" else None,
+                "slots": b.slots, "rounds": res.rounds,
+                "round_ratio": res.rounds / base[d][2], "prefills": res.prefills,
+                "longest_single_run": int(res.longest_single_run.max()),
                 "mean_committed": round(res.mean_committed, 3),
                 "latency_ms": float(t.mean() * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
@@ -219,8 +235,10 @@ def best_progress(rows: list[dict], progress: dict) -> dict | None:
 # ---- reporting -------------------------------------------------------------------------------
 
 COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "verify", "{}"),
-           ("execution", "exec", "{}"), ("W", "W", "{}"), ("gamma", "γ", "{}"),
-           ("rounds", "rounds", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
+           ("execution", "exec", "{}"), ("refresh", "refresh", "{}"), ("W", "W", "{}"),
+           ("gamma", "γ", "{}"), ("slots", "slots", "{}"), ("rounds", "rounds", "{}"),
+           ("round_ratio", "rnd/AR", "{:.3f}"), ("prefills", "prefills", "{}"),
+           ("longest_single_run", "stall", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
            ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
            ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}")]
 
@@ -244,7 +262,8 @@ def format_table(rows: list[dict]) -> str:
                     and r["engine"] != "cached_ar"]
             if cand:
                 r = max(cand, key=lambda r: r["speedup"])
-                lines.append(f"best at batch {B} ({d}): {r['engine']} W={r['W']} "
+                refresh = f" {r['refresh']}" if r.get("refresh") else ""
+                lines.append(f"best at batch {B} ({d}): {r['engine']}{refresh} W={r['W']} "
                              f"{r['speedup']:.2f}x over Cached AR")
     return "\n".join(lines)
 

@@ -53,7 +53,8 @@ def sampling_config(cfg: RunConfig, *, engine: str | None = None,
     """A copy of `cfg` whose rollout section samples as evaluation does: the engine and decoding
     given (else `eval_engine_name`, `eval_decoding`).  `rollout.gamma='auto'` without the
     calibration file (`opd.cache.calibration_file()`) becomes the engine's uncalibrated
-    default: execution (and so gamma) never changes the tokens (invariant 3), only the speed."""
+    default: execution (and so gamma) never changes the tokens (invariant 3,
+    docs/ARCHITECTURE.md), only the speed."""
     r = cfg.rollout
     gamma = r.gamma
     if gamma == "auto" and not calibration_file().is_file():

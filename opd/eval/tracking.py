@@ -19,7 +19,7 @@ A row (one evaluation, a `quality.parquet` row):
     kl_samples  KL(teacher ‖ student) on student-generated suffixes of held-out prefixes
     seconds     wall time of this evaluation (the teacher's: ~0 when read from the cache)
 
-Evaluation is read-only (DESIGN invariant 9): it samples and measures a copy of the student
+Evaluation is read-only (invariant 9, docs/ARCHITECTURE.md): it samples and measures a copy of the student
 with keyed random numbers, and restores the caller's torch / numpy / random generator states,
 thread count and determinism setting, so a run's losses are the same with tracking on or off.
 """

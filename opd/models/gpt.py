@@ -55,14 +55,22 @@ def rope_2d_table(grid_size: int, head_dim: int, base: float) -> Tensor:
     return torch.cat([torch.zeros(1, half, 2, dtype=torch.float64), table])
 
 
+def rope_operands(table: Tensor, dtype: torch.dtype) -> Tensor:
+    """(L, head_dim // 2, 2) (cos, sin) -> (L, 2, head_dim) of `dtype`: cos repeated over each
+    pair, and sin signed (-sin, sin), so that `apply_rope` needs no strided access."""
+    cos = table[..., 0].repeat_interleave(2, -1)
+    sin = torch.stack([-table[..., 1], table[..., 1]], -1).flatten(-2)
+    return torch.stack([cos, sin], 1).to(dtype)
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """x: (B, S, H, hd); rope: (B, S, hd/2, 2) cos/sin for each row's own positions."""
+    """x: (B, S, H, hd); rope: (B, S, 2, hd) from `rope_operands` in x's compute dtype.
+    Rotates each pair (x0, x1) to (x0 cos - x1 sin, x1 cos + x0 sin) -- LlamaGen's formula,
+    bit for bit (x1 * -sin is exactly -(x1 * sin), and the additions happen in its order)."""
     dt = torch.promote_types(x.dtype, torch.float32)
-    xs = x.to(dt).reshape(*x.shape[:-1], -1, 2)
-    r = rope.to(dt).unsqueeze(2)                                        # (B, S, 1, hd/2, 2)
-    out = torch.stack([xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
-                       xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], -1)
-    return out.flatten(3).type_as(x)
+    xs = x.to(dt)
+    swapped = xs.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)             # (x1, x0) per pair
+    return (xs * rope[:, :, None, 0] + swapped * rope[:, :, None, 1]).type_as(x)
 
 
 class Attention(nn.Module):
@@ -165,15 +173,17 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
         nn.init.zeros_(self.output.weight)
 
-    def _rope_table(self, device: torch.device) -> Tensor:
-        key = (device.type, device.index)
+    def _rope_table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """`rope_operands` of the table on `device` in the compute dtype (cached)."""
+        dt = torch.promote_types(dtype, torch.float32)
+        key = (device.type, device.index, dt)
         if key not in self._rope:
-            self._rope[key] = self._rope64.to(device)
+            self._rope[key] = rope_operands(self._rope64, dt).to(device)
         return self._rope[key]
 
     def _run(self, h: Tensor, positions: Tensor | None, rows: Tensor | None,
              use_cache: bool) -> Tensor:
-        table = self._rope_table(h.device)
+        table = self._rope_table(h.device, h.dtype)
         if positions is None:
             rope = table[: h.shape[1]].unsqueeze(0).expand(h.shape[0], -1, -1, -1)
         else:
@@ -195,9 +205,17 @@ class GPT(nn.Module):
 
     # ---- rollout protocol -------------------------------------------------------------
     def setup_cache(self, max_batch: int, max_len: int) -> None:
+        """KV caches for `max_batch` rows of `max_len` positions.  Caches that already hold at
+        least that many rows and positions in the parameters' dtype and device are kept: a
+        cached forward writes every position before any query attends to it, so what an
+        earlier call left behind is never read, and rollouts allocate once per worker."""
         if max_len > self.block_size + 1:
             raise ValueError(f"max_len {max_len} exceeds block_size + 1 = {self.block_size + 1}")
         p = next(self.parameters())
+        kc = self.layers[0].attention.k_cache
+        if (kc is not None and kc.dtype == p.dtype and kc.device == p.device
+                and kc.shape[0] >= max_batch and kc.shape[2] >= max_len):
+            return
         shape = (max_batch, self.args.kv_heads, max_len, self.args.head_dim)
         for layer in self.layers:
             layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)

@@ -19,7 +19,7 @@ def test_strict_mode_never_hands_out_an_old_version():
     expired = q.take_expired()
     assert [(i.step, i.version) for i in expired] == [(3, 2)]
     assert q.get(learner_version=3) is None
-    assert q.lags == [0] * 4 and q.counts["handed_out"] == 1
+    assert q.lags == {0: 4} and q.counts["handed_out"] == 1
 
 
 def test_strict_mode_hands_out_the_current_version_by_step():
@@ -40,10 +40,9 @@ def test_bounded_staleness_records_lags_up_to_k(k):
     while (got := q.get(learner_version=4)) is not None:
         handed.append(got.version)
     assert sorted(handed) == list(range(4 - k, 5))
-    assert sorted(set(q.lags)) == list(range(0, k + 1)) and max(q.lags) <= k
-    assert len(q.lags) == 2 * (k + 1)                             # one lag per sample
+    assert q.lags == {lag: 2 for lag in range(k + 1)}            # 2 samples per version
     assert sorted(i.version for i in q.take_expired()) == list(range(0, 4 - k))
-    assert q.stats()["max_lag"] == k
+    assert (q.stats()["max_lag"], q.stats()["samples"]) == (k, 2 * (k + 1))
 
 
 def test_a_future_version_is_not_handed_out():
@@ -74,3 +73,9 @@ def test_queue_actor_put_waits_for_room(ray_session):
     assert ray.get(waiting) is True        # True: put once there was room (a timeout refuses)
     assert got.batch_id == 0 and ray.get(got.refs[0]) == {"payload": 1}    # refs pass through
     ray.kill(q)
+
+
+def test_lag_histograms_of_old_and_new_consumed_records():
+    from actors.records import lag_histogram
+    assert lag_histogram({"lags": {"0": 3, "2": 1}}) == {0: 3, 2: 1}
+    assert lag_histogram({"lags": [0, 2, 0, 0]}) == {0: 3, 2: 1}       # one lag per sample (old)

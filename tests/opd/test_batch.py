@@ -20,7 +20,7 @@ def make(transport: str | None = "full", source: str = "student") -> TrajectoryB
     batch = TrajectoryBatch(
         batch_id=42, labels=torch.tensor([5, 0, 999]), prefix_len=P,
         tokens=torch.randint(0, V, (B, L), generator=g), policy_version=3, source=source,
-        rollout_stats={"rounds": 17, "mean_committed": 2.951, "seconds": 0.1 + 0.2,
+        rollout_stats={"rounds": 17, "commit_hist": [3, 0, 5], "mean_committed": 2.951, "seconds": 0.1 + 0.2,
                        "engine": "hb_sjd", "compact": True},
     )
     logp = torch.log_softmax(torch.randn(B, L, V, generator=g), -1)
@@ -59,7 +59,7 @@ def test_masks_and_counts():
 def test_numpy_dict_round_trip_exact(transport):
     batch = make(transport)
     d = batch.to_numpy_dict()
-    assert all(isinstance(v, (np.ndarray, int, float, str, bool)) for v in d.values())
+    assert all(isinstance(v, (np.ndarray, int, float, str, bool, list)) for v in d.values())
     assert d["rollout_stats/engine"] == "hb_sjd" and d["batch_id"] == 42
     assert_same(TrajectoryBatch.from_numpy_dict(d), batch)
     # through pickle protocol 5 (what Ray's object store uses), with numpy scalars as Ray may return
@@ -139,6 +139,6 @@ def test_validation_names_the_field():
         TrajectoryBatch(**kw, teacher_logprobs=torch.zeros(B, L, V), teacher_topk_values=torch.zeros(B, L, K),
                         teacher_topk_indices=torch.zeros(B, L, K, dtype=torch.int64))
     with pytest.raises(ValueError, match="rollout_stats"):
-        TrajectoryBatch(**kw, rollout_stats={"bad": [1, 2]})
+        TrajectoryBatch(**kw, rollout_stats={"bad": [1, 2.5]})
     with pytest.raises(ValueError, match="bfloat16"):
         TrajectoryBatch(**kw, teacher_logprobs=torch.zeros(B, L, V, dtype=torch.bfloat16)).to_numpy_dict()

@@ -19,6 +19,7 @@ from rollout.calibrate import read_calibration
     (["teacher.num_workers=2"], [2]),                        # at least one part per teacher
     (["rollout.sub_batches=3"], [1, 2]),                     # 4 rows in 3 parts: 2, 1, 1
     (["data.batch_size=5", "rollout.num_workers=2"], [2, 3, 5]),
+    (["rollout.num_workers=2", "rollout.slots=3"], [2, 3]),   # 4 images through 3 rows
 ])
 def test_rollout_batch_sizes_cover_every_split_of_the_step(tiny_overrides, extra, sizes):
     assert rollout_batch_sizes(load_config("tiny", [*tiny_overrides, *extra])) == sizes

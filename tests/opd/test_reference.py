@@ -36,6 +36,20 @@ def test_hbsjd_greedy_gives_the_cached_ar_loss_curve(cached_ar_run, tiny_overrid
     assert read_metrics(tmp_path) == rows
 
 
+def test_slots_leave_the_losses_alone_and_rows_count_every_token(cached_ar_run, tiny_overrides,
+                                                                  tmp_path):
+    """Continuous batching (rollout.slots) changes which row an image runs in, never its
+    tokens; metrics.parquet's commit histogram accounts for every generated token."""
+    rows = run_reference(cfg_for(tiny_overrides, "rollout.engine=hbsjd", "rollout.slots=3"),
+                         tmp_path, progress=False)
+    assert losses(rows) == losses(cached_ar_run)
+    for r in rows:
+        hist = r["commit_hist"]
+        assert sum((k + 1) * n for k, n in enumerate(hist)) == r["generated_tokens"]
+        assert r["image_rounds_max"] >= r["image_rounds_mean"] >= 1
+        assert r["longest_single_run"] <= r["image_rounds_max"]
+
+
 def test_loss_changes_the_student(cached_ar_run):
     assert len(set(losses(cached_ar_run))) == 4 and all(x > 0 for x in losses(cached_ar_run))
 

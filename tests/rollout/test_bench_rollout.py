@@ -43,6 +43,8 @@ def test_shipped_presets_load(name):
     (dict(gamma="auto"), "gamma"),
     (dict(repeats=0), "repeats"),
     (dict(device="tpu"), "device"),
+    (dict(refreshes=["maximal"]), "refreshes"),
+    (dict(slots=0), "slots"),
 ])
 def test_bad_presets_name_the_key(tiny_preset, override, word):
     with pytest.raises(ConfigError, match=word):
@@ -104,3 +106,23 @@ def test_cli_bench_and_calibrate(tiny_preset, tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "rollout", "--config", str(tiny_preset), "nonsense=1"]) == 2
     assert "unknown bench preset key 'nonsense'" in capsys.readouterr().err
+
+
+def test_slots_and_refresh_rules_side_by_side(tiny_preset, tmp_path):
+    """A 7-image job through 3 rows: Cached AR takes 3 batches of 12 rounds; the Jacobi rows
+    report their rounds against those; sampled rows come once per refresh rule."""
+    b = load_bench(tiny_preset, dict(batch_sizes=[7], windows=[4], slots=3,
+                                     engines=["hbsjd-hybrid"], refreshes=["coupled", "resample"]))
+    rows = run_bench(b, log=lambda *_: None)["rows"]
+    assert [(r["engine"], r["verification"], r["refresh"]) for r in rows] == [
+        ("cached_ar", "greedy", None), ("cached_ar", "sample", None),
+        ("hbsjd-hybrid", "greedy", None), ("hbsjd-hybrid", "sample", "coupled"),
+        ("hbsjd-hybrid", "sample", "resample")]
+    for r in rows:
+        assert r["slots"] == 3
+        if r["engine"] == "cached_ar":
+            assert r["rounds"] == 3 * 12 and r["round_ratio"] == 1.0 and r["prefills"] == 2
+        else:
+            assert r["round_ratio"] == r["rounds"] / 36 and r["prefills"] <= 4
+    assert rows[2]["equal_ar"] is True
+    assert "resample" in format_table(rows)

@@ -4,7 +4,12 @@ Vocabulary 3, grid 2 (4 image tokens): the exact joint distribution of the gener
 enumerated with teacher-forced forwards (guided, warped), and the empirical distribution of
 thousands of rollouts (one batch of images with distinct ids) is compared by a chi-square test.
 The same test rejects a subtly wrong rule: resampling from p instead of norm(max(0, p - q))
-after a rejection.
+after a rejection, ignoring q in the acceptance test, or a coupled refresh whose drafts are not
+distributed as the q it records.
+
+Every Jacobi engine refreshes sampled drafts by maximal coupling by default (refresh="coupled");
+the cases cover both refresh rules.  A second, longer model (vocabulary 2, grid 3: 9 tokens,
+512 sequences) gives coupling room to act: stale drafts several tokens past a rejection.
 """
 import itertools
 
@@ -68,8 +73,11 @@ def chi2_pvalue(counts, probs) -> float:
 CASES = [  # engine, options, P, cfg, warps
     ("cached_ar", {}, 0, None, {}),
     ("sjd_independent", dict(W=4), 0, None, {}),
+    ("sjd_independent", dict(W=4, refresh="resample"), 0, None, {}),
     ("hbsjd", dict(W=4, execution="compact"), 0, 2.0, {}),
     ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2), 1, None, {}),
+    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2, refresh="resample"), 1, None,
+     {}),
     ("hbsjd", dict(W=4, H=1), 0, 1.5, dict(temperature=0.7, top_k=2)),
     ("hbsjd", dict(W=4), 0, None, dict(temperature=1.3, top_p=0.8)),
 ]
@@ -130,3 +138,110 @@ def test_a_wrong_acceptance_rule_is_detected(model, monkeypatch):
     counts, _ = sample_counts(model, make_engine("hbsjd", W=4, decoding="sample"), 1, prefix,
                               N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
+
+
+# ---- coupled refresh on longer sequences --------------------------------------------------
+
+V2, GRID2 = 2, 3
+
+
+@pytest.fixture(scope="module")
+def long_model():
+    torch.manual_seed(3)
+    from opd.models import create_model
+    m = create_model("GPT-tiny", vocab_size=V2, grid_size=GRID2).double().eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return m
+
+
+def long_counts(model, engine, prefix, cfg, seed, **warps):
+    P, N = prefix.shape[1], GRID2 * GRID2 - prefix.shape[1]
+    labels = torch.full((SAMPLES,), 1)
+    res = engine.generate(model, labels, prefix.expand(SAMPLES, -1), N, cfg_scale=cfg,
+                          seed=seed, **warps)
+    code = (res.tokens[:, P:] * V2 ** torch.arange(N - 1, -1, -1)).sum(1)
+    return torch.bincount(code, minlength=V2 ** N).double(), res
+
+
+def long_exact(model, prefix, cfg, **warps):
+    P, N = prefix.shape[1], GRID2 * GRID2 - prefix.shape[1]
+    seqs = torch.tensor(list(itertools.product(range(V2), repeat=N)))
+    M = seqs.shape[0]
+    tokens = torch.cat([prefix.expand(M, -1), seqs], 1)
+    with torch.no_grad():
+        logits = model(torch.full((M,), 1), tokens[:, :-1])
+        if cfg is not None and cfg != 1.0:
+            logits = torch.cat([logits, model(torch.full((M,), model.num_classes),
+                                              tokens[:, :-1])])
+    probs = warp(guide(logits, cfg)[:, P:], warps.get("temperature", 1.0), warps.get("top_k"),
+                 warps.get("top_p")).double()
+    return probs.gather(2, seqs[..., None]).squeeze(2).prod(1)
+
+
+LONG_CASES = [  # engine, options, P, cfg, warps
+    ("sjd_independent", dict(W=6), 0, None, {}),
+    ("sjd_sync", dict(W=4), 0, None, {}),
+    ("hbsjd", dict(W=6, execution="full", H=1), 2, None, {}),
+    ("hbsjd", dict(W=8, execution="compact"), 0, 2.0, dict(temperature=0.8)),
+    ("hbsjd", dict(W=5, execution="hybrid", gamma=SAMPLES // 3), 3, 1.5, dict(top_p=0.9)),
+    ("hbsjd", dict(W=8, execution="hybrid", gamma=SAMPLES // 2), 1, None,
+     dict(temperature=1.2, top_k=2)),
+]
+
+
+@pytest.mark.parametrize("name,opts,P,cfg,warps", LONG_CASES)
+def test_coupled_refresh_follows_the_exact_distribution(long_model, name, opts, P, cfg, warps):
+    prefix = torch.tensor([[1, 0, 1]])[:, :P]
+    engine = make_engine(name, decoding="sample", refresh="coupled", **opts)
+    if name == "sjd_sync":     # the batch minimum: small batches, half the samples (slow loop)
+        counts = torch.zeros(V2 ** (GRID2 * GRID2 - P), dtype=torch.float64)
+        for s in range(SAMPLES // 16):
+            res = engine.generate(long_model, torch.full((8,), 1), prefix.expand(8, -1),
+                                  GRID2 * GRID2 - P, cfg_scale=cfg, seed=s, **warps)
+            code = (res.tokens[:, P:] * V2 ** torch.arange(8 - P, -1, -1)).sum(1)
+            counts += torch.bincount(code, minlength=counts.numel()).double()
+    else:
+        counts, res = long_counts(long_model, engine, prefix, cfg, seed=5, **warps)
+    probs = long_exact(long_model, prefix, cfg, **warps)
+    assert chi2_pvalue(counts, probs) > 1e-3      # (512 cells: total variation is mostly noise)
+
+
+def test_refresh_keeps_a_stale_draft_with_probability_min_1_p_over_q():
+    """The coupling rule, exactly: draft x (index > accepted) is kept iff u * q(x) < p(x); a
+    replaced draft comes from norm(max(0, p - q)); verified indices (<= accepted) and the last
+    index (no stale draft) are drawn from p."""
+    from rollout.jacobi import make_plan, refresh_drafts
+    plan = make_plan(8, 4, 1, False, torch.device("cpu"), coupled=True)
+    p = torch.tensor([[0.3, 0.7]]).repeat(4, 1)[None].double()          # (1, W=4, V=2)
+    q = torch.tensor([[0.6, 0.4]]).repeat(3, 1)[None].double()          # (1, 3, 2)
+    drafts = torch.tensor([[0, 0, 0]])
+    accepted = torch.tensor([0])                   # index 0 was verified; 1 and 2 are stale
+    u_draft = torch.tensor([[0.1, 0.1, 0.1, 0.1]], dtype=torch.float64)  # p-sample: token 0
+    # keep iff u < p(0) / q(0) = 0.5
+    new = refresh_drafts(p, drafts, q, accepted, u_draft,
+                         torch.tensor([[0.0, 0.49, 0.51, 0.0]], dtype=torch.float64), plan)
+    assert new.tolist() == [[0, 0, 1, 0]]      # index 2 redrawn from the residual [0, 0.3]
+    # p == q keeps every stale draft, whatever u is
+    new = refresh_drafts(q[:, :1].expand(1, 4, 2), torch.tensor([[1, 1, 1]]), q, accepted,
+                         u_draft, torch.full((1, 4), 0.999, dtype=torch.float64), plan)
+    assert new.tolist() == [[0, 1, 1, 0]]
+    resample = make_plan(8, 4, 1, False, torch.device("cpu"), coupled=False)
+    new = refresh_drafts(p, drafts, q, accepted, torch.tensor([[0.1, 0.5, 0.2, 0.9]]).double(),
+                         torch.zeros(1, 4, dtype=torch.float64), resample)
+    assert new.tolist() == [[0, 1, 0, 1]]      # inverse CDF of p = [0.3, 0.7]
+
+
+def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
+    """Keeping every stale draft (no min(1, p/q) test) leaves drafts distributed as their old
+    proposal while the verifier is told q = p: the statistics reject it."""
+    import rollout.jacobi
+    real = rollout.jacobi.refresh_drafts
+
+    def keep_all(p, drafts, q, accepted, u_draft, u_couple, plan):
+        return real(p, drafts, q, accepted, u_draft, torch.zeros_like(u_couple) - 1.0, plan)
+    monkeypatch.setattr(rollout.jacobi, "refresh_drafts", keep_all)
+    prefix = torch.zeros(1, 0, dtype=torch.long)
+    engine = make_engine("hbsjd", W=8, decoding="sample", refresh="coupled", execution="full")
+    counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
+    assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8

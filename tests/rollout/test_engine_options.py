@@ -10,7 +10,8 @@ def test_registry_and_protocol(tiny):
     assert isinstance(tiny(0), RolloutModel)
     e = make_engine("hbsjd", W=8, H=2, decoding="sample", execution="compact")
     assert e.options["W"] == 8 and e.options["execution"] == "compact" and "hbsjd" in repr(e)
-    assert make_engine("sjd_sync").options == dict(W=16, H=None, decoding="greedy")
+    assert make_engine("sjd_sync").options == dict(W=16, H=None, decoding="greedy",
+                                                   refresh="coupled")
 
 
 @pytest.mark.parametrize("name,options,word", [
@@ -21,6 +22,8 @@ def test_registry_and_protocol(tiny):
     ("hbsjd", dict(decoding="beam"), "option decoding"),
     ("cached_ar", dict(decoding="topk"), "option decoding"),
     ("hbsjd", dict(execution="half"), "option execution"),
+    ("sjd_independent", dict(refresh="mc"), "option refresh must be one of"),
+    ("cached_ar", dict(refresh="coupled"), "no option 'refresh'"),
     ("hbsjd", dict(gamma=-1), "option gamma"),
     ("hbsjd", dict(gamma="fast"), "option gamma"),
     ("cached_ar", dict(W=4), "no option 'W'"),

@@ -38,12 +38,12 @@ def test_fill_history_follows_the_offset_chain():
 def test_init_state_drafts_come_from_history():
     req = request(2, 9)
     plan = make_plan(16, 5, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.tensor([3, 4]), plan, 7)
+    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7)
     assert st.cur.tolist() == [10, 10] and st.rounds.tolist() == [1, 1]
     assert st.seq[:, 9].tolist() == [3, 4]
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
-    sampled = init_state(request(2, 9, True), torch.tensor([3, 4]), plan, 7)
+    sampled = init_state(request(2, 9, True), torch.arange(2), torch.tensor([3, 4]), plan, 7)
     assert sampled.q.shape == (2, 4, 7)
     assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:14])
     assert (sampled.q.sum(-1) == 1).all()
@@ -74,7 +74,7 @@ def logits_for(pred, V=7):
 def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     req = request(2, 4)
     plan = make_plan(16, 4, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.tensor([6, 6]), plan, 7)
+    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7)
     st.seq[0, 5:8] = torch.tensor([1, 2, 3])                      # drafts for tokens 5..7
     st.seq[1, 5:8] = torch.tensor([1, 0, 3])
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
@@ -95,7 +95,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
 def test_sampled_round_records_proposals():
     req = request(1, 4, sampled=True)
     plan = make_plan(16, 4, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.tensor([6]), plan, 7)
+    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
     m, took, _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req, plan)
     k = int(m)
