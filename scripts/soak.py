@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-roles", default="rollout,teacher",
                    help="worker roles killed at random (the learner is killed once anyway)")
     p.add_argument("--stale-kill-roles", help="the same for runs with staleness > 0 (default: "
-                   "--kill-roles); `teacher` leaves out rollout kills: a rollout worker that "
-                   "dies holding a job of an older policy version livelocks the driver today")
+                   "--kill-roles)")
     p.add_argument("--rollout-workers", type=int, default=2)
     p.add_argument("--teacher-workers", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=25)
