@@ -51,11 +51,11 @@ class RolloutWorker:
         self.model = create_model(self.cfg.model.student, **model_overrides(self.cfg))
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
-        # gamma=auto: every sub-batch size of the run, measured once by the first worker
-        prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
         self.version: int | None = None
         self.metrics = RoleMetrics("rollout", index)
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
+        # gamma=auto: every sub-batch size of the run, measured once by the first worker
+        prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
 
     def info(self) -> dict:
         return {**worker_info("rollout", self.index, self.device), "version": self.version,
