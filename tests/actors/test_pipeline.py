@@ -149,8 +149,9 @@ def test_metrics_reach_ray_and_the_run_directory(two_by_two):
         assert sum((k + 1) * n for k, n in enumerate(r["commit_hist"])) == r["generated_tokens"]
 
 
-@pytest.mark.parametrize("workers,decoding", [((1, 1), "greedy"), ((1, 2), "greedy"),
-                                              ((2, 1), "sample")])
+@pytest.mark.parametrize("workers,decoding", [
+    pytest.param((1, 1), "greedy", marks=pytest.mark.slow),   # the kill tests run 1 x 1 too
+    ((1, 2), "greedy"), ((2, 1), "sample")])
 def test_other_worker_counts_equal_the_reference(workers, decoding, ray_session, tiny_overrides,
                                                  references, tmp_path):
     """Sampled: the Ray rollout workers also run their images through one slot each

@@ -37,7 +37,6 @@ def test_export_is_a_command():
     assert "export" in COMMANDS
 
 
-@pytest.mark.slow
 def test_ray_run_is_evaluated_and_exported(ray_run, tmp_path, capsys):
     steps = ckpt.checkpoint_dirs(ray_run)
     assert [p.name for p in steps] == ["step_000002", "step_000003"]
@@ -82,7 +81,6 @@ def test_ray_run_is_evaluated_and_exported(ray_run, tmp_path, capsys):
                        before["tok_embeddings.weight"])
 
 
-@pytest.mark.slow
 def test_an_unfinished_checkpoint_is_never_read(ray_run, tmp_path, capsys):
     """A step_N.tmp (a writer that died) is skipped by eval and export; named, it is refused."""
     tmp = ckpt.begin(ray_run, 4)

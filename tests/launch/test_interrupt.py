@@ -113,6 +113,7 @@ def test_ctrl_c_in_reference_mode_checkpoints_and_resumes_exactly(digits_dir, op
     assert [r["loss"] for r in rows] == [r["loss"] for r in whole]
 
 
+@pytest.mark.slow   # the default run covers Ray's SIGINT via `ray job stop` (test_job_submit)
 def test_ctrl_c_in_ray_mode_checkpoints_and_resumes(digits_dir, opd_cache, tmp_path):
     steps = 25
     args = overrides(digits_dir, steps)
