@@ -133,6 +133,8 @@ class RolloutConfig:
     """Sampled drafts after the commit point: kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
+    compile: bool = False
+    """torch.compile the Full-execution verifier forward (CUDA graphs on a GPU); on a CPU it did not pay (README, Rollouts)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)

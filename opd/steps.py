@@ -69,7 +69,7 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine (options that the engine does not take are left out)."""
     r = cfg.rollout
     name = engine or r.engine
-    options = {"decoding": r.decoding}
+    options = {"decoding": r.decoding, "compile": r.compile}
     if name != "cached_ar":
         options.update(W=r.window, H=r.history_offset, refresh=r.refresh)
     if name == "hbsjd":

@@ -30,6 +30,7 @@ ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name: cached_ar, sjd_sync, sjd_independent, hbsjd."""
 
 DECODINGS = ("greedy", "sample")
+COMPILE_BACKENDS = (False, True, "inductor", "aot_eager", "eager")
 REFRESHES = ("coupled", "resample")
 EXECUTIONS = ("full", "compact", "hybrid")
 
@@ -69,6 +70,10 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
     if "decoding" in o and o["decoding"] not in DECODINGS:
         raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
+    if "compile" in o and not any(o["compile"] is c or o["compile"] == c and isinstance(c, str)
+                                  for c in COMPILE_BACKENDS):
+        raise ValueError(f"option compile must be one of {COMPILE_BACKENDS} (True = inductor), "
+                         f"got {o['compile']!r}")
     if "refresh" in o and o["refresh"] not in REFRESHES:
         raise ValueError(f"option refresh must be one of {REFRESHES}, got {o['refresh']!r}")
     if "execution" in o and o["execution"] not in EXECUTIONS:
@@ -218,13 +223,50 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class CompiledVerifier:
+    """The model with its Full-execution cached forward (rows=None, fixed (R, W) shapes)
+    replaced by a torch.compile'd one; everything else is the model's own."""
+
+    def __init__(self, model, forward):
+        self._model, self._forward = model, forward
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward_cached(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+        if rows is None:
+            return self._forward(tokens, positions)
+        return self._model.forward_cached(tokens, positions, rows)
+
+
 class Engine:
-    """Base class: option handling and the timed, validated `generate` wrapper."""
+    """Base class: option handling and the timed, validated `generate` wrapper.
+
+    Option compile (every engine): False, or a torch.compile backend (True = "inductor";
+    "eager" traces without code generation, for tests): the Full-execution verifier forward is
+    compiled once per model (mode "reduce-overhead", CUDA graphs, on CUDA) and run on the
+    model's static cache (`static_cache`); Compact rounds and prefills stay eager."""
     name = "engine"
     DEFAULTS: dict = {}
 
     def __init__(self, **options):
-        self.options = check_options(self.name, options, self.DEFAULTS)
+        self.options = check_options(self.name, options, {**self.DEFAULTS, "compile": False})
+        self._compiled: dict[int, object] = {}
+
+    def _verifier(self, model):
+        """The compiled Full-execution forward of `model` (compiled on first use)."""
+        if id(model) not in self._compiled:
+            if not hasattr(model, "static_cache"):
+                raise ValueError("option compile needs a model with static_cache(on) (a fixed-"
+                                 "length cached attention); opd.models.GPT has one")
+            backend = self.options["compile"]
+            backend = "inductor" if backend is True else backend
+            mode = ("reduce-overhead" if backend == "inductor"
+                    and model_device(model, torch.device("cpu")).type == "cuda" else None)
+            self._compiled[id(model)] = torch.compile(
+                lambda tokens, positions: model.forward_cached(tokens, positions, None),
+                backend=backend, mode=mode, dynamic=False)
+        return self._compiled[id(model)]
 
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
@@ -249,14 +291,20 @@ class Engine:
         was_training = bool(getattr(model, "training", False))
         if was_training:
             model.eval()
+        compiled = self._verifier(model) if self.options["compile"] else None
         try:
             start = time.perf_counter()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
                 model.setup_cache(req.rows * (2 if req.cfg else 1), req.total)
-                result = self.run(model, req)
+                if compiled is not None:
+                    model.static_cache(True)
+                result = self.run(model if compiled is None else CompiledVerifier(model, compiled),
+                                  req)
             synchronize(req.labels.device)
             result.wall_time = time.perf_counter() - start
         finally:
+            if compiled is not None:
+                model.static_cache(False)
             if was_training:
                 model.train()
         result.engine, result.options = self.name, dict(self.options)

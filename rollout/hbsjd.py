@@ -135,8 +135,9 @@ class JacobiEngine(Engine):
         return 0
 
     def run(self, model, req: Request) -> RolloutResult:
-        return run_jacobi(model, req, self.options["W"], self.history(model),
-                          self.gamma(model, req), self.SYNC,
+        plain = getattr(model, "_model", model)    # gamma is measured on the eager model
+        return run_jacobi(model, req, self.options["W"], self.history(plain),
+                          self.gamma(plain, req), self.SYNC,
                           self.options["refresh"] == "coupled")
 
 

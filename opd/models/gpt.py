@@ -83,6 +83,7 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(args.resid_dropout_p)
         self.k_cache: Tensor | None = None   # (max_batch, n_kv_head, max_len, head_dim)
         self.v_cache: Tensor | None = None
+        self.static = False   # attend over the whole cache (fixed shapes for torch.compile)
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor | None,
                 rows: Tensor | None, use_cache: bool) -> Tensor:
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         else:
             assert self.k_cache is not None, "call setup_cache() before a cached forward"
             kc, vc = self.k_cache, self.v_cache
-            length = int(positions.max()) + 1
+            length = kc.shape[2] if self.static else int(positions.max()) + 1
             if rows is None:                                            # rows 0..B-1: no gather
                 kc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = k
                 vc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = v
@@ -221,6 +222,13 @@ class GPT(nn.Module):
             layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
             layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.max_batch = max_batch
+
+    def static_cache(self, on: bool) -> None:
+        """Cached forwards attend over every cache position (masked past each query) instead
+        of up to the batch's last position: one shape per (rows, window), what a compiled
+        verifier needs (rollout option compile).  Same values up to float summation order."""
+        for layer in self.layers:
+            layer.attention.static = on
 
     def release_cache(self) -> None:
         for layer in self.layers:

@@ -11,7 +11,7 @@ def test_registry_and_protocol(tiny):
     e = make_engine("hbsjd", W=8, H=2, decoding="sample", execution="compact")
     assert e.options["W"] == 8 and e.options["execution"] == "compact" and "hbsjd" in repr(e)
     assert make_engine("sjd_sync").options == dict(W=16, H=None, decoding="greedy",
-                                                   refresh="coupled")
+                                                   refresh="coupled", compile=False)
 
 
 @pytest.mark.parametrize("name,options,word", [
@@ -24,6 +24,7 @@ def test_registry_and_protocol(tiny):
     ("hbsjd", dict(execution="half"), "option execution"),
     ("sjd_independent", dict(refresh="mc"), "option refresh must be one of"),
     ("cached_ar", dict(refresh="coupled"), "no option 'refresh'"),
+    ("hbsjd", dict(compile="fast"), "option compile must be one of"),
     ("hbsjd", dict(gamma=-1), "option gamma"),
     ("hbsjd", dict(gamma="fast"), "option gamma"),
     ("cached_ar", dict(W=4), "no option 'W'"),
