@@ -25,18 +25,23 @@ V, GRID = 3, 2
 SAMPLES = 4000
 
 
+def peaked_model(seed: int, vocab: int, grid: int, std: float):
+    torch.manual_seed(seed)
+    from opd.models import create_model
+    m = create_model("GPT-tiny", vocab_size=vocab, grid_size=grid).double().eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return m
+
+
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(7)
-    from opd.models import create_model
-    m = create_model("GPT-tiny", vocab_size=V, grid_size=GRID).double().eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.6)
-    return m
+    return peaked_model(7, V, GRID, 0.6)
 
 
 def exact_distribution(model, label, prefix, N, cfg, temperature=1.0, top_k=None, top_p=None):
     """-> (V**N,) float64 probability of each generated sequence (lexicographic order)."""
+    V = model.vocab_size
     seqs = torch.tensor(list(itertools.product(range(V), repeat=N)))
     M = seqs.shape[0]
     tokens = torch.cat([prefix.expand(M, -1), seqs], 1)
@@ -147,12 +152,7 @@ V2, GRID2 = 2, 3
 
 @pytest.fixture(scope="module")
 def long_model():
-    torch.manual_seed(3)
-    from opd.models import create_model
-    m = create_model("GPT-tiny", vocab_size=V2, grid_size=GRID2).double().eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return m
+    return peaked_model(3, V2, GRID2, 0.5)
 
 
 def long_counts(model, engine, prefix, cfg, seed, **warps):
@@ -165,18 +165,7 @@ def long_counts(model, engine, prefix, cfg, seed, **warps):
 
 
 def long_exact(model, prefix, cfg, **warps):
-    P, N = prefix.shape[1], GRID2 * GRID2 - prefix.shape[1]
-    seqs = torch.tensor(list(itertools.product(range(V2), repeat=N)))
-    M = seqs.shape[0]
-    tokens = torch.cat([prefix.expand(M, -1), seqs], 1)
-    with torch.no_grad():
-        logits = model(torch.full((M,), 1), tokens[:, :-1])
-        if cfg is not None and cfg != 1.0:
-            logits = torch.cat([logits, model(torch.full((M,), model.num_classes),
-                                              tokens[:, :-1])])
-    probs = warp(guide(logits, cfg)[:, P:], warps.get("temperature", 1.0), warps.get("top_k"),
-                 warps.get("top_p")).double()
-    return probs.gather(2, seqs[..., None]).squeeze(2).prod(1)
+    return exact_distribution(model, 1, prefix, GRID2 * GRID2 - prefix.shape[1], cfg, **warps)
 
 
 LONG_CASES = [  # engine, options, P, cfg, warps
