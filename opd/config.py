@@ -134,7 +134,7 @@ class RolloutConfig:
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = False
-    """torch.compile the Full-execution verifier forward (CUDA graphs on a GPU); on a CPU it did not pay (README, Rollouts)."""
+    """torch.compile the Full-execution verifier forward (CUDA graphs on a GPU); on a CPU it speeds Cached AR up more than HB-SJD (README, Rollouts)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)
