@@ -331,10 +331,6 @@ class RunOptions:
     """Checkpoint every this many steps; 0 = only at the end."""
     log_every: int = bounded(1, ge=1)
     """Log metrics every this many steps."""
-    deterministic: bool = True
-    """Deterministic torch algorithms and fixed RNG keys (exact resume, reproducible losses)."""
-    resume: str | None = None
-    """Run directory or checkpoint to resume from; None = fresh run."""
 
 
 @dataclass
@@ -401,13 +397,51 @@ def _history_offset(cfg: RunConfig) -> None:
 # Loading, validation, serialization
 # --------------------------------------------------------------------------------------------
 
+RETIRED_KEYS = {
+    "run.deterministic": "runs are always reproducible (keyed random numbers, seeded "
+                         "initialization), so the key did nothing; drop it",
+    "run.resume": "continue a run with opd train --resume RUN_DIR",
+}
+"""Keys that earlier versions wrote into config.yaml but nothing read: a run directory's old
+config.yaml still loads (they are dropped); setting one names what to do instead."""
+
+RESUME_SAFE_KEYS = ("distill.steps", "run.checkpoint_every", "run.log_every", "eval.")
+"""What `opd train --resume RUN key=value` may change: how long the run goes on (a new
+distill.steps also stretches the learning-rate decay from the resumed step on), how often it
+checkpoints and logs, and its evaluations (a key ending in "." is a section).  Anything else
+would make the resumed steps another run's."""
+
+
+def check_resume_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """ConfigError naming the first override that a resumed run may not change."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if not any(key == k or (k.endswith(".") and key.startswith(k))
+                   for k in RESUME_SAFE_KEYS):
+            raise ConfigError(f"--resume cannot change {key}: the resumed steps would be another "
+                              f"run's; only distill.steps, run.checkpoint_every, run.log_every "
+                              f"and eval.* change on resume (start a new run for the rest)", key)
+
+
+def _drop_retired(tree: dict[str, Any]) -> None:
+    for key in RETIRED_KEYS:
+        section, name = key.split(".")
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(name, None)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML preset `path` (a name in configs/ or a file), then `key=value`
     overrides; validated. Raises ConfigError on any problem."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"config key '{key}' was removed: {RETIRED_KEYS[key]}", key)
     tree: dict[str, Any] = {}
     if path is not None:
         preset = resolve_preset(path)
         tree = _read_preset(preset, seen=())
+        _drop_retired(tree)
         try:
             _from_dict(RunConfig, tree, "")
         except ConfigError as e:

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.config import load_config
+    from opd.config import ConfigError, check_resume_overrides, load_config, save_config
     from opd.preflight import check_inputs
     from opd.rundir import CONFIG_FILE, RunDirError, prepare_run_dir, release_lock
 
@@ -47,9 +47,18 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(args.resume) / CONFIG_FILE).is_file():
             raise RunDirError(f"cannot resume from {args.resume}: it holds no {CONFIG_FILE}; "
                               f"pass the directory of an earlier opd train run")
-        cfg = load_config(f"{args.resume}/{CONFIG_FILE}", [f"run.dir={args.resume}"])
+        if args.config is not None:
+            raise ConfigError(f"--resume takes the run's own {CONFIG_FILE}, not --config "
+                              f"{args.config}; pass only key=value overrides of what may change")
+        check_resume_overrides(args.overrides)
+        cfg = load_config(f"{args.resume}/{CONFIG_FILE}",
+                          [*args.overrides, f"run.dir={args.resume}"])
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg, resume=bool(args.resume))     # takes run_dir/lock
+    if args.resume and args.overrides:       # the next resume continues with them too
+        save_config(cfg, run_dir / CONFIG_FILE)
+        print(f"opd train: resuming {run_dir} with {' '.join(args.overrides)}", file=sys.stderr,
+              flush=True)
     try:
         return train(cfg, run_dir, resume=bool(args.resume))
     finally:

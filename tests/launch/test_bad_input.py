@@ -20,6 +20,7 @@ import torch
 from launch.cli import main
 from opd import checkpoints as ckpt
 from opd.data import write_token_parquet
+from opd.config import load_config
 from opd.metrics import read_metrics
 
 STEPS = 4
@@ -328,3 +329,42 @@ def test_export_of_a_file_or_of_a_run_without_a_complete_checkpoint(existing, ba
         f"bytes, not the {size} it was written with)); train it (opd train, --resume) or wait "
         f"for its first one (run.checkpoint_every)")
     assert not (tmp_path / "s.pt").exists()
+
+
+def test_resume_applies_safe_overrides_and_refuses_the_others(existing, tmp_path, capsys):
+    """Issue 13 item 5: `--resume RUN key=value` extends a finished run (distill.steps, the
+    checkpoint cadence; its first steps' rows stay as they were), keeps the new values in
+    config.yaml for the next resume, and refuses a key that would change what the steps compute
+    -- or --config, or a retired key -- naming it, with the run left byte for byte."""
+    run, before = existing
+    copy = tmp_path / "extended"
+    shutil.copytree(run, copy)
+    for argv, line in [
+            (["rollout.window=8"], "opd: error: --resume cannot change rollout.window: the "
+             "resumed steps would be another run's; only distill.steps, run.checkpoint_every, "
+             "run.log_every and eval.* change on resume (start a new run for the rest)"),
+            (["--config", "tiny"], f"opd: error: --resume takes the run's own config.yaml, not "
+             f"--config tiny; pass only key=value overrides of what may change"),
+            (["run.deterministic=false"], "opd: error: config key 'run.deterministic' was "
+             "removed: runs are always reproducible (keyed random numbers, seeded "
+             "initialization), so the key did nothing; drop it")]:
+        assert main(["train", "--resume", str(copy), *argv]) == 2
+        assert one_line(capsys) == line
+        assert snapshot(copy) == before
+    assert main(["train", "--resume", str(copy), f"distill.steps={STEPS + 2}",
+                 "run.checkpoint_every=3"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"opd train: resuming {copy} with distill.steps={STEPS + 2} run.checkpoint_every=3")
+    rows = read_metrics(copy)
+    assert [r["step"] for r in rows] == list(range(STEPS + 2))
+    assert [r["loss"] for r in rows[:STEPS]] == [r["loss"] for r in read_metrics(run)]
+    assert [p.name for p in ckpt.checkpoint_dirs(copy)] == [
+        "step_000002", "step_000004", "step_000006"]
+    saved = load_config(copy / "config.yaml")
+    assert (saved.distill.steps, saved.run.checkpoint_every) == (STEPS + 2, 3)
+
+
+def test_an_old_config_yaml_with_retired_keys_still_loads(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text("run:\n  deterministic: true\n  resume: null\n  seed: 3\n")
+    assert load_config(old).run.seed == 3
