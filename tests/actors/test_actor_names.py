@@ -48,12 +48,14 @@ def test_actors_carry_names_and_reprs_with_their_version(ray_session, tiny_overr
         first = ray.get_actor("opd/rollout/0", namespace=ns)._actor_id
         ray.kill(groups.rollout[0], no_restart=False)
         restarted = None
-        for _ in range(600):
+        for _ in range(600):    # ray.kill is asynchronous: the old process may answer first
             try:
                 restarted = info("opd/rollout/0", ns)
-                break
+                if restarted["repr"].endswith("version=None)"):
+                    break
             except ray.exceptions.RayActorError:    # restarting: unavailable for a moment
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         assert restarted["repr"] == "RolloutWorker(opd/rollout/0, version=None)"
         assert ray.get_actor("opd/rollout/0", namespace=ns)._actor_id == first
 
