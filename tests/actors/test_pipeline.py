@@ -109,7 +109,7 @@ def two_by_two(ray_session, tiny_overrides, tmp_path_factory):
 
     def scrape(pipeline, step, row):
         if step == STEPS - 1:
-            deadline = time.time() + 20
+            deadline = time.time() + 60       # Ray exports metrics every ~10 s
             while time.time() < deadline:
                 seen.update(found_metrics(scrape_metrics()))
                 if len(seen) == len(EXPECTED):
