@@ -30,9 +30,9 @@ class CachedAR(Engine):
     DEFAULTS = dict(decoding="greedy")
 
     def run(self, model, req: Request) -> RolloutResult:
-        B, N, R = req.batch, req.num_new, req.rows
+        B, N = req.batch, req.num_new
         dev = req.labels.device
-        parts = [torch.arange(i, min(i + R, B), device=dev) for i in range(0, B, R)]
+        parts = req.row_batches()
         tokens = torch.cat([decode_tokens(model, req.take(i), prefill_token(model, req.take(i)))
                             for i in parts])
         committed = torch.zeros(N * len(parts), B, dtype=torch.long, device=dev)

@@ -70,8 +70,8 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
     if "decoding" in o and o["decoding"] not in DECODINGS:
         raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
-    if "compile" in o and not any(o["compile"] is c or o["compile"] == c and isinstance(c, str)
-                                  for c in COMPILE_BACKENDS):
+    c = o.get("compile")
+    if "compile" in o and not (isinstance(c, bool) or c in COMPILE_BACKENDS[2:]):
         raise ValueError(f"option compile must be one of {COMPILE_BACKENDS} (True = inductor), "
                          f"got {o['compile']!r}")
     if "refresh" in o and o["refresh"] not in REFRESHES:
@@ -108,6 +108,12 @@ class Request:
     def rows(self) -> int:
         """Physical rows R = min(slots, B) (without the CFG copies)."""
         return self.batch if self.slots is None else min(self.slots, self.batch)
+
+    def row_batches(self) -> list[Tensor]:
+        """The images in consecutive batches of R (what fits the physical rows at once)."""
+        dev = self.labels.device
+        return [torch.arange(i, min(i + self.rows, self.batch), device=dev)
+                for i in range(0, self.batch, self.rows)]
 
     def take(self, images: Tensor) -> Request:
         """The request for the images `images` (in that order), every image keeping its key."""

@@ -80,8 +80,11 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
                                            plan))                     # (3, A or R)
         if compact:
             st.assign(idx, sub)
-        per_image = torch.zeros(3, B, dtype=torch.long, device=dev)
-        per_image.index_add_(1, img if idx is None else img[idx], counts)
+        if idx is None and R == B:       # no slots, Full: row b holds image b
+            per_image = counts
+        else:
+            per_image = torch.zeros(3, B, dtype=torch.long, device=dev)
+            per_image.index_add_(1, img if idx is None else img[idx], counts)
         committed.append(per_image[0])
         accepted += per_image[1]
         rejected += per_image[2]
@@ -95,7 +98,7 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
 def _single_token(model, req: Request, times: list) -> RolloutResult:
     """N = 1: the prefill is the whole rollout (in batches of R images)."""
     dev, B, R = req.labels.device, req.batch, req.rows
-    parts = [torch.arange(i, min(i + R, B), device=dev) for i in range(0, B, R)]
+    parts = req.row_batches()
     first = torch.cat([prefill_token(model, req, i) for i in parts])
     zeros = torch.zeros(B, dtype=torch.long, device=dev)
     synchronize(dev)
