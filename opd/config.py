@@ -4,11 +4,16 @@
     cfg.rollout.window            # 8
 
 A run config is built in three layers, later ones winning: the dataclass defaults (the
-embedded digits setup), a YAML preset from `configs/` (or any path), then `key=value`
-overrides whose values are parsed as YAML scalars (`null`, `true`, `1e-3`, `[0.9, 0.99]`).
-Everything is validated once, on load, before anything starts: unknown keys (with the
-closest valid key suggested), wrong types, out-of-range or not-allowed values and
+embedded digits setup), a YAML preset from `configs/` (or any path, `extends:` another), then
+`key=value` overrides whose values are parsed as YAML scalars (`null`, `true`, `1e-3`,
+`[0.9, 0.99]`).  Everything is validated once, on load, before anything starts: unknown keys
+(with the closest valid key suggested), wrong types, out-of-range or not-allowed values and
 cross-field constraints raise `ConfigError` naming the full dotted key and the value.
+
+This module is the schema and the run-config entry points; the machinery is shared with the
+bench presets: `opd.config_loader` validates a tree against a dataclass schema on pydantic
+(and says why pydantic), applies dotted overrides and words the errors; `opd.config_files`
+finds presets, merges `extends:` and writes the resolved config back (YAML, hash).
 
 Adding a field is one line plus its docstring: `name: type = default`, or
 `name: type = bounded(default, ge=..., lt=...)` for a numeric range. Supported types:
@@ -18,47 +23,16 @@ decorated with `@cross_check`.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import hashlib
-import json
-import math
-import re
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal
 
-import yaml
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-"""The repository's preset directory: `--config tiny` means `CONFIG_DIR / "tiny.yaml"`."""
-
-EXTENDS_KEY = "extends"
-"""Top-level preset key naming a base preset that the file is merged over."""
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; the message is one line naming key and value."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
-
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, lt: float | None = None, span: bool = False) -> Any:
-    """A dataclass field with a numeric range, checked on load (also for each tuple element).
-
-    span=True also accepts a string "min..max" for a `tuple[int, int]` member (parsed to
-    (min, max), min <= max)."""
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
-    if span:
-        meta["span"] = True
-    return field(default=default, metadata=meta)
-
+from opd import config_loader as loader
+from opd.config_files import (CONFIG_DIR, EXTENDS_KEY, NOT_PRESETS, available_presets,  # noqa: F401
+                              config_hash, config_to_dict, config_to_yaml, read_preset,
+                              resolve_preset, save_config)
+from opd.config_loader import ConfigError, bounded, strict_schema  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Schema
@@ -333,6 +307,7 @@ class RunOptions:
     """Log metrics every this many steps."""
 
 
+@strict_schema
 @dataclass
 class RunConfig:
     """Everything one `opd` run needs; saved as config.yaml in the run directory."""
@@ -394,7 +369,7 @@ def _history_offset(cfg: RunConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Loading, validation, serialization
+# Loading and validation
 # --------------------------------------------------------------------------------------------
 
 RETIRED_KEYS = {
@@ -440,26 +415,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     tree: dict[str, Any] = {}
     if path is not None:
         preset = resolve_preset(path)
-        tree = _read_preset(preset, seen=())
+        tree = read_preset(preset)
         _drop_retired(tree)
         try:
-            _from_dict(RunConfig, tree, "")
+            loader.build(RunConfig, tree)
         except ConfigError as e:
             raise ConfigError(f"{preset}: {e}", e.key) from None
-    _apply_overrides(tree, overrides)
+    loader.apply_overrides(RunConfig, tree, overrides)
     return config_from_dict(tree)
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     """A validated copy of `cfg` with dotted `key=value` overrides applied."""
     tree = config_to_dict(cfg)
-    _apply_overrides(tree, overrides)
+    loader.apply_overrides(RunConfig, tree, overrides)
     return config_from_dict(tree)
 
 
 def config_from_dict(tree: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from a (partial) nested dict, e.g. one that came over Ray."""
-    cfg = _from_dict(RunConfig, tree, "")
+    cfg = loader.build(RunConfig, tree)
     for check in _CROSS_CHECKS:
         check(cfg)
     return cfg
@@ -470,404 +445,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     return config_from_dict(config_to_dict(cfg))
 
 
-def config_to_dict(obj: Any) -> Any:
-    """Nested plain dict of a config (tuples become lists), safe for YAML / JSON / Ray."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: config_to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): config_to_dict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [config_to_dict(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def config_to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML; `load_config` of this text gives the same config back."""
-    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False)
-
-
-def save_config(cfg: RunConfig, path: str | Path) -> Path:
-    """Write the resolved config (YAML) to `path`, creating parent directories."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
-    return path
-
-
-def config_hash(obj: Any, length: int = 12) -> str:
-    """Stable short hex hash of a dataclass or dict (key order and tuple/list do not matter)."""
-    text = json.dumps(config_to_dict(obj), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
 def default_run_dir(cfg: RunConfig, now: float | None = None) -> Path:
     """run.dir, or runs/<run.name>-<YYYYmmdd-HHMMSS> when it is None."""
     if cfg.run.dir is not None:
         return Path(cfg.run.dir)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
     return Path("runs") / f"{cfg.run.name}-{stamp}"
-
-
-NOT_PRESETS = {"cluster"}
-
-
-def available_presets() -> list[str]:
-    """Preset names in CONFIG_DIR (cluster.yaml is the Ray autoscaler's file, not a preset)."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in NOT_PRESETS)
-
-
-def resolve_preset(name: str | Path) -> Path:
-    """`tiny`, `tiny.yaml`, `configs/tiny.yaml` or any existing path -> the preset file."""
-    p = Path(name).expanduser()
-    if p.is_file():
-        return p
-    candidates = []
-    if p.parent == Path(".") or p.parent.name == "configs":
-        candidates = [CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise ConfigError(f"config {str(name)!r} not found (looked for {p}"
-                      + "".join(f", {c}" for c in candidates)
-                      + f"); available presets: {', '.join(available_presets()) or 'none'}")
-
-
-# --------------------------------------------------------------------------------------------
-# Internals
-# --------------------------------------------------------------------------------------------
-
-def _read_preset(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    """Parse a preset file, merging it over the preset named by its `extends:` key."""
-    if path.resolve() in seen:
-        raise ConfigError(f"{path}: '{EXTENDS_KEY}' cycle: "
-                          + " -> ".join(str(s) for s in (*seen, path.resolve())))
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: a preset must be a mapping of sections, got {type(tree).__name__}")
-    base_name = tree.pop(EXTENDS_KEY, None)
-    if base_name is None:
-        return tree
-    base = path.parent / str(base_name)
-    base = base if base.is_file() else resolve_preset(str(base_name))
-    return _deep_merge(_read_preset(base, (*seen, path.resolve())), tree)
-
-
-class _Dumper(yaml.SafeDumper):
-    """Block-style mappings, flow-style lists (`betas: [0.9, 0.95]`)."""
-
-
-_Dumper.add_representer(
-    list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
-
-
-def _apply_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like section.key=value, "
-                              f"e.g. rollout.window=8")
-        _set_override(tree, key.strip(), raw.strip())
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-@functools.cache
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (sections and leaves)."""
-    out = []
-    hints = _hints(cls)
-    for name in _fields(cls):
-        key = f"{prefix}{name}"
-        out.append(key)
-        if dataclasses.is_dataclass(hints[name]):
-            out.extend(_all_keys(hints[name], key + "."))
-    return out
-
-
-def _unknown(full_key: str, cls: type, prefix: str, part: str, rest: list[str]) -> ConfigError:
-    """Unknown-key error naming the full key and the closest valid one."""
-    names = list(_fields(cls))
-    close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
-    suggestion = None
-    if close:
-        suggestion = prefix + close[0] + "".join("." + r for r in rest)
-        if suggestion not in _all_keys() and not _is_under_dict(suggestion):
-            suggestion = prefix + close[0]
-    else:  # the right name in the wrong section: rollout.lr -> learner.lr / pretrain.lr
-        leaf = rest[-1] if rest else part
-        pool = [k for k in _all_keys() if "." in k]
-        match = difflib.get_close_matches(leaf, sorted({k.rsplit(".", 1)[1] for k in pool}),
-                                          n=1, cutoff=0.8)
-        if match:
-            suggestion = "' or '".join(k for k in pool if k.rsplit(".", 1)[1] == match[0])
-    where = f"'{prefix[:-1]}'" if prefix else "the config"
-    hint = (f"did you mean '{suggestion}'?" if suggestion
-            else f"valid keys in {where}: {', '.join(names)}")
-    return ConfigError(f"unknown config key '{full_key}'; {hint}", full_key)
-
-
-def _is_under_dict(key: str) -> bool:
-    cls: Any = RunConfig
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(cls):
-            return False
-        hint = _hints(cls).get(part)
-        if hint is None:
-            return False
-        if get_origin(hint) is dict:
-            return True
-        cls = hint
-    return False
-
-
-def _set_override(tree: dict[str, Any], key: str, raw: str) -> None:
-    """Set tree[a][b]... = value for key "a.b...", checking the path against the schema."""
-    parts = key.split(".")
-    cls: Any = RunConfig
-    node = tree
-    for i, part in enumerate(parts):
-        prefix = ".".join(parts[:i]) + ("." if i else "")
-        last = i == len(parts) - 1
-        if part not in _fields(cls):
-            raise _unknown(key, cls, prefix, part, parts[i + 1:])
-        tp = _hints(cls)[part]
-        if dataclasses.is_dataclass(tp):
-            if last:
-                value = _parse_scalar(raw)
-                if not isinstance(value, dict):
-                    sub = next(iter(_fields(tp)))
-                    raise ConfigError(f"'{key}' is a section; set one of its keys, e.g. "
-                                      f"{key}.{sub}=...", key)
-                node[part] = _deep_merge(node.get(part) or {}, value)
-                return
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict):
-                raise ConfigError(f"'{prefix}{part}' must be a mapping of keys", prefix + part)
-            cls = tp
-            continue
-        if last:
-            node[part] = _override_value(raw, tp, _fields(cls)[part].metadata)
-            return
-        if get_origin(tp) is dict:  # free-form options: a.b.opt=value
-            for j, sub in enumerate(parts[i:-1], start=i):
-                node = node.setdefault(sub, {})
-                if not isinstance(node, dict):
-                    where = ".".join(parts[:j + 1])
-                    raise ConfigError(f"'{where}' holds {node!r}, not a mapping; cannot set {key}",
-                                      where)
-            node[parts[-1]] = _parse_scalar(raw)
-            return
-        raise ConfigError(f"'{prefix}{part}' is a value, not a section; set {prefix}{part}=VALUE",
-                          prefix + part)
-
-
-def _parse_scalar(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        return raw
-
-
-def _override_value(raw: str, tp: Any, meta: Any) -> Any:
-    """YAML-parse an override; a field that takes text gets the raw text if the parse does not fit
-    (run.name=1.10 stays "1.10", not 1.1)."""
-    value = _parse_scalar(raw)
-    if value is None or isinstance(value, str) or not _accepts_str(tp):
-        return value
-    try:
-        _convert(value, tp, meta)
-        return value
-    except _Mismatch:
-        return raw
-
-
-def _accepts_str(tp: Any) -> bool:
-    if tp is str or tp is Any:
-        return True
-    origin = get_origin(tp)
-    if origin is Literal:
-        return any(isinstance(a, str) for a in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return any(_accepts_str(a) for a in get_args(tp))
-    return False
-
-
-class _Mismatch(Exception):
-    """Value does not have the expected type (turned into a ConfigError with the key)."""
-
-
-_NONE_WORDS = ("None", "none", "null", "~")
-_SPAN = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
-
-
-def _convert(value: Any, tp: Any, meta: Any) -> Any:
-    """Value converted to type tp, or _Mismatch."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
-        return value
-    if tp is type(None):
-        if value is None or (isinstance(value, str) and value in _NONE_WORDS):
-            return None
-        raise _Mismatch
-    if origin in (Union, types.UnionType):
-        if type(None) in args and (value is None or (isinstance(value, str) and value in _NONE_WORDS)):
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, meta)
-            except _Mismatch:
-                pass
-        raise _Mismatch
-    if origin is Literal:
-        for a in args:
-            if type(a) is type(value) and a == value:
-                return a
-        raise _Mismatch
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out = float(value)
-        elif isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as text
-            try:
-                out = float(value)
-            except ValueError:
-                raise _Mismatch from None
-        else:
-            raise _Mismatch
-        if math.isnan(out):
-            raise _Mismatch
-        return out
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)
-        raise _Mismatch
-    if origin is tuple:
-        if isinstance(value, str):
-            m = _SPAN.match(value)
-            if meta.get("span") and m:
-                value = [int(m.group(1)), int(m.group(2))]
-            elif "," in value:
-                value = [_parse_scalar(v.strip()) for v in value.split(",")]
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], meta) for v in value)
-        if len(value) != len(args):
-            raise _Mismatch
-        return tuple(_convert(v, a, meta) for v, a in zip(value, args))
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch
-        return [_convert(v, args[0], meta) for v in value] if args else list(value)
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch
-        return dict(value)
-    raise TypeError(f"config schema uses an unsupported type {tp!r}")
-
-
-def _describe(tp: Any, meta: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is type(None):
-        return "null"
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a, meta) for a in args)
-    if origin is Literal:
-        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
-    if origin is tuple:
-        items = [a for a in args if a is not Ellipsis]
-        n = "" if Ellipsis in args else f"{len(args)} "
-        inner = (f"a list of {n}{_describe(items[0], meta)}s" if len(set(items)) == 1
-                 else f"a list of {n}" + " / ".join(_describe(a, meta) for a in items))
-        return inner + (" or a 'min..max' string" if meta.get("span") else "")
-    if origin is list:
-        return "a list"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    return {bool: "bool (true/false)", int: "int", float: "float", str: "str"}.get(tp, repr(tp))
-
-
-def _range_text(meta: Any) -> str:
-    ops = [(">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")]
-    return " and ".join(f"{op} {meta[k]:g}" for op, k in ops if k in meta)
-
-
-def _check_range(key: str, value: Any, raw: Any, meta: Any) -> None:
-    """Range check of a converted value; the message shows the value as the user wrote it."""
-    nums = value if isinstance(value, tuple) else (value,)
-    for x in nums:
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            continue
-        ok = (("ge" not in meta or x >= meta["ge"]) and ("gt" not in meta or x > meta["gt"])
-              and ("le" not in meta or x <= meta["le"]) and ("lt" not in meta or x < meta["lt"]))
-        if not ok:
-            shown = _show(value) if isinstance(raw, (list, tuple)) else repr(raw)
-            raise ConfigError(f"{key}={shown}: must be {_range_text(meta)}", key)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    return repr(value)
-
-
-def _from_dict(cls: type, data: Any, prefix: str) -> Any:
-    """Instantiate dataclass `cls` from a partial nested dict; every key and value checked."""
-    section = prefix[:-1] if prefix else "the config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"'{section}' must be a mapping of keys, got {data!r}", prefix[:-1] or None)
-    fields, hints = _fields(cls), _hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        name = str(name)
-        key = prefix + name
-        if name not in fields:
-            raise _unknown(key, cls, prefix, name, [])
-        tp, meta = hints[name], fields[name].metadata
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _from_dict(tp, {} if value is None else value, key + ".")
-            continue
-        try:
-            out = _convert(value, tp, meta)
-        except _Mismatch:
-            if get_origin(tp) is Literal:
-                raise ConfigError(f"{key}={value!r}: must be one of "
-                                  + ", ".join(repr(a) for a in get_args(tp)), key) from None
-            raise ConfigError(f"{key}={value!r}: expected {_describe(tp, meta)}", key) from None
-        _check_range(key, out, value, meta)
-        kwargs[name] = out
-    return cls(**kwargs)

@@ -230,3 +230,58 @@ def test_default_run_dir():
     cfg = load_config(None, ["run.name=x"])
     assert str(default_run_dir(cfg, now=0.0)).startswith("runs/x-19")
     assert str(default_run_dir(apply_overrides(cfg, ["run.dir=/r"]))) == "/r"
+
+
+def test_config_hash_values_are_pinned():
+    """Cache keys (pretrained models, runs) hash the config: these values were computed on the
+    hand-written loader, before validation moved onto pydantic, and must not change."""
+    tiny = load_config("tiny")
+    assert config_hash(tiny) == "4f0befd26218"
+    assert config_hash(RunConfig()) == "c775bdc45f53"
+    assert config_hash(tiny.pretrain) == "f5831f937353"
+    assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
+                                          "distill.objective_options.gate=0.5"])) == "cbc1e17debe4"
+
+
+# --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------
+
+def test_values_no_field_type_takes():
+    import datetime
+    with pytest.raises(ConfigError, match=r"^learner.lr=nan: expected float$"):
+        config_from_dict({"learner": {"lr": float("nan")}})
+    assert config_from_dict({"learner": {"lr": float("inf")}}).learner.lr == float("inf")
+    day = datetime.date(2024, 1, 1)
+    with pytest.raises(ConfigError, match=r"^run.name=datetime.date\(2024, 1, 1\): expected str$"):
+        config_from_dict({"run": {"name": day}})
+    with pytest.raises(ConfigError, match="^distill.objective_options=datetime.date.*a mapping$"):
+        config_from_dict({"distill": {"objective_options": day}})
+    assert load_config(None, ["run.name=2024-01-01"]).run.name == "2024-01-01"
+    opts = {1: (1, 2), "when": day}                  # free-form options are kept as written
+    assert config_from_dict({"distill": {"objective_options": opts}}).distill.objective_options == opts
+
+
+def test_sections_and_strict_types():
+    assert config_from_dict({"rollout": None}) == RunConfig()
+    with pytest.raises(ConfigError, match=r"^'rollout' must be a mapping of keys, got \[1\]$"):
+        config_from_dict({"rollout": [1]})
+    with pytest.raises(ConfigError, match=r"^'the config' must be a mapping of keys, got 'x'$"):
+        config_from_dict("x")
+    for tree, msg in [({"model": {"vocab_size": True}}, "model.vocab_size=True: expected int"),
+                      ({"rollout": {"window": "3"}}, "rollout.window='3': expected int"),
+                      ({"cluster": {"num_cpus": 2.0}}, "cluster.num_cpus=2.0: expected int or null"),
+                      ({"teacher": {"guided": 1}}, "teacher.guided=1: expected bool (true/false)")]:
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(tree)
+        assert str(e.value) == msg
+    assert config_from_dict({"run": {"name": 5, "dir": "None"}}).run.name == "5"
+
+
+def test_first_problem_in_file_order_is_reported():
+    def first(tree):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(tree)
+        return str(e.value)
+    assert first({"rollout": {"window": 0, "engine": "x"}}) == "rollout.window=0: must be >= 1"
+    assert first({"rollout": {"engine": "x", "window": 0}}).startswith("rollout.engine='x'")
+    assert first({"rollout": {"windw": 1, "window": "a"}}).startswith("unknown config key")
+    assert first({"rollout": {"window": "a", "windw": 1}}) == "rollout.window='a': expected int"
