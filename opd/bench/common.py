@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import yaml
 
+from opd import config_loader as loader
 from opd.config import CONFIG_DIR, ConfigError
+from opd.config_files import read_preset
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -40,19 +41,23 @@ def resolve_bench_preset(name: str | Path) -> Path:
     raise ConfigError(f"bench preset {str(name)!r} not found; available: {have}")
 
 
-def read_preset(path: Path) -> dict:
-    """The mapping in a YAML preset file (ConfigError naming the file otherwise)."""
+def load_preset(schema: type, name: str | Path, overrides: dict | None = None) -> Any:
+    """A bench preset (`extends:` another one, as run presets do) validated against its schema
+    by the run config's loader (opd.config_loader: unknown keys named with the closest one,
+    types, ranges), then the top-level `overrides` set over it and validated again."""
+    path = resolve_bench_preset(name)
+    data = read_preset(path, resolve_bench_preset, of="keys")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"bench preset {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"bench preset {path} must be a mapping of keys")
-    return data
+        loader.build(schema, data, what="bench preset")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}", e.key) from None
+    data.update(overrides or {})
+    return loader.build(schema, data, what="bench preset")
 
 
 def check_known(data: dict, known: list[str], where: str, prefix: str = "") -> None:
-    """ConfigError naming the first key of `data` not in `known`, with the closest match."""
+    """ConfigError naming the first key of `data` not in `known`, with the closest match (for
+    keys a registry defines, such as the ablations of `bench paper`)."""
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ import torch
 from opd.bench import common
 from opd.bench.common import DTYPES, interleave, make_inputs
 from opd.config import ConfigError
+from opd.config_loader import bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 
@@ -69,37 +70,72 @@ def ablation(key: str, number: int, title: str, *, note: str, paper: str, **opti
     return wrap
 
 
+@strict_schema
 @dataclass
 class PaperBench:
+    """A preset of `opd bench paper` (configs/bench/*.yaml; the module docstring shows one)."""
+
     model: str = "GPT-digits-S"
-    overrides: dict = field(default_factory=dict)
+    """opd.models preset of the benchmarked student."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """ModelArgs overrides (e.g. grid_size: 24)."""
     checkpoint: str | None = None
+    """Weights file, run or checkpoints/step_N directory, "pretrained" (opd pretrain's cached
+    digits student) or null (random init, see random_init_std)."""
     random_init_std: float = 0.02
+    """Std of the normal random init of every matrix (checkpoint: null)."""
     pretrain_config: str | None = None
-    pretrain_overrides: list = field(default_factory=list)
+    """Run config whose pretraining makes the student of checkpoint: pretrained (and the
+    snapshots of the checkpoints ablation); null = the default run config."""
+    pretrain_overrides: list[str] = field(default_factory=list)
+    """Dotted overrides of that run config (e.g. model.grid_size=16)."""
     device: str = "cpu"
+    """cpu or cuda[:N]."""
     dtype: str = "float32"
+    """float32 | bfloat16 | float16 | float64 (opd.bench.common.DTYPES)."""
     threads: int | None = None
-    prefix: str = "random"
-    prefix_ratio: float = 0.5
-    batch: int = 16
-    W: int = 16
-    H: int | None = None
-    decoding: str = "greedy"
+    """torch intra-op threads; null or 0 = torch's default."""
+    prefix: Literal["data", "random"] = "random"
+    """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
+    prefix_ratio: float = bounded(0.5, ge=0.0, lt=1.0)
+    """Fraction of the sequence given as the prefix; the engines generate the rest."""
+    batch: int = bounded(16, ge=1)
+    """Images per engine call (every ablation's default)."""
+    W: int = bounded(16, ge=1)
+    """Jacobi window."""
+    H: int | None = bounded(None, ge=1)
+    """Draft-initialization history offset; null = one grid row."""
+    decoding: Literal["greedy", "sample"] = "greedy"
+    """Verification of the Jacobi engines (and Cached AR's decoding)."""
     cfg_scale: float | None = 2.0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    gamma: int | str = "measure"
-    repeats: int = 3
-    warmup: int = 1
-    workloads: int = 1
-    calibration_repeats: int = 3
+    """Classifier-free guidance scale; null or 1.0 = no guidance."""
+    temperature: float = bounded(1.0, gt=0.0)
+    """Sampling temperature (sample decoding)."""
+    top_k: int = bounded(0, ge=0)
+    """Top-k filter; 0 = off."""
+    top_p: float = bounded(1.0, gt=0.0, le=1.0)
+    """Nucleus mass; 1.0 = off."""
+    gamma: int | Literal["measure"] = bounded("measure", ge=0)
+    """Hybrid threshold: measure = rollout.calibrate's gamma per (batch, W), or an int."""
+    repeats: int = bounded(3, ge=1)
+    """Timed rounds per variant (interleaved)."""
+    warmup: int = bounded(1, ge=0)
+    """Untimed rounds first."""
+    workloads: int = bounded(1, ge=1)
+    """Distinct input batches per variant."""
+    calibration_repeats: int = bounded(3, ge=1)
+    """Timed verifier forwards per (active count, mode) when calibrating gamma."""
     seed: int = 0
-    bandwidth_gbs: float | None = None
-    budget_s: float | None = None
+    """Seed of the inputs and of sampling."""
+    bandwidth_gbs: float | None = bounded(None, gt=0.0)
+    """Memory bandwidth (GB/s) for the floor of a verifier round; null = no floor table."""
+    budget_s: float | None = bounded(None, gt=0.0)
+    """Skip an ablation that would end past this many seconds; null = no budget."""
     note: str = ""
-    ablations: dict | list | None = None
+    """What is scaled down against the paper (every table header)."""
+    ablations: dict[str, Any] | list[str] | None = None
+    """Ablations to run, in order, with their options ({key: {option: value}}, or a list of
+    keys); null = all of them (ABLATIONS)."""
 
 
 @dataclass
@@ -128,40 +164,22 @@ def _int(v, lo: int) -> bool:
 
 
 def check_paper(b: PaperBench) -> PaperBench:
-    """Validate and normalise (ablations -> ordered {key: full options}); ConfigError naming
-    the key of the first bad value."""
-    for key, lo in (("batch", 1), ("W", 1), ("repeats", 1), ("warmup", 0), ("workloads", 1),
-                    ("calibration_repeats", 1)):
-        if not _int(getattr(b, key), lo):
-            raise _fail(key, getattr(b, key), f"must be an int >= {lo}")
-    if b.H is not None and not _int(b.H, 1):
-        raise _fail("H", b.H, "must be null (one grid row) or an int >= 1")
+    """What the schema's types and ranges do not say; normalises ablations to an ordered
+    {key: full options}.  ConfigError naming the key of the first bad value."""
     if b.dtype not in DTYPES:
         raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
     if b.device != "cpu" and not b.device.startswith("cuda"):
         raise _fail("device", b.device, "must be cpu or cuda[:N]")
-    if b.prefix not in ("data", "random"):
-        raise _fail("prefix", b.prefix, "must be data or random")
-    if not (isinstance(b.prefix_ratio, (int, float)) and 0 <= b.prefix_ratio < 1):
-        raise _fail("prefix_ratio", b.prefix_ratio, "must be in [0, 1)")
-    if b.decoding not in ("greedy", "sample"):
-        raise _fail("decoding", b.decoding, "must be greedy or sample")
-    if not (b.gamma == "measure" or _int(b.gamma, 0)):
-        raise _fail("gamma", b.gamma, "must be 'measure' or an int >= 0")
-    for key in ("bandwidth_gbs", "budget_s"):
-        v = getattr(b, key)
-        if v is not None and not (isinstance(v, (int, float)) and v > 0):
-            raise _fail(key, v, "must be null or a number > 0")
-    if not isinstance(b.overrides, dict):
-        raise _fail("overrides", b.overrides, "must be a mapping of ModelArgs fields")
     abl = list(ABLATIONS) if b.ablations is None else b.ablations
     if isinstance(abl, list):
         abl = {k: {} for k in abl}
-    if not isinstance(abl, dict) or not abl:
+    if not abl:
         raise _fail("ablations", b.ablations, f"must name some of {', '.join(ABLATIONS)}")
     common.check_known(abl, list(ABLATIONS), "ablations", "ablations.")
     out = {}
     for key, opts in abl.items():
+        if not isinstance(opts, (dict, type(None))):
+            raise _fail(f"ablations.{key}", opts, "must be a mapping of options (or null)")
         opts = dict(opts or {})
         a = ABLATIONS[key]
         common.check_known(opts, [*COMMON, *a.options], f"ablation {key}", f"ablations.{key}.")
@@ -180,11 +198,7 @@ def check_paper(b: PaperBench) -> PaperBench:
 
 def load_paper_bench(path: str | Path, overrides: dict | None = None) -> PaperBench:
     """Read and validate a paper-bench preset (unknown keys named, with a suggestion)."""
-    path = common.resolve_bench_preset(path)
-    data = common.read_preset(path)
-    data.update(overrides or {})
-    common.check_known(data, [f.name for f in fields(PaperBench)], str(path))
-    return check_paper(PaperBench(**data))
+    return check_paper(common.load_preset(PaperBench, path, overrides))
 
 
 # ---- models, gamma, variants -----------------------------------------------------------------

@@ -27,8 +27,9 @@ saved when it has none (delete the file to measure again); `gamma: measure` uses
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ import torch
 from opd.bench import common
 from opd.bench.common import DTYPES
 from opd.config import ConfigError
+from opd.config_loader import bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 
@@ -49,33 +51,63 @@ VARIANTS = {
 """Benchmarked engine variants (name -> make_engine name and options); Cached AR is the
 baseline and always runs."""
 
+@strict_schema
 @dataclass
 class RolloutBench:
+    """A preset of `opd bench rollout` (configs/bench/*.yaml)."""
+
     model: str = "GPT-digits-S"
-    overrides: dict = field(default_factory=dict)
+    """opd.models preset of the benchmarked student."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """ModelArgs overrides (e.g. grid_size: 24)."""
     checkpoint: str | None = None
+    """Weights file, run or checkpoints/step_N directory (its student.pt), "pretrained" (opd
+    pretrain's cached digits student) or null (random init, see random_init_std)."""
     random_init_std: float = 0.02
+    """Std of the normal random init of every matrix (checkpoint: null)."""
     device: str = "cpu"
+    """cpu or cuda[:N]."""
     dtype: str = "float32"
+    """float32 | bfloat16 | float16 | float64 (opd.bench.common.DTYPES)."""
     threads: int | None = None
-    prefix: str = "random"
-    prefix_ratio: float = 0.25
-    batch_sizes: list = field(default_factory=lambda: [1, 4, 16])
-    windows: list = field(default_factory=lambda: [2, 4, 8, 16])
-    H: int | None = None
-    engines: list = field(default_factory=lambda: list(VARIANTS))
-    decodings: list = field(default_factory=lambda: ["greedy"])
+    """torch intra-op threads; null or 0 = torch's default."""
+    prefix: Literal["data", "random"] = "random"
+    """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
+    prefix_ratio: float = bounded(0.25, ge=0.0, lt=1.0)
+    """Fraction of the sequence given as the prefix; the engines generate the rest."""
+    batch_sizes: list[int] = bounded(lambda: [1, 4, 16], ge=1, factory=True)
+    """Batch sizes swept (images per engine call)."""
+    windows: list[int] = bounded(lambda: [2, 4, 8, 16], ge=1, factory=True)
+    """Jacobi windows W swept."""
+    H: int | None = bounded(None, ge=1)
+    """Draft-initialization history offset; null = one grid row."""
+    engines: list[str] = field(default_factory=lambda: list(VARIANTS))
+    """Engine variants (VARIANTS); Cached AR is the baseline and always runs."""
+    decodings: list[str] = field(default_factory=lambda: ["greedy"])
+    """greedy and / or sample verification."""
     cfg_scale: float | None = 2.0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    gamma: int | str = "measure"
-    repeats: int = 3
-    warmup: int = 1
-    calibration_repeats: int = 3
+    """Classifier-free guidance scale; null or 1.0 = no guidance."""
+    temperature: float = bounded(1.0, gt=0.0)
+    """Sampling temperature (sample decoding)."""
+    top_k: int = bounded(0, ge=0)
+    """Top-k filter; 0 = off."""
+    top_p: float = bounded(1.0, gt=0.0, le=1.0)
+    """Nucleus mass; 1.0 = off."""
+    gamma: int | Literal["measure"] = bounded("measure", ge=0)
+    """Hybrid threshold: measure = the calibration file's gamma per (batch, W), or an int."""
+    repeats: int = bounded(3, ge=1)
+    """Timed rounds per configuration (interleaved)."""
+    warmup: int = bounded(1, ge=0)
+    """Untimed rounds first."""
+    calibration_repeats: int = bounded(3, ge=1)
+    """Timed verifier forwards per (active count, mode) when calibrating."""
     seed: int = 0
-    refreshes: list = field(default_factory=lambda: ["coupled"])
-    slots: int | None = None
+    """Seed of the inputs and of sampling."""
+    refreshes: list[str] = field(default_factory=lambda: ["coupled"])
+    """Sampled drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
+    slots: int | None = bounded(None, ge=1)
+    """Physical rows per call (continuous batching), every engine, Cached AR included; null =
+    all of the batch's images at once."""
 
 
 def _fail(key: str, value, need: str) -> ConfigError:
@@ -83,40 +115,19 @@ def _fail(key: str, value, need: str) -> ConfigError:
 
 
 def check_bench(b: RolloutBench) -> RolloutBench:
-    """Raise ConfigError naming the key of the first invalid value."""
-    def ints(key, lo):
+    """What the schema's types and ranges do not say; ConfigError naming the key."""
+    for key in ("batch_sizes", "windows"):
+        if not getattr(b, key):
+            raise _fail(key, getattr(b, key), "must be a non-empty list of ints >= 1")
+    for key, allowed in (("engines", VARIANTS), ("decodings", ("greedy", "sample")),
+                         ("refreshes", ("coupled", "resample"))):
         v = getattr(b, key)
-        if not (isinstance(v, list) and v and all(isinstance(x, int) and x >= lo for x in v)):
-            raise _fail(key, v, f"must be a non-empty list of ints >= {lo}")
-    ints("batch_sizes", 1)
-    ints("windows", 1)
-    for key, allowed in (("engines", VARIANTS), ("decodings", ("greedy", "sample"))):
-        v = getattr(b, key)
-        bad = [x for x in v if x not in allowed] if isinstance(v, list) else [v]
-        if bad or not v:
+        if not v or any(x not in allowed for x in v):
             raise _fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
-    v = b.refreshes
-    if not (isinstance(v, list) and v and all(x in ("coupled", "resample") for x in v)):
-        raise _fail("refreshes", v, "must be a non-empty list of coupled, resample")
-    if b.slots is not None and not (isinstance(b.slots, int) and b.slots >= 1):
-        raise _fail("slots", b.slots, "must be null or an int >= 1 (physical rows)")
     if b.dtype not in DTYPES:
         raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
     if b.device != "cpu" and not b.device.startswith("cuda"):
         raise _fail("device", b.device, "must be cpu or cuda[:N]")
-    if b.prefix not in ("data", "random"):
-        raise _fail("prefix", b.prefix, "must be data or random")
-    if not (isinstance(b.prefix_ratio, (int, float)) and 0 <= b.prefix_ratio < 1):
-        raise _fail("prefix_ratio", b.prefix_ratio, "must be in [0, 1)")
-    if not (b.gamma == "measure" or (isinstance(b.gamma, int) and b.gamma >= 0)):
-        raise _fail("gamma", b.gamma, "must be 'measure' or an int >= 0")
-    for key in ("repeats", "calibration_repeats"):
-        if not (isinstance(getattr(b, key), int) and getattr(b, key) >= 1):
-            raise _fail(key, getattr(b, key), "must be an int >= 1")
-    if not (isinstance(b.warmup, int) and b.warmup >= 0):
-        raise _fail("warmup", b.warmup, "must be an int >= 0")
-    if not isinstance(b.overrides, dict):
-        raise _fail("overrides", b.overrides, "must be a mapping of ModelArgs fields")
     return b
 
 
@@ -125,11 +136,7 @@ resolve_bench_preset = common.resolve_bench_preset
 
 def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
     """Read and validate a bench preset (unknown keys are named, with a suggestion)."""
-    path = resolve_bench_preset(path)
-    data = common.read_preset(path)
-    data.update(overrides or {})
-    common.check_known(data, [f.name for f in fields(RolloutBench)], str(path))
-    return check_bench(RolloutBench(**data))
+    return check_bench(common.load_preset(RolloutBench, path, overrides))
 
 
 # ---- model and inputs ------------------------------------------------------------------------

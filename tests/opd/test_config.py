@@ -285,3 +285,39 @@ def test_first_problem_in_file_order_is_reported():
     assert first({"rollout": {"engine": "x", "window": 0}}).startswith("rollout.engine='x'")
     assert first({"rollout": {"windw": 1, "window": "a"}}).startswith("unknown config key")
     assert first({"rollout": {"window": "a", "windw": 1}}) == "rollout.window='a': expected int"
+
+
+def test_bench_preset_schemas_have_docstrings_and_use_the_loader():
+    """The bench presets are schemas of the same loader: every field has a docstring, unknown
+    keys and wrong types are one line naming the key."""
+    import ast
+    import inspect
+
+    from opd.bench import paper, rollout
+    for mod, name in ((rollout, "RolloutBench"), (paper, "PaperBench")):
+        node = next(n for n in ast.parse(inspect.getsource(mod)).body
+                    if isinstance(n, ast.ClassDef) and n.name == name)
+        body = [s for s in node.body if not isinstance(s, ast.Expr)]
+        assert body and all(isinstance(s, ast.AnnAssign) for s in body)
+        for i, stmt in enumerate(node.body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = node.body[i + 1] if i + 1 < len(node.body) else None
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{name}.{stmt.target.id} has no docstring"
+    with pytest.raises(ConfigError) as e:
+        rollout.load_bench("digits", {"windws": [2]})
+    assert str(e.value) == "unknown bench preset key 'windws'; did you mean 'windows'?"
+    with pytest.raises(ConfigError) as e:
+        paper.load_paper_bench("cpu_tiny", {"W": "8"})
+    assert str(e.value) == "W='8': expected int"
+
+
+def test_bench_preset_extends_another(tmp_path):
+    from opd.bench.paper import load_paper_bench
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: cpu_tiny\nbatch: 2\n")
+    b = load_paper_bench(mine)
+    assert (b.batch, b.model, b.W) == (2, "GPT-tiny", 4)
+    mine.write_text("extends: cpu_tiny\nbatch: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{mine}: batch=0: must be >= 1$"):
+        load_paper_bench(mine)
