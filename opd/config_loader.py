@@ -17,10 +17,15 @@ naming the dotted key and the value as written, and checks the `bounded` ranges.
 problems the one met first in the file is reported.
 
 Why pydantic and not OmegaConf: pydantic v2 is already installed (`ray[default]` depends on
-it), validates the existing stdlib dataclasses unchanged through `TypeAdapter`, and its error
-locations are tuples of field names that turn into dotted keys.  OmegaConf would be a new
-dependency, and its structured configs would not take this schema as it is (no `Literal`, no
-unions such as `int | tuple[int, int]`), nor word errors as one line per key.
+it), validates the existing stdlib dataclasses unchanged through `TypeAdapter` (no second set
+of classes), and its error locations are tuples of field names that turn into dotted keys.
+OmegaConf would be a new dependency and needs its own structured-config objects; its last
+stable release (2.3) takes neither `Literal` fields nor a union with a container, such as
+`int | tuple[int, int]`, both of which this schema uses (they arrive in the 2.4 pre-release).
+The schema stays stdlib dataclasses rather than pydantic dataclasses: built in code
+(`RunConfig()`, `dataclasses.replace`) a config is not validated field by field and raises no
+pydantic error, it pickles over Ray as before, and validation stays one step, on load, whose
+errors this module words.
 """
 from __future__ import annotations
 
