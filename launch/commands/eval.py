@@ -19,7 +19,7 @@ from launch.commands import add_config_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from opd.config import Engine  # no torch: the schema module imports yaml only
+    from opd.config import Engine  # no torch: the schema imports yaml and pydantic only
 
     p = subparsers.add_parser(
         "eval", help="FID / IS / precision / recall of a student, or a comparison of runs",
