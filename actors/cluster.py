@@ -214,13 +214,14 @@ class ActorGroups:
             setattr(self, name if name != "learner" else "learners", actors)
         self.queue = ray.remote(TrajectoryQueue).options(
             num_cpus=0, name=actor_name("queue"), namespace=self.namespace).remote(
-            cfg.distill.queue_capacity, cfg.distill.staleness)
+            cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
         infos = ray.get([a.info.remote() for a in self.learners])
         loopback = len({i["node_id"] for i in infos}) == 1
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         ray.get([a.setup.remote(host, port) for a in self.learners])
+        ray.get([a.attach_queue.remote(self.queue) for a in self.learners])
         ray.get([a.info.remote() for a in self.rollout + self.teacher])   # constructed
 
     def _start_evaluator(self, cfg: RunConfig, c: dict, run_dir: str | Path, local: bool):

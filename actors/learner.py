@@ -6,8 +6,9 @@ Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.
 torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
 `learner.grad_clip`, micro batch = global batch / world size, no gradient accumulation).
 
-`train_step(*parts)` gets the scored sub-batches of one prefix batch (every rank the same
-object-store objects), merges them in row order and trains on rows `shard_rows(B, R)[rank]`.
+`train_step(step, version)` takes this rank's refs of the step's batch from the trajectory
+queue and fetches only its rows, `shard_rows(B, R)[rank]` (the workers cut each part into the
+ranks' pieces when they deliver it: actors/delivery.py), merged in row order.
 The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
 scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
 the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the pipeline forms from
@@ -26,7 +27,8 @@ import torch
 
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import role_device, worker_info
-from actors.shards import merge_batches, shard_rows, take_rows
+from actors.delivery import payload_nbytes
+from actors.shards import merge_batches
 from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
                             tag_weights, weights_nbytes)
 from opd import checkpoints as ckpt
@@ -73,6 +75,7 @@ class StudentLearner:
         self.metrics = RoleMetrics("learner", rank)
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
+        self.queue = None
 
     def info(self) -> dict:
         return {**worker_info("learner", self.rank, self.device), "steps": self.steps,
@@ -119,18 +122,35 @@ class StudentLearner:
         return float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
 
-    def train_step(self, *parts: dict) -> dict:
-        """One optimizer step on the scored sub-batches `parts` (to_numpy_dict, row order) of
-        one prefix batch.  Returns this rank's metrics: loss (its shard's), tokens, grad_norm
-        (global), seconds; rank 0 also the batch summary (`batch`: the trajectory without
-        teacher scores, as to_numpy_dict)."""
+    def attach_queue(self, queue) -> bool:
+        """The trajectory queue this rank takes its rows from."""
+        self.queue = queue
+        return True
+
+    def train_step(self, step: int, version: int) -> dict:
+        """One optimizer step on this rank's rows of `step`'s batch at policy `version`: takes
+        its refs from the trajectory queue and fetches only its own pieces (actors/delivery.py).
+        Returns this rank's metrics: loss (its shard's), tokens, grad_norm (global), seconds,
+        rows and bytes received.  If a rank cannot fetch its pieces (the worker that owned them
+        died), every rank returns {"lost": True} without training and the driver makes the
+        step's parts again."""
         start = time.perf_counter()
-        batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in parts])
-        a, b = shard_rows(batch.batch_size, self.world_size)[self.rank]
-        shard = take_rows(batch, a, b)
+        share = ray.get(self.queue.take.remote(step, version, self.rank))
+        if share is None:
+            raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible batch for "
+                               f"step {step} at version {version}")
+        try:
+            payloads = ray.get(share["refs"])
+        except ray.exceptions.ObjectLostError:        # OwnerDiedError: its worker died
+            payloads = None
+        if self._any_rank(payloads is None):
+            if self.rank == 0:
+                ray.get(self.queue.drop.remote(step))
+            return {"rank": self.rank, "lost": True}
+        shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in payloads])
         loss, metrics = student_loss(self.engine, shard, self.objective,
                                      dropout=self.cfg.learner.student_dropout)
-        scale = self.world_size * shard.num_generated_tokens / batch.num_generated_tokens
+        scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
         self.engine.backward(loss * scale if scale != 1.0 else loss)
         set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
         norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
@@ -141,13 +161,21 @@ class StudentLearner:
         self.engine.eval()
         self.steps += 1
         seconds = time.perf_counter() - start
-        out = {**metrics, "rank": self.rank, "loss": float(loss.detach()),
-               "tokens": float(shard.num_generated_tokens), "grad_norm": norm, "seconds": seconds}
-        if self.rank == 0:
-            out["batch"] = batch.with_teacher().to_numpy_dict()
         self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
                             learner_samples_per_s=shard.batch_size / seconds)
-        return out
+        return {**metrics, "rank": self.rank, "loss": float(loss.detach()),
+                "tokens": float(shard.num_generated_tokens), "grad_norm": norm,
+                "seconds": seconds, "rows": shard.batch_size,
+                "received_bytes": payload_nbytes(payloads), "queue_depth": share["depth"]}
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any (an all-reduce over the group)."""
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -233,7 +261,7 @@ def combine_rank_metrics(results: list[dict]) -> dict:
     """One step's metrics from the ranks' results: loss and the objective's other float metrics
     weighted by each rank's tokens (= the global token mean), tokens summed, the group's
     grad_norm."""
-    skip = ("batch", "rank", "seconds")
+    skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
     if len(results) == 1:
         return {k: v for k, v in results[0].items() if k not in skip}
     tokens = [r["tokens"] for r in results]

@@ -2,8 +2,10 @@
 
 Strict about versions: `generate(job, version)` runs only if the worker holds exactly that
 policy version (loaded by `load_weights` or received by `receive_weights`), else it raises
-`StaleWeightsError`.  Trajectories go back as task results (`TrajectoryBatch.to_numpy_dict()`),
-so the caller owns them and nothing is lost when this worker dies.
+`StaleWeightsError`.  A generated part goes into the object store from here (this worker owns
+it): cut into the learner ranks' pieces and handed to the trajectory queue, or whole for a
+teacher worker to score (actors/delivery.py); the driver gets a `PartReport` only.  If this
+worker dies, what it owns is lost and the driver makes those parts again.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import time
 import ray
 import torch
 
+from actors.delivery import PartTag, deliver, put_payload
 from actors.metrics import RoleMetrics
+from actors.tasks import PartReport
 from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
 from opd.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config import RunConfig, config_from_dict
@@ -91,11 +95,15 @@ class RolloutWorker:
         self.version = int(version)
         return time.perf_counter() - start
 
-    def generate(self, job: RolloutJob, version: int) -> dict:
-        """The trajectory of `job` by the student of `version`, as `to_numpy_dict()`."""
+    def generate(self, job: RolloutJob, version: int, tag: PartTag | None = None,
+                 queue=None) -> PartReport:
+        """The trajectory of `job` by the student of `version`: delivered into `queue` as the
+        learner ranks' pieces (`tag`), or, without a tag, put whole for a teacher to score; the
+        report says which (actors/delivery.py)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
+        start = time.perf_counter()
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         s = traj.rollout_stats
         seconds = float(s.get("rollout_seconds", 0.0))
@@ -111,4 +119,5 @@ class RolloutWorker:
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
-        return traj.to_numpy_dict()
+        busy = time.perf_counter() - start
+        return put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)

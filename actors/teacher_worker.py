@@ -1,11 +1,16 @@
 """`TeacherWorker`: the frozen teacher; scores student-visited states, or (SeqKD) generates
-teacher rollouts with the configured engine.  Results are task results, owned by the caller."""
+teacher rollouts with the configured engine.  Parts go to the learner ranks through the
+trajectory queue (actors/delivery.py); the driver gets reports only."""
 from __future__ import annotations
+
+import time
 
 import torch
 
+from actors.delivery import PartTag, deliver, put_payload
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import job_tokens, role_device, worker_info
+from actors.tasks import PartReport
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
 from opd.pretrain import load_role_model
@@ -33,9 +38,10 @@ class TeacherWorker:
     def __repr__(self) -> str:
         return f"TeacherWorker(opd/teacher/{self.index}, version={self.version})"
 
-    def score(self, traj: dict) -> dict:
-        """The trajectory (`to_numpy_dict()`) with teacher scores attached, full or top-k as
-        `teacher.transport` says."""
+    def score(self, traj: dict, tag: PartTag, queue) -> PartReport:
+        """Attach teacher scores (full or top-k, as `teacher.transport` says) to a generated
+        part (`to_numpy_dict()`) and deliver it into `queue` as the learner ranks' pieces."""
+        start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(traj)
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
@@ -43,14 +49,18 @@ class TeacherWorker:
         tokens = batch.batch_size * batch.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return out.to_numpy_dict()
+        return deliver(out, tag, queue, time.perf_counter() - start)
 
-    def generate(self, job: RolloutJob, version: int) -> dict:
-        """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`."""
+    def generate(self, job: RolloutJob, version: int, tag: PartTag | None = None,
+                 queue=None) -> PartReport:
+        """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`;
+        delivered or put whole as `RolloutWorker.generate`."""
+        start = time.perf_counter()
         self.version = version
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return traj.to_numpy_dict()
+        busy = time.perf_counter() - start
+        return put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)

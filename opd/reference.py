@@ -20,26 +20,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
 from opd import checkpoints as ckpt
 from opd.artifacts import plot_training
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
-from opd.metrics import MetricsLog
+from opd.loop import RunInterrupted, StepLog  # noqa: F401  (RunInterrupted re-exported)
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a run after it checkpointed step `step` (resume with `--resume run_dir`)."""
-
-    def __init__(self, step: int, checkpoint: str, run_dir: str | Path):
-        super().__init__(f"interrupted at step {step}; checkpoint {checkpoint}")
-        self.step, self.checkpoint, self.run_dir = step, str(checkpoint), str(run_dir)
 
 
 def check_objective(cfg: RunConfig, objective) -> None:
@@ -121,26 +112,21 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
     start = 0
-    log = MetricsLog(run_dir, flush_every=cfg.run.log_every, resume=resume)
     if resume:
         last = ckpt.latest_checkpoint(run_dir)
         if last is not None:
             start = load_checkpoint(last, student, optimizer, batcher)
-        log.truncate(start)
-    steps = cfg.distill.steps if stop_after is None else min(cfg.distill.steps, start + stop_after)
+    steps = StepLog(cfg, run_dir, start=start, stop_after=stop_after, resume=resume,
+                    desc="opd reference", progress=progress)
     quality = quality_log(run_dir, resume=resume, start=start)
     evaluator = Evaluator(cfg, teacher) if cfg.eval.track else None
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))
     track_quality(evaluator, quality, student, start, run_dir)
-    bar = tqdm(range(start, steps), desc="opd reference", disable=not progress,
-               dynamic_ncols=True, initial=start, total=cfg.distill.steps)
-    for step in bar:
+    for step in range(start, steps.end):
         if stop is not None and stop():
-            bar.close()
-            log.flush()
             path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
-            raise RunInterrupted(step, path, run_dir)
+            raise steps.interrupted(step, path)
         pb = next(batcher)
         source = batch_source(objective, step, seed)
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
@@ -158,14 +144,9 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
         metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
                         dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step))
         seconds["learner"] = time.perf_counter() - t0
-        row = step_row(step, traj, metrics, seconds)
-        log.append(row)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
-                        commit=f"{row['mean_committed']:.2f}")
+        steps.record(step_row(step, traj, metrics, seconds))
         track_quality(evaluator, quality, student, step + 1, run_dir)
-        every = cfg.run.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == cfg.distill.steps:
+        if steps.checkpoint_due(step + 1):
             save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
-            plot_training(log.rows, run_dir / "training.png", quality=quality.rows)
-    log.flush()
-    return log.rows
+            plot_training(steps.rows, run_dir / "training.png", quality=quality.rows)
+    return steps.close()

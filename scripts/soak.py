@@ -109,13 +109,16 @@ class Watchdog:
                 before = pl.reissued
                 time.sleep(5.0)
                 self.stalled = {
-                    "after_step": pl.version - 1, "published_version": pl.published.version,
-                    "unfinished_plans": {s: {"version": p.version, "source": p.source,
-                                             "parts_generated": len(p.trajs),
-                                             "parts": len(p.jobs)}
-                                         for s, p in sorted(pl.plans.items())},
-                    "tasks_in_flight": sorted(f"{t.kind}:{t.step}:{t.worker}"
-                                              for t in list(pl.tasks.values())),
+                    "after_step": pl.version - 1,
+                    "published_version": pl.publisher.published.version,
+                    "unfinished_plans": {s: {"version": p.version, "gen": p.gen,
+                                             "source": p.source,
+                                             "parts_generated": len(p.generated),
+                                             "parts_delivered": len(p.delivered),
+                                             "parts": p.parts}
+                                         for s, p in sorted(pl.planner.plans.items())},
+                    "tasks_in_flight": sorted(f"{t.kind.value}:{t.step}:{t.worker}"
+                                              for t in list(pl.dispatch.tasks.values())),
                     "reissues_per_s": (pl.reissued - before) / 5.0}
                 _thread.interrupt_main()
                 return

@@ -227,6 +227,51 @@ def test_killed_teacher_worker_loses_nothing(ray_session, tiny_overrides, refere
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
 
 
+def kill_and_wait(actor) -> None:
+    """Kill `actor` (Ray restarts it) and return once its replacement answers: whatever the old
+    process owned in the object store is gone."""
+    import ray
+    pid = ray.get(actor.info.remote())["pid"]
+    ray.kill(actor, no_restart=False)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if ray.get(actor.info.remote(), timeout=10)["pid"] != pid:
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.2)
+    raise AssertionError("the killed worker did not come back")
+
+
+def test_parts_lost_with_the_worker_that_owned_them_are_made_again(
+        ray_session, tiny_overrides, reference, tmp_path):
+    """Workers own what they put in the object store.  Step 1: the rollout worker dies after
+    generating part 0 and before the teacher fetched it (the scoring finds its input lost);
+    step 3: the teacher dies after delivering every part and before the learner fetched them
+    (the learner ranks report the step lost).  Both are made again: nothing lost, nothing
+    used twice, the reference's losses."""
+    fired = []
+
+    def after_part(pipeline, step, part, worker):
+        if step == 1 and part == 0 and "rollout" not in fired:
+            fired.append("rollout")
+            kill_and_wait(pipeline.rollout[worker])
+
+    def after_seal(pipeline, step):
+        if step == 3 and "teacher" not in fired:
+            fired.append("teacher")
+            kill_and_wait(pipeline.teacher[0])
+
+    rows = run_distributed(cfg_for(tiny_overrides, "rollout.num_workers=2"), tmp_path,
+                           progress=False, hooks={"after_part": after_part, "after_seal": after_seal})
+    assert fired == ["rollout", "teacher"]
+    assert_each_batch_once(rows, tmp_path)
+    reissued = [r["reissued"] for r in rows]
+    assert reissued[0] == 0 and reissued[1] >= 1              # part 0 of step 1 again
+    assert reissued[3] - reissued[2] >= 2                     # both parts of step 3 again
+    assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
+
+
 def test_learner_failure_stops_the_run_naming_the_checkpoint(ray_session, tiny_overrides, tmp_path):
     def kill_learner(pipeline, step, row):
         import ray

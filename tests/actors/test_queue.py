@@ -7,7 +7,7 @@ from actors.queue import QueueCore, QueueItem, TrajectoryQueue
 
 
 def item(step, version, samples=4):
-    return QueueItem(step=step, batch_id=100 + step, version=version, refs=[], samples=samples)
+    return QueueItem(step=step, batch_id=100 + step, version=version, samples=samples)
 
 
 def test_strict_mode_never_hands_out_an_old_version():
@@ -60,18 +60,38 @@ def test_backpressure_refuses_when_full():
     assert q.put(item(2, 0))
 
 
-def test_queue_actor_put_waits_for_room(ray_session):
+def test_parts_are_sealed_by_generation_and_dropped_once_handed_out():
+    from actors.queue import PartStore
+    store = PartStore(world_size=2)
+    assert store.put(5, 0, 0, ["p0r0", "p0r1"]) and store.put(5, 0, 1, ["p1r0", None])
+    assert store.put(5, 1, 0, ["new0", "new1"])                  # a re-planned generation
+    with pytest.raises(KeyError, match=r"step 5 generation 1: parts \[1\]"):
+        store.seal(5, 1, parts=2)
+    assert store.seal(5, 0, parts=2) == [["p0r0", "p1r0"], ["p0r1", None]]
+    assert store.parts == {}                                      # generation 1 dropped too
+    store.handed_out_below = 6
+    assert not store.put(5, 2, 0, ["late", "late"]) and store.dropped == 1
+    assert not store.put(7, 0, 0, ["one rank only"])              # a piece per rank or nothing
+
+
+def test_queue_actor_hands_each_rank_its_refs_and_waits_for_room(ray_session):
     ray = ray_session
-    q = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(1, 0)
-    ref = ray.put({"payload": 1})
-    assert ray.get(q.put.remote(QueueItem(0, 0, 0, [ref], 1)))
-    assert not ray.get(q.put.remote(QueueItem(1, 1, 0, [ref], 1)))          # full: refused
-    waiting = q.put.remote(QueueItem(1, 1, 0, [ref], 1), timeout=30.0)     # blocks ...
+    q = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(1, 0, 2)
+    r0, r1 = ray.put({"rank": 0}), ray.put({"rank": 1})
+    assert ray.get(q.put_part.remote(0, 0, 0, [r0, r1]))
+    assert ray.get(q.seal.remote(QueueItem(0, 0, 0, samples=2, generated_tokens=6), 0, 1))
+    assert ray.get(q.put_part.remote(1, 0, 0, [r0, r1]))
+    assert not ray.get(q.seal.remote(QueueItem(1, 1, 0, samples=2), 0, 1))    # full: refused
+    waiting = q.seal.remote(QueueItem(1, 1, 0, samples=2), 0, 1, timeout=30.0)   # blocks ...
     ready, _ = ray.wait([waiting], timeout=0.5)
     assert not ready
-    got = ray.get(q.get.remote(0))                                          # ... until room
-    assert ray.get(waiting) is True        # True: put once there was room (a timeout refuses)
-    assert got.batch_id == 0 and ray.get(got.refs[0]) == {"payload": 1}    # refs pass through
+    share1 = ray.get(q.take.remote(0, 0, 1))                                  # ... until room
+    assert ray.get(waiting) is True
+    share0 = ray.get(q.take.remote(0, 0, 0))                     # the same item for rank 0
+    assert (share0["batch_id"], share0["generated_tokens"], share1["samples"]) == (0, 6, 2)
+    assert ray.get(share0["refs"]) == [{"rank": 0}] and ray.get(share1["refs"]) == [{"rank": 1}]
+    assert ray.get(q.take.remote(0, 0, 0)) is None               # handed out to every rank
+    assert not ray.get(q.put_part.remote(0, 1, 0, [r0, r1]))      # late part of a trained step
     ray.kill(q)
 
 

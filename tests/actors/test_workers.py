@@ -26,7 +26,8 @@ def setup(ray_session, tiny_overrides):
     return cfg, job, load_role_model(cfg, "student", progress=False)
 
 
-def test_rollout_worker_generates_only_the_version_it_holds(setup):
+def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
+    ray_get = ray_session.get
     cfg, job, student = setup
     worker = RolloutWorker(cfg, 0)
     with pytest.raises(StaleWeightsError, match="holds policy version None"):
@@ -35,21 +36,43 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup):
     with pytest.raises(ValueError, match="tagged version 5"):
         worker.load_weights(4, tag_weights(weights, 5))
     worker.load_weights(3, tag_weights(weights, 3))
-    got = TrajectoryBatch.from_numpy_dict(worker.generate(job, 3))
+    report = worker.generate(job, 3)                  # no tag: put whole, for a teacher
+    got = TrajectoryBatch.from_numpy_dict(ray_get(report.payload))
     want = rollout(student, build_engine(cfg), job, cfg, policy_version=3)
     assert torch.equal(got.tokens, want.tokens) and got.policy_version == 3
+    assert (report.rows, report.generated_tokens) == (4, want.num_generated_tokens)
     with pytest.raises(StaleWeightsError, match="holds policy version 3"):
         worker.generate(job, 4)
 
 
-def test_teacher_worker_scores_like_opd_steps(setup):
+def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
+    """A part of rows [2, 6) of an 8-row batch scored and cut for 2 learner ranks (rows [0, 4)
+    and [4, 8)): rank 0 gets the part's rows 2-3, rank 1 rows 4-5, each exactly what
+    opd.steps.score gives for those rows, and the report's byte count is the pieces' bytes."""
+    from actors.delivery import PartTag, part_cuts, payload_nbytes
+    from actors.queue import QueueItem, TrajectoryQueue
+    from actors.shards import take_rows
     cfg, job, student = setup
     traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
-    got = TrajectoryBatch.from_numpy_dict(TeacherWorker(cfg, 0).score(traj.to_numpy_dict()))
+    queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)
+    cuts = part_cuts((2, 6), [(0, 4), (4, 8)])
+    assert cuts == ((0, 2), (2, 4))
+    report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PartTag(0, 0, 0, cuts), queue)
     want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg)
-    assert torch.equal(got.teacher_topk_indices, want.teacher_topk_indices)
-    assert torch.equal(got.teacher_topk_values, want.teacher_topk_values)
-    assert torch.equal(got.tokens, traj.tokens)
+    assert ray_session.get(queue.seal.remote(QueueItem(0, job.batch_id, 0, samples=4), 0, 1))
+    nbytes = 0
+    for rank, (a, b) in enumerate(cuts):
+        share = ray_session.get(queue.take.remote(0, 0, rank))
+        (ref,) = share["refs"]
+        payload = ray_session.get(ref)
+        nbytes += payload_nbytes(payload)
+        got = TrajectoryBatch.from_numpy_dict(payload)
+        rows = take_rows(want, a, b)
+        assert torch.equal(got.teacher_topk_indices, rows.teacher_topk_indices)
+        assert torch.equal(got.teacher_topk_values, rows.teacher_topk_values)
+        assert torch.equal(got.tokens, rows.tokens) and got.batch_size == 2
+    assert report.nbytes == nbytes and report.rows == 4 and report.payload is None
+    ray_session.kill(queue)
 
 
 def test_numpy_weights_round_trip_exactly(setup):

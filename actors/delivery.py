@@ -1,0 +1,78 @@
+"""Delivering a step part to the learner ranks that train on it.
+
+A part is a contiguous row range [a, b) of a step's batch; learner rank r trains on rows
+`shard_rows(B, R)[r]`.  The worker that made the part (a rollout worker, or a teacher worker
+after scoring it) cuts it into one piece per rank — the part's rows that rank trains on — puts
+each piece into the object store itself (it owns them) and hands the refs to the trajectory
+queue.  The driver gets a `PartReport` (counts and rollout statistics, no payload); each rank
+fetches only its own pieces.  If the worker dies before the learner fetched them, the pieces are
+lost with it; the learner ranks then report the step lost and the driver makes its parts again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from actors.shards import take_rows
+from actors.tasks import PartReport
+from opd.batch import TrajectoryBatch
+
+
+@dataclass(frozen=True)
+class PartTag:
+    """Where a part goes: its step, plan generation, part index, and for each learner rank the
+    part's local rows [a, b) that rank trains on (a == b: none)."""
+    step: int
+    gen: int
+    part: int
+    cuts: tuple[tuple[int, int], ...]
+
+
+def part_cuts(part: tuple[int, int], shards: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The rows of part [a, b) in each rank's shard, local to the part."""
+    a, b = part
+    out = []
+    for s, e in shards:
+        lo, hi = max(a, s), min(b, e)
+        out.append((lo - a, hi - a) if lo < hi else (0, 0))
+    return tuple(out)
+
+
+def payload_nbytes(payload) -> int:
+    """Bytes of the arrays in a to_numpy_dict payload (nested dicts and lists included)."""
+    if isinstance(payload, np.ndarray):
+        return int(payload.nbytes)
+    if isinstance(payload, dict):
+        return sum(payload_nbytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_nbytes(v) for v in payload)
+    return 0
+
+
+def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:
+    return PartReport(batch.batch_size, batch.num_generated_tokens, dict(batch.rollout_stats),
+                      nbytes, seconds, payload)
+
+
+def put_payload(batch: TrajectoryBatch, seconds: float) -> PartReport:
+    """A generated part that a teacher worker scores next: one object owned by this worker."""
+    payload = batch.to_numpy_dict()
+    return report(batch, payload_nbytes(payload), seconds, ray.put(payload))
+
+
+def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> PartReport:
+    """Cut `batch` (one part) into its learner ranks' pieces, put them and hand them to `queue`."""
+    pieces, nbytes = [], 0
+    for a, b in tag.cuts:
+        if a == b:
+            pieces.append(None)
+            continue
+        piece = take_rows(batch, a, b)
+        piece.rollout_stats = {}                 # the driver has them from the report
+        payload = piece.to_numpy_dict()
+        nbytes += payload_nbytes(payload)
+        pieces.append(ray.put(payload))
+    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces))
+    return report(batch, nbytes, seconds)

@@ -1,0 +1,108 @@
+"""`Dispatcher`: the driver's tasks in flight on the workers, and what happened to them.
+
+It hands a part to the least busy worker of its pool that is up (or keeps it waiting until one
+is), probes failed workers when they are due, and waits for answers.  Each answer comes back as
+an `Answer`: done (with its small value), or the error that ended it — the worker held other
+weights (`StaleWeightsError`), the worker failed (`RayActorError`: Ray restarts it; the pool
+takes it out until a probe answers), or a payload its task needed was lost with the worker that
+owned it (`ObjectLostError`).  What to do about each is the pipeline's business.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+from ray.exceptions import ObjectLostError, RayActorError
+
+from actors.pool import WorkerPool
+from actors.rollout_worker import StaleWeightsError
+from actors.tasks import ROLE_OF, StepPlan, Task, TaskKind
+
+
+class WorkerPoolExhausted(RuntimeError):
+    """Every worker of a pool died for good (its restarts used up)."""
+
+
+@dataclass
+class Answer:
+    task: Task
+    ref: ray.ObjectRef
+    value: object = None
+    error: BaseException | None = None
+
+    @property
+    def lost_input(self) -> bool:
+        """A payload the task needed was lost (its owner died), not this worker's fault."""
+        e = self.error
+        return isinstance(e, ObjectLostError) or isinstance(getattr(e, "cause", None), ObjectLostError)
+
+
+class Dispatcher:
+    def __init__(self, cfg, groups, hook: Callable[..., None]):
+        self.cfg, self.hook = cfg, hook
+        self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
+                      "teacher": WorkerPool("teacher", groups.teacher)}
+        self.tasks: dict[ray.ObjectRef, Task] = {}
+        self.backlog: list[tuple[TaskKind, int, int]] = []   # (kind, step, part) waiting for a worker
+
+    def track(self, ref: ray.ObjectRef, task: Task) -> None:
+        """Wait on `ref`; a part or a weights load counts against its worker's load."""
+        self.tasks[ref] = task
+        if task.role in self.pools and task.kind is not TaskKind.PROBE:
+            self.pools[task.role].busy[task.worker] += 1
+
+    def submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
+        """`call(actor)` on the least busy worker of the kind's pool that is up, else wait."""
+        role = ROLE_OF[kind]
+        pool = self.pools[role]
+        if pool.exhausted:
+            raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="
+                                      f"{self.cfg.cluster.max_restarts} restarts each were used up)")
+        i = pool.pick()
+        if i is None:
+            self.backlog.append((kind, plan.step, part))
+            return
+        self.track(call(pool.actors[i]), Task(kind, role, plan.step, part, i, plan.version, plan.gen))
+        self.hook("after_submit", kind=kind.value, step=plan.step, part=part, worker=i)
+
+    def forget_step(self, step: int) -> None:
+        """Parts of `step` waiting for a worker are dropped (the step is re-planned)."""
+        self.backlog = [w for w in self.backlog if w[1] != step]
+
+    def waiting(self) -> list[tuple[TaskKind, int, int]]:
+        """Probe the failed workers that are due; return (and clear) the parts waiting."""
+        for role, pool in self.pools.items():
+            for i in pool.due():
+                self.track(pool.actors[i].info.remote(), Task(TaskKind.PROBE, role, worker=i))
+        waiting, self.backlog = self.backlog, []
+        return waiting
+
+    def idle_for(self) -> float | None:
+        """Seconds until the next probe is due (None: none)."""
+        probes = [t for t in (p.next_probe_in() for p in self.pools.values()) if t is not None]
+        return min(probes) if probes else None
+
+    def wait(self, timeout: float, interrupt) -> list[Answer]:
+        """The answers that arrive within `timeout` seconds (at least one if any is in flight)."""
+        if not self.tasks:
+            with interrupt.safe():
+                time.sleep(timeout)
+            return []
+        with interrupt.safe():
+            done, _ = ray.wait(list(self.tasks), num_returns=1, timeout=timeout)
+        answers = []
+        for ref in done:
+            task = self.tasks.pop(ref)
+            if task.kind is not TaskKind.PROBE and task.role in self.pools:
+                self.pools[task.role].busy[task.worker] -= 1
+            try:
+                answers.append(Answer(task, ref, ray.get(ref)))
+            except (StaleWeightsError, RayActorError, ObjectLostError) as e:
+                answers.append(Answer(task, ref, error=e))
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(getattr(e, "cause", None), ObjectLostError):
+                    raise
+                answers.append(Answer(task, ref, error=e))
+        return answers

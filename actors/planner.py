@@ -1,0 +1,59 @@
+"""`StepPlanner`: which step the driver plans next, with which prefix batch and policy version.
+
+It owns the data cursor (the batcher's state before each planned step's batch, for
+checkpoints), the plans of steps issued and not trained yet, and plan generations.  A step is
+planned when the queue bound allows (`distill.queue_capacity` steps ahead of the learner) and,
+for student rollouts, the staleness bound (`distill.staleness` versions behind the step).
+"""
+from __future__ import annotations
+
+import itertools
+
+from actors.shards import split_job
+from actors.tasks import StepPlan
+from opd.config import RunConfig
+from opd.data import PrefixBatcher
+from opd.steps import RolloutJob, batch_prefix_len, batch_source
+
+
+class StepPlanner:
+    def __init__(self, cfg: RunConfig, objective, batcher: PrefixBatcher, seq_len: int, start: int):
+        self.cfg, self.objective, self.batcher, self.seq_len = cfg, objective, batcher, seq_len
+        self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
+        self.plans: dict[int, StepPlan] = {}
+        self.next_step = start
+        self._gens = itertools.count()
+
+    def plan(self, learner_version: int, published: int, end: int, parts: int) -> StepPlan | None:
+        """The next step's plan cut into `parts`, or None if a bound (or the end) holds it."""
+        cfg, s = self.cfg, self.next_step
+        if s >= end or s - learner_version >= cfg.distill.queue_capacity:
+            return None
+        source = batch_source(self.objective, s, cfg.run.seed)
+        version = s
+        if source == "student":
+            version = published
+            if s - version > cfg.distill.staleness:
+                return None
+        pb = next(self.batcher)
+        self.cursor[s + 1] = self.batcher.state_dict()
+        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
+                         batch_prefix_len(cfg, pb.batch_id, self.seq_len), source, cfg.run.seed)
+        plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version, split_job(job, parts),
+                                        gen=next(self._gens))
+        self.next_step += 1
+        return plan
+
+    def replan(self, plan: StepPlan, version: int) -> None:
+        """Every part of `plan` goes again at `version`, as a new generation."""
+        plan.reset(version, next(self._gens))
+
+    def current(self, step: int, gen: int) -> StepPlan | None:
+        """The plan of `step` if `gen` is still its generation (else an answer to drop)."""
+        plan = self.plans.get(step)
+        return plan if plan is not None and plan.gen == gen else None
+
+    def finish(self, step: int, version: int) -> StepPlan:
+        """Step `step` was trained; `version` is the learner's version now."""
+        self.cursor = {s: c for s, c in self.cursor.items() if s >= version}
+        return self.plans.pop(step)

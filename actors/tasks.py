@@ -1,0 +1,97 @@
+"""The driver's typed records: the kinds of task it has in flight, one task, and one step's plan.
+
+A `StepPlan` is one prefix batch cut into parts (row ranges, one rollout job each).  Each part
+is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
+itself), scored when the objective needs teacher scores, and delivered by the worker into the
+trajectory queue, cut into one piece per learner rank (actors/delivery.py).  The driver only
+sees each part's `PartReport` (a few numbers).  `gen` numbers the plan's generations: a plan
+re-planned at a newer policy version gets a new one, and answers of an older generation are
+dropped (by the driver and by the queue).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from opd.steps import RolloutJob
+
+
+class TaskKind(enum.Enum):
+    ROLLOUT = "rollout"                  # a student rollout part (rollout worker)
+    TEACHER_ROLLOUT = "teacher-rollout"  # a teacher rollout part (SeqKD; teacher worker)
+    SCORE = "score"                      # teacher scores of a generated part (teacher worker)
+    LOAD = "load"                        # a rollout worker loads the published weights
+    PROBE = "probe"                      # is a failed worker back?
+    TRAIN = "train"                      # one learner rank's step
+    PLACE = "place"                      # an elastic rollout worker's placement group is ready
+
+    @property
+    def makes_part(self) -> bool:
+        """Its answer is a step part's report (rollout, teacher rollout, scoring)."""
+        return self in (TaskKind.ROLLOUT, TaskKind.TEACHER_ROLLOUT, TaskKind.SCORE)
+
+
+ROLE_OF = {TaskKind.ROLLOUT: "rollout", TaskKind.TEACHER_ROLLOUT: "teacher",
+           TaskKind.SCORE: "teacher"}
+
+
+@dataclass
+class Task:
+    kind: TaskKind
+    role: str = ""   # the pool of the worker (rollout | teacher | learner)
+    step: int = -1
+    part: int = -1
+    worker: int = -1
+    version: int = -1   # the plan's policy version when it was submitted (parts)
+    gen: int = -1       # the plan's generation when it was submitted (parts)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PartReport:
+    """What a worker tells the driver about a part it delivered (no payload)."""
+    rows: int
+    generated_tokens: int
+    stats: dict                       # rollout statistics (opd.batch rollout_stats) of the part
+    nbytes: int                       # bytes of the pieces it put into the queue
+    seconds: float = 0.0              # the worker's busy time
+    payload: object = None            # ref of the whole part, owned by the worker (to score)
+
+
+@dataclass
+class StepPlan:
+    """One step's prefix batch, cut into parts, and what is known of each part."""
+    step: int
+    batch_id: int
+    source: str
+    version: int                       # policy version of its trajectories
+    jobs: list[RolloutJob]
+    gen: int = 0
+    generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
+    delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
+    issued: float = field(default_factory=time.perf_counter)
+    rollout_done: float = 0.0
+    score_started: float = 0.0
+    score_done: float = 0.0
+    rollout_busy: float = 0.0
+    teacher_busy: float = 0.0
+    sealed: bool = False               # the queue holds it as one item
+
+    @property
+    def parts(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def samples(self) -> int:
+        return sum(int(j.labels.shape[0]) for j in self.jobs)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.delivered) == len(self.jobs)
+
+    def reset(self, version: int, gen: int) -> None:
+        """Re-plan at `version` as generation `gen`: every part goes again."""
+        self.generated.clear()
+        self.delivered.clear()
+        self.version, self.gen, self.sealed = version, gen, False

@@ -1,0 +1,70 @@
+"""What every run's step loop shares, reference (opd/reference.py) and distributed
+(actors/pipeline.py): the metrics log and progress bar, the checkpoint cadence, and the stop
+after Ctrl-C.
+
+    steps = StepLog(cfg, run_dir, start=0, stop_after=None, resume=False, desc="opd reference")
+    for step in range(steps.start, steps.end):
+        ...                                          # one step; row = its metrics
+        steps.record(row)
+        if steps.checkpoint_due(step + 1): save the checkpoint of version step + 1
+    steps.close()
+    # Ctrl-C: save the current version's checkpoint, then  raise steps.interrupted(v, path)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from opd.config import RunConfig
+from opd.metrics import MetricsLog
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run after it checkpointed step `step` (resume with `--resume run_dir`)."""
+
+    def __init__(self, step: int, checkpoint: str, run_dir: str | Path):
+        super().__init__(f"interrupted at step {step}; checkpoint {checkpoint}")
+        self.step, self.checkpoint, self.run_dir = step, str(checkpoint), str(run_dir)
+
+
+class StepLog:
+    """Steps [start, end) of a run: metrics.parquet rows (a resumed run keeps the rows before
+    `start`), a tqdm bar over all cfg.distill.steps, and when a checkpoint is due."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, start: int, stop_after: int | None,
+                 resume: bool, desc: str, progress: bool):
+        self.cfg, self.run_dir, self.start = cfg, Path(run_dir), start
+        self.end = cfg.distill.steps if stop_after is None else min(cfg.distill.steps,
+                                                                     start + stop_after)
+        self.log = MetricsLog(run_dir, flush_every=cfg.run.log_every, resume=resume)
+        self.log.truncate(start)
+        self.bar = tqdm(total=cfg.distill.steps, initial=start, desc=desc, disable=not progress,
+                        dynamic_ncols=True)
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.log.rows
+
+    def record(self, row: dict) -> None:
+        """One step's row: into the log (flushed every run.log_every rows) and the bar."""
+        self.log.append(row)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                             commit=f"{row['mean_committed']:.2f}")
+
+    def checkpoint_due(self, version: int) -> bool:
+        """Is the checkpoint of `version` (= learner steps done) due: every
+        run.checkpoint_every steps and at the run's last step."""
+        every = self.cfg.run.checkpoint_every
+        return bool(every and version % every == 0) or version == self.cfg.distill.steps
+
+    def close(self) -> list[dict]:
+        self.bar.close()
+        self.log.flush()
+        return self.log.rows
+
+    def interrupted(self, version: int, checkpoint: str | Path) -> RunInterrupted:
+        """After Ctrl-C, once the checkpoint of `version` is written: close, and what to raise."""
+        self.close()
+        return RunInterrupted(version, str(checkpoint), self.run_dir)
