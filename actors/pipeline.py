@@ -72,7 +72,7 @@ from actors.queue import QueueItem
 from actors.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.rollout_worker import StaleWeightsError
 from actors.shards import shard_rows
-from actors.tasks import StepPlan, Task, TaskKind
+from actors.tasks import StepPlan, Task, TaskKind, Training
 from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
@@ -156,7 +156,7 @@ class Pipeline(RunRecords):
         self.planner = StepPlanner(cfg, self.objective, batcher, train.seq_len, start)
         self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
         self.version = start               # learner steps done = the current policy version
-        self.training: dict | None = None
+        self.training: Training | None = None
         self.reissued = 0
         self.last_step_end = time.perf_counter()
         self.publisher.publish(self.version)
@@ -292,19 +292,19 @@ class Pipeline(RunRecords):
             return
         if self.consumed[plan.batch_id]:
             raise RuntimeError(f"batch {plan.batch_id} would be consumed twice (step {plan.step})")
-        self.training = {"step": plan.step, "results": {}, "start": time.perf_counter()}
+        self.training = Training(plan.step)
         for r, a in enumerate(self.learners):
             self.dispatch.track(a.train_step.remote(plan.step, self.version),
                                 Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
 
     def _trained(self, task: Task, value: dict) -> None:
         t = self.training
-        t["results"][task.worker] = value
-        if len(t["results"]) < len(self.learners):
+        t.results[task.worker] = value
+        if len(t.results) < len(self.learners):
             return
         self.training = None
-        results = [t["results"][r] for r in range(len(self.learners))]
-        plan = self.planner.plans[t["step"]]
+        results = [t.results[r] for r in range(len(self.learners))]
+        plan = self.planner.plans[t.step]
         if any(r.get("lost") for r in results):      # a worker that owned its rows died
             self.metrics.inc("opd_reissued_jobs")
             self._replan(plan)
@@ -314,7 +314,7 @@ class Pipeline(RunRecords):
         free, self.last_step_end = self.last_step_end, now
         self.version += 1
         self.planner.finish(plan.step, self.version)
-        row = self._row(plan, results, t["start"], now, now - free)
+        row = self._row(plan, results, t.start, now, now - free)
         self.steps.record(row)
         self._hook("after_step", step=plan.step, row=row)
         if self.elastic is not None:

@@ -10,6 +10,7 @@ through the object store from then on.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError
@@ -20,6 +21,16 @@ from actors.weights import PublishedWeights
 BROADCAST_GRACE_S = 60.0
 
 
+@dataclass
+class Sync:
+    """One publish: its version, when it began, the loads not answered yet, bytes, seconds."""
+    version: int
+    start: float = field(default_factory=time.perf_counter)
+    pending: set = field(default_factory=set)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class WeightPublisher:
     def __init__(self, cfg, groups, dispatch, metrics, learner_failure):
         """`learner_failure(what, step, error)` -> the exception to raise (actors/records.py)."""
@@ -28,22 +39,21 @@ class WeightPublisher:
         self.pool = dispatch.pools["rollout"]
         self.collective = cfg.learner.weight_sync == "collective"
         self.published: PublishedWeights | None = None
-        self.sync: dict | None = None             # the publish in progress
-        self.last_sync: dict = {}
+        self.sync: Sync | None = None             # the publish in progress
+        self.last_sync = Sync(-1)
 
     def publish(self, version: int) -> None:
-        start = time.perf_counter()
-        self.sync = {"version": version, "start": start, "pending": set(), "bytes": 0}
+        self.sync = Sync(version)
         if self.collective and self._broadcast(version):
-            self.published = PublishedWeights(version, None, self.sync["bytes"])
+            self.published = PublishedWeights(version, None, self.sync.bytes)
             self._sync_done()
             return
         ref, nbytes = self._weights_from_learners(version)
-        self.sync["bytes"] = nbytes
-        self.published = PublishedWeights(version, ref, nbytes, time.perf_counter() - start)
+        self.sync.bytes = nbytes
+        self.published = PublishedWeights(version, ref, nbytes, time.perf_counter() - self.sync.start)
         for i in self.pool.loadable():
-            self.sync["pending"].add(self.load(i))
-        if not self.sync["pending"]:
+            self.sync.pending.add(self.load(i))
+        if not self.sync.pending:
             self._sync_done()
 
     def load(self, i: int) -> ray.ObjectRef:
@@ -54,9 +64,9 @@ class WeightPublisher:
 
     def loaded(self, ref: ray.ObjectRef) -> None:
         """A load answered (or failed): the publish is done when every load has."""
-        if self.sync is not None and ref in self.sync["pending"]:
-            self.sync["pending"].discard(ref)
-            if not self.sync["pending"]:
+        if self.sync is not None and ref in self.sync.pending:
+            self.sync.pending.discard(ref)
+            if not self.sync.pending:
                 self._sync_done()
 
     def fall_back_to_object_store(self) -> None:
@@ -70,10 +80,10 @@ class WeightPublisher:
 
     def _sync_done(self) -> None:
         s, self.sync = self.sync, None
-        s["seconds"] = time.perf_counter() - s["start"]
+        s.seconds = time.perf_counter() - s.start
         self.last_sync = s
-        self.metrics.report(weight_sync_seconds=s["seconds"], weight_sync_bytes=s["bytes"],
-                            policy_version=s["version"])
+        self.metrics.report(weight_sync_seconds=s.seconds, weight_sync_bytes=s.bytes,
+                            policy_version=s.version)
 
     def _weights_from_learners(self, version: int) -> tuple[ray.ObjectRef, int]:
         """The ref of `version`'s weights payload (made by learner rank 0; every rank takes part,
@@ -93,7 +103,7 @@ class WeightPublisher:
         sends = [a.send_weights.remote(version) for a in self.groups.learners]
         receives = {i: rollout[i].receive_weights.remote(version) for i in self.pool.up()}
         try:
-            self.sync["bytes"] = ray.get(sends)[0]
+            self.sync.bytes = ray.get(sends)[0]
             ok = True
         except RayActorError as e:
             raise self.learner_failure("weight broadcast", version, e) from e

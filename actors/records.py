@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 from actors.elastic import rollout_wait_fraction
 from actors.learner import combine_rank_metrics
 from actors.shards import merge_stats
-from actors.tasks import StepPlan
+from actors.tasks import StepPlan, TaskKind
 from opd import checkpoints as ckpt
 from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.pipeline)
 from opd.loop import RunInterrupted
@@ -87,7 +87,7 @@ class RunRecords:
         """Ctrl-C: the step in training finishes, the current step is checkpointed."""
         if self.training is not None:
             for ref, task in list(self.dispatch.tasks.items()):
-                if task.step == self.training["step"] and task.role == "learner":
+                if task.step == self.training.step and task.kind is TaskKind.TRAIN:
                     del self.dispatch.tasks[ref]
                     self._trained(task, ray.get(ref))
         if not (self.last_checkpoint or "").endswith(f"step_{self.version:06d}"):
@@ -148,8 +148,8 @@ class RunRecords:
         R, M = len(pools["rollout"].alive()), len(pools["teacher"].alive())
         sync = self.publisher.last_sync
         row.update({
-            "step_s": wall, "weight_sync_s": sync.get("seconds", 0.0),
-            "weight_bytes": sync.get("bytes", 0), "queue_depth": depth,
+            "step_s": wall, "weight_sync_s": sync.seconds,
+            "weight_bytes": sync.bytes, "queue_depth": depth,
             "policy_lag": plan.step - plan.version, "samples_per_s": plan.samples / wall,
             "teacher_tokens_per_s": (traj.batch_size * traj.seq_len / seconds["teacher"]
                                      if seconds["teacher"] > 0 else 0.0),

@@ -60,6 +60,14 @@ class PartReport:
 
 
 @dataclass
+class Training:
+    """The learner step in flight: its step, each rank's result as it arrives, when it began."""
+    step: int
+    results: dict[int, dict] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
 class StepPlan:
     """One step's prefix batch, cut into parts, and what is known of each part."""
     step: int
