@@ -24,6 +24,7 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import role_device, worker_info
 from actors.shards import merge_batches, shard_rows, take_rows
@@ -71,6 +72,7 @@ class StudentLearner:
         self.engine = None
         self.objective = build_objective(self.cfg)
         self.metrics = RoleMetrics("learner", rank)
+        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
 
@@ -125,7 +127,7 @@ class StudentLearner:
         (global), seconds; rank 0 also the batch summary (`batch`: the trajectory without
         teacher scores, as to_numpy_dict)."""
         start = time.perf_counter()
-        batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in parts])
+        batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(parts)])
         a, b = shard_rows(batch.batch_size, self.world_size)[self.rank]
         shard = take_rows(batch, a, b)
         loss, metrics = student_loss(self.engine, shard, self.objective,
@@ -147,7 +149,11 @@ class StudentLearner:
             out["batch"] = batch.with_teacher().to_numpy_dict()
         self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
                             learner_samples_per_s=shard.batch_size / seconds)
-        return out
+        return self.io.sent(out)
+
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -173,7 +179,7 @@ class StudentLearner:
         bytes of its arrays) on rank 0, (None, 0) on other ranks.  Called with two return
         objects, so the driver reads the size and passes the payload's ref on to the rollout
         workers without ever fetching the weights.  Every rank must call it (ZeRO-3)."""
-        payload = self.get_weights(version)
+        payload = self.io.sent(self.get_weights(version))
         return payload, 0 if payload is None else weights_nbytes(payload["weights"])
 
     def bucket_plan(self) -> list[Bucket]:

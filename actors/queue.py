@@ -18,6 +18,8 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
+from actors.iostats import IOCounter
+
 
 @dataclass
 class QueueItem:
@@ -89,6 +91,7 @@ class TrajectoryQueue:
         self.core = QueueCore(capacity, staleness)
         self._room = asyncio.Condition()
         self.version: int | None = None      # the learner version of the last `get`
+        self.io = IOCounter()
 
     def __repr__(self) -> str:
         return (f"TrajectoryQueue(opd/queue, version={self.version}, "
@@ -105,14 +108,14 @@ class TrajectoryQueue:
                     await asyncio.wait_for(self._room.wait_for(lambda: not self.core.full()), timeout)
                 except asyncio.TimeoutError:
                     pass
-            return self.core.put(item)
+            return self.core.put(self.io.received(item))
 
     async def get(self, learner_version: int, step: int | None = None) -> QueueItem | None:
         self.version = learner_version
         async with self._room:
             item = self.core.get(learner_version, step)
             self._room.notify_all()
-            return item
+            return self.io.sent(item)
 
     async def take_expired(self) -> list[QueueItem]:
         return self.core.take_expired()
@@ -123,3 +126,7 @@ class TrajectoryQueue:
 
     async def stats(self) -> dict:
         return self.core.stats()
+
+    async def io_stats(self) -> dict:
+        """Payload bytes received and sent (refs only: 0), peak RSS (actors/iostats.py)."""
+        return self.io.stats()

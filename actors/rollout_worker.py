@@ -13,6 +13,7 @@ import time
 import ray
 import torch
 
+from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
 from opd.calibration import prepare_calibration, rollout_batch_sizes
@@ -53,6 +54,7 @@ class RolloutWorker:
         self.engine = build_engine(self.cfg)
         self.version: int | None = None
         self.metrics = RoleMetrics("rollout", index)
+        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         # gamma=auto: every sub-batch size of the run, measured once by the first worker
         prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
@@ -70,6 +72,7 @@ class RolloutWorker:
         """Copy the tagged flat numpy weights of `version` (one object-store object) into the
         student copy; returns the seconds it took."""
         start = time.perf_counter()
+        self.io.received(payload)
         load_numpy_weights(self.model, untag_weights(payload, version))
         self.version = int(version)
         return time.perf_counter() - start
@@ -96,6 +99,7 @@ class RolloutWorker:
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
+        self.io.received(job)
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         s = traj.rollout_stats
         seconds = float(s.get("rollout_seconds", 0.0))
@@ -111,4 +115,8 @@ class RolloutWorker:
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
-        return traj.to_numpy_dict()
+        return self.io.sent(traj.to_numpy_dict())
+
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import job_tokens, role_device, worker_info
 from opd.batch import TrajectoryBatch
@@ -24,6 +25,7 @@ class TeacherWorker:
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
         self.metrics = RoleMetrics("teacher", index)
+        self.io = IOCounter()
         self.version: int | None = None       # policy version of the last trajectory it handled
 
     def info(self) -> dict:
@@ -36,21 +38,25 @@ class TeacherWorker:
     def score(self, traj: dict) -> dict:
         """The trajectory (`to_numpy_dict()`) with teacher scores attached, full or top-k as
         `teacher.transport` says."""
-        batch = TrajectoryBatch.from_numpy_dict(traj)
+        batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
         seconds = float(out.rollout_stats["teacher_seconds"])
         tokens = batch.batch_size * batch.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return out.to_numpy_dict()
+        return self.io.sent(out.to_numpy_dict())
 
     def generate(self, job: RolloutJob, version: int) -> dict:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`."""
         self.version = version
-        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
+        traj = rollout(self.model, self.engine, self.io.received(job), self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return traj.to_numpy_dict()
+        return self.io.sent(traj.to_numpy_dict())
+
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()
