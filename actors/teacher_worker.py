@@ -50,7 +50,8 @@ class TeacherWorker:
     def generate(self, job: RolloutJob, version: int) -> dict:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`."""
         self.version = version
-        traj = rollout(self.model, self.engine, self.io.received(job), self.cfg, policy_version=version)
+        self.io.received(job)
+        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
+import torch
 
 TINY = ["model.student=GPT-tiny", "model.teacher=GPT-tiny", "model.vocab_size=11",
         "model.num_classes=4", "model.grid_size=4", "rollout.history_offset=null",
@@ -29,7 +29,7 @@ def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
     roles = ["driver", "rollout/0", "teacher/0", "learner/0", "queue"]
     assert list(io["roles"]) == roles and io["steps"] == [1, 2]
     B, L, k = 4, 16, 4
-    itemsize = np.dtype(str(index_dtype(11)).removeprefix("torch.")).itemsize   # int16: 2
+    itemsize = torch.empty(0, dtype=index_dtype(11)).element_size()     # int16: 2
     for row in res["rows"]:
         N = L - row["prefix_len"]
         # labels (B,) int64 + tokens (B, L) int64 + top-k values (B, N, k) float32 and indices
