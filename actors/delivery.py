@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import ray
 
+from actors.iostats import payload_nbytes
 from actors.shards import take_rows
 from actors.tasks import PartReport
 from opd.batch import TrajectoryBatch
@@ -38,17 +38,6 @@ def part_cuts(part: tuple[int, int], shards: list[tuple[int, int]]) -> tuple[tup
         lo, hi = max(a, s), min(b, e)
         out.append((lo - a, hi - a) if lo < hi else (0, 0))
     return tuple(out)
-
-
-def payload_nbytes(payload) -> int:
-    """Bytes of the arrays in a to_numpy_dict payload (nested dicts and lists included)."""
-    if isinstance(payload, np.ndarray):
-        return int(payload.nbytes)
-    if isinstance(payload, dict):
-        return sum(payload_nbytes(v) for v in payload.values())
-    if isinstance(payload, (list, tuple)):
-        return sum(payload_nbytes(v) for v in payload)
-    return 0
 
 
 def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:

@@ -25,9 +25,9 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.iostats import IOCounter, payload_nbytes
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import role_device, worker_info
-from actors.delivery import payload_nbytes
 from actors.shards import merge_batches
 from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
                             tag_weights, weights_nbytes)
@@ -73,6 +73,7 @@ class StudentLearner:
         self.engine = None
         self.objective = build_objective(self.cfg)
         self.metrics = RoleMetrics("learner", rank)
+        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
@@ -147,7 +148,7 @@ class StudentLearner:
             if self.rank == 0:
                 ray.get(self.queue.drop.remote(step))
             return {"rank": self.rank, "lost": True}
-        shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in payloads])
+        shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
         loss, metrics = student_loss(self.engine, shard, self.objective,
                                      dropout=self.cfg.learner.student_dropout)
         scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
@@ -177,6 +178,10 @@ class StudentLearner:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()
+
     # -- weights -------------------------------------------------------------------------------
 
     def _full_parameters(self) -> contextlib.AbstractContextManager:
@@ -201,7 +206,7 @@ class StudentLearner:
         bytes of its arrays) on rank 0, (None, 0) on other ranks.  Called with two return
         objects, so the driver reads the size and passes the payload's ref on to the rollout
         workers without ever fetching the weights.  Every rank must call it (ZeRO-3)."""
-        payload = self.get_weights(version)
+        payload = self.io.sent(self.get_weights(version))
         return payload, 0 if payload is None else weights_nbytes(payload["weights"])
 
     def bucket_plan(self) -> list[Bucket]:

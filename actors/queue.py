@@ -24,6 +24,8 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
+from actors.iostats import IOCounter
+
 
 @dataclass
 class QueueItem:
@@ -125,6 +127,7 @@ class TrajectoryQueue:
         self._room = asyncio.Condition()
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
+        self.io = IOCounter()                 # refs only: stays 0 (the scale dry run shows it)
 
     def __repr__(self) -> str:
         return (f"TrajectoryQueue(opd/queue, version={self.version}, "
@@ -136,7 +139,7 @@ class TrajectoryQueue:
     async def put_part(self, step: int, gen: int, part: int, pieces: list) -> bool:
         """A worker delivers part `part` of `step` (generation `gen`): one ref per learner rank
         (None where the rank has no rows of it).  False: dropped (its step was handed out)."""
-        return self.store.put(step, gen, part, pieces)
+        return self.store.put(step, gen, part, self.io.received(pieces))
 
     async def seal(self, item: QueueItem, gen: int, parts: int, timeout: float = 0.0) -> bool:
         """Make the delivered parts of `item.step` (generation `gen`) one item; when full, wait
@@ -168,10 +171,10 @@ class TrajectoryQueue:
             took.add(rank)
             if len(took) == self.store.world_size:
                 del self.taking[step]
-            return {"step": item.step, "batch_id": item.batch_id, "version": item.version,
-                    "refs": [r for r in item.refs[rank] if r is not None],
-                    "samples": item.samples, "generated_tokens": item.generated_tokens,
-                    "depth": len(self.core.items)}
+            return self.io.sent({
+                "step": item.step, "batch_id": item.batch_id, "version": item.version,
+                "refs": [r for r in item.refs[rank] if r is not None], "samples": item.samples,
+                "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
 
     async def drop(self, step: int) -> None:
         """Forget a step's item after a learner rank could not fetch its rows (a worker that
@@ -188,3 +191,7 @@ class TrajectoryQueue:
 
     async def stats(self) -> dict:
         return {**self.core.stats(), "dropped_parts": self.store.dropped}
+
+    async def io_stats(self) -> dict:
+        """Payload bytes received and sent (refs only: 0), peak RSS (actors/iostats.py)."""
+        return self.io.stats()

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from actors.delivery import PartTag, deliver, put_payload
+from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.tasks import PartReport
 from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
@@ -57,6 +58,7 @@ class RolloutWorker:
         self.engine = build_engine(self.cfg)
         self.version: int | None = None
         self.metrics = RoleMetrics("rollout", index)
+        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         # gamma=auto: every sub-batch size of the run, measured once by the first worker
         prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
@@ -74,6 +76,7 @@ class RolloutWorker:
         """Copy the tagged flat numpy weights of `version` (one object-store object) into the
         student copy; returns the seconds it took."""
         start = time.perf_counter()
+        self.io.received(payload)
         load_numpy_weights(self.model, untag_weights(payload, version))
         self.version = int(version)
         return time.perf_counter() - start
@@ -104,6 +107,7 @@ class RolloutWorker:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
         start = time.perf_counter()
+        self.io.received(job)
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         s = traj.rollout_stats
         seconds = float(s.get("rollout_seconds", 0.0))
@@ -120,4 +124,10 @@ class RolloutWorker:
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
         busy = time.perf_counter() - start
-        return put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
+        report = put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
+        self.io.put(report.nbytes)
+        return report
+
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()

@@ -8,6 +8,7 @@ import time
 import torch
 
 from actors.delivery import PartTag, deliver, put_payload
+from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import job_tokens, role_device, worker_info
 from actors.tasks import PartReport
@@ -29,6 +30,7 @@ class TeacherWorker:
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
         self.metrics = RoleMetrics("teacher", index)
+        self.io = IOCounter()
         self.version: int | None = None       # policy version of the last trajectory it handled
 
     def info(self) -> dict:
@@ -42,14 +44,16 @@ class TeacherWorker:
         """Attach teacher scores (full or top-k, as `teacher.transport` says) to a generated
         part (`to_numpy_dict()`) and deliver it into `queue` as the learner ranks' pieces."""
         start = time.perf_counter()
-        batch = TrajectoryBatch.from_numpy_dict(traj)
+        batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
         seconds = float(out.rollout_stats["teacher_seconds"])
         tokens = batch.batch_size * batch.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return deliver(out, tag, queue, time.perf_counter() - start)
+        report = deliver(out, tag, queue, time.perf_counter() - start)
+        self.io.put(report.nbytes)
+        return report
 
     def generate(self, job: RolloutJob, version: int, tag: PartTag | None = None,
                  queue=None) -> PartReport:
@@ -57,10 +61,17 @@ class TeacherWorker:
         delivered or put whole as `RolloutWorker.generate`."""
         start = time.perf_counter()
         self.version = version
+        self.io.received(job)
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         busy = time.perf_counter() - start
-        return put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
+        report = put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
+        self.io.put(report.nbytes)
+        return report
+
+    def io_stats(self) -> dict:
+        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        return self.io.stats()

@@ -2,7 +2,8 @@
 
     opd bench rollout --config digits [--json OUT] [--out DIR] [key=value ...]
     opd bench paper --config digits_paper [--out DIR] [key=value ...]
-    opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [key=value ...]
+    opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [--synthetic]
+                   [key=value ...]
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ def add_step(which: argparse._SubParsersAction) -> None:
     r.add_argument("--repeats", type=int, default=1,
                    help="runs per (mode, engine), interleaved (default 1)")
     r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/step)")
+    r.add_argument("--synthetic", action="store_true",
+                   help="write random-token Parquet data and random-weight student and teacher "
+                        "checkpoints of the config's shapes into OUT/synthetic and run on them "
+                        "(a dry run at model scale, nothing downloaded; e.g. --config "
+                        "llamagen_scale_cpu)")
     add_config_args(r)
     r.set_defaults(bench_run=run_step)
 
@@ -135,16 +141,16 @@ def run_paper(args: argparse.Namespace) -> int:
 def _ray_runner(cfg):
     """run_distributed on one Ray session that this command starts (or joins) once."""
     try:
+        from actors.bench_io import run_with_io
         from actors.cluster import connect
-        from actors.pipeline import run_distributed
     except ImportError as e:
         from opd.config import ConfigError
         raise ConfigError(f"--modes ray needs actors.pipeline.run_distributed, which does not "
                           f"import here ({e}); run --modes reference") from None
     started = connect(cfg)
 
-    def run(cfg, run_dir):
-        return run_distributed(cfg, run_dir, progress=False)
+    def run(cfg, run_dir):        # run_distributed's rows plus bytes by role, memory, store
+        return run_with_io(cfg, run_dir)
 
     def close():
         if started:
@@ -161,6 +167,10 @@ def run_step(args: argparse.Namespace) -> int:
     engines, modes = check_step_args(args.engines, args.modes, args.steps, args.warmup_steps,
                                      args.repeats)
     out = Path(args.out or Path("runs") / "bench" / "step")
+    if args.synthetic:
+        from opd.bench.synthetic import prepare_synthetic
+        from opd.config import apply_overrides
+        args.cfg = apply_overrides(args.cfg, prepare_synthetic(args.cfg, out / "synthetic"))
     runners, closers = {}, []
     if "reference" in modes:
         runners["reference"] = lambda cfg, run_dir: run_reference(cfg, run_dir, progress=False)

@@ -10,7 +10,8 @@ actors.pipeline.run_distributed passed in by the caller (opd imports no actors).
 round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are dropped (gamma
 calibration, first-call allocations).  A row has rollout_s, teacher_s, learner_s and step_s;
 Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
-nothing travels, 0).  Steps of two engines see the same prefix batches (seeded order), so
+nothing travels, 0) and, from actors.bench_io.run_with_io, the step's bytes by role, peak memory
+and object-store use (opd/bench/step_io.py).  Steps of two engines see the same prefix batches (seeded order), so
 their per-step ratios pair up.  KD and GKD configs run as on-policy GKD here (lambda 1): a
 step without student rollouts has nothing for the engines to differ in.
 """
@@ -23,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from opd.bench import common
+from opd.bench.step_io import format_io_markdown, io_summary
 from opd.config import ConfigError, RunConfig, apply_overrides
 
 PARTS = ("rollout_s", "teacher_s", "learner_s", "weight_sync_s")
@@ -106,6 +108,7 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_committed"] = float(np.mean([r.get("mean_committed", 0.0) for r in rows]))
     out["generated_tokens"] = float(np.mean([r.get("generated_tokens", 0) for r in rows]))
     out["steps_measured"] = len(rows)
+    out["io"] = io_summary(rows)           # ray rows from actors.bench_io.run_with_io, else None
     return out
 
 
@@ -146,7 +149,7 @@ def format_step_markdown(report: dict) -> str:
         step = "the sum of the parts" if mode == "reference" else "wall time per step"
         out += [f"## mode={mode}", "", f"Step ms = {step}.{note}", "",
                 common.markdown_table(heads, body), ""]
-    return "\n".join(out)
+    return "\n".join(out) + "\n" + format_io_markdown(report)
 
 
 def _speedup(r: dict, key: str) -> str:
