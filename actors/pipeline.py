@@ -164,23 +164,24 @@ class Pipeline(RunRecords):
             self.quality = QualityTracking(cfg, self.run_dir, self.groups.evaluator,
                                            resume=resume, start=start)
             self._evaluate()
-        try:
-            with self.interrupt.armed():
-                while self.version < self.steps.end:
-                    if self.interrupt.pending():
-                        raise KeyboardInterrupt
-                    self._issue()
-                    self._dispatch()
-                    self._seal()
-                    self._train()
-                    self._wait()
-                    if self.quality is not None:
-                        self.quality.poll()
-        except KeyboardInterrupt:
-            interrupted = self._interrupted()
-            if self.quality is not None:
-                self.quality.finish(wait=False)
-            raise interrupted from None
+        with self.steps:                       # a failure ends the progress bar's line
+            try:
+                with self.interrupt.armed():
+                    while self.version < self.steps.end:
+                        if self.interrupt.pending():
+                            raise KeyboardInterrupt
+                        self._issue()
+                        self._dispatch()
+                        self._seal()
+                        self._train()
+                        self._wait()
+                        if self.quality is not None:
+                            self.quality.poll()
+            except KeyboardInterrupt:
+                interrupted = self._interrupted()
+                if self.quality is not None:
+                    self.quality.finish(wait=False)
+                raise interrupted from None
         if self.quality is not None:
             self.quality.finish()              # the evaluations still running
         self._write_consumed()

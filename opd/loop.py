@@ -2,12 +2,12 @@
 (actors/pipeline.py): the metrics log and progress bar, the checkpoint cadence, and the stop
 after Ctrl-C.
 
-    steps = StepLog(cfg, run_dir, start=0, stop_after=None, resume=False, desc="opd reference")
-    for step in range(steps.start, steps.end):
-        ...                                          # one step; row = its metrics
-        steps.record(row)
-        if steps.checkpoint_due(step + 1): save the checkpoint of version step + 1
-    steps.close()
+    with StepLog(cfg, run_dir, start=0, stop_after=None, resume=False, desc="opd reference") as steps:
+        for step in range(steps.start, steps.end):
+            ...                                      # one step; row = its metrics
+            steps.record(row)
+            if steps.checkpoint_due(step + 1): save the checkpoint of version step + 1
+        return steps.close()
     # Ctrl-C: save the current version's checkpoint, then  raise steps.interrupted(v, path)
 """
 from __future__ import annotations
@@ -41,6 +41,14 @@ class StepLog:
         self.log.truncate(start)
         self.bar = tqdm(total=cfg.distill.steps, initial=start, desc=desc, disable=not progress,
                         dynamic_ncols=True)
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """A step that failed: end the bar's line, so the error is a line of its own."""
+        if exc_type is not None:
+            self.bar.close()
 
     @property
     def rows(self) -> list[dict]:

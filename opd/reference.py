@@ -123,30 +123,31 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))
     track_quality(evaluator, quality, student, start, run_dir)
-    for step in range(start, steps.end):
-        if stop is not None and stop():
-            path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
-            raise steps.interrupted(step, path)
-        pb = next(batcher)
-        source = batch_source(objective, step, seed)
-        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
-                         batch_prefix_len(cfg, pb.batch_id, train.seq_len), source, seed)
-        seconds = {}
-        t0 = time.perf_counter()
-        traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
-                       policy_version=step)
-        seconds["rollout"] = time.perf_counter() - t0
-        if needs_teacher_scores(objective):
+    with steps:
+        for step in range(start, steps.end):
+            if stop is not None and stop():
+                path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
+                raise steps.interrupted(step, path)
+            pb = next(batcher)
+            source = batch_source(objective, step, seed)
+            job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
+                             batch_prefix_len(cfg, pb.batch_id, train.seq_len), source, seed)
+            seconds = {}
             t0 = time.perf_counter()
-            traj = score(teacher, traj, cfg)
-            seconds["teacher"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
-                        dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step))
-        seconds["learner"] = time.perf_counter() - t0
-        steps.record(step_row(step, traj, metrics, seconds))
-        track_quality(evaluator, quality, student, step + 1, run_dir)
-        if steps.checkpoint_due(step + 1):
-            save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
-            plot_training(steps.rows, run_dir / "training.png", quality=quality.rows)
-    return steps.close()
+            traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
+                           policy_version=step)
+            seconds["rollout"] = time.perf_counter() - t0
+            if needs_teacher_scores(objective):
+                t0 = time.perf_counter()
+                traj = score(teacher, traj, cfg)
+                seconds["teacher"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
+                            dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step))
+            seconds["learner"] = time.perf_counter() - t0
+            steps.record(step_row(step, traj, metrics, seconds))
+            track_quality(evaluator, quality, student, step + 1, run_dir)
+            if steps.checkpoint_due(step + 1):
+                save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
+                plot_training(steps.rows, run_dir / "training.png", quality=quality.rows)
+        return steps.close()
