@@ -77,6 +77,8 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
             shutil.rmtree(run_dir)
         log(f"bench step: {mode} {engine} run {count[mode, engine]} -> {run_dir}")
         rows = runners[mode](run_cfg, run_dir)
+        # the run's final checkpoint is not the bench's output (2 GB at the scale preset)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return 0.0, [dict(r) for r in rows[warmup_steps:]]
 
     samples = common.interleave([lambda m=m, e=e: call(m, e) for m, e in combos], repeats, 0)
