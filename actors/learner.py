@@ -32,6 +32,7 @@ from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, sta
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
+from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps, logprob_gap
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -128,6 +129,7 @@ class StudentLearner:
         batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in parts])
         a, b = shard_rows(batch.batch_size, self.world_size)[self.rank]
         shard = take_rows(batch, a, b)
+        gap = logprob_gap(self.engine.module, shard, self.cfg)    # this version, before the update
         loss, metrics = student_loss(self.engine, shard, self.objective,
                                      dropout=self.cfg.learner.student_dropout)
         scale = self.world_size * shard.num_generated_tokens / batch.num_generated_tokens
@@ -141,12 +143,14 @@ class StudentLearner:
         self.engine.eval()
         self.steps += 1
         seconds = time.perf_counter() - start
-        out = {**metrics, "rank": self.rank, "loss": float(loss.detach()),
+        out = {**metrics, **gap, "rank": self.rank, "loss": float(loss.detach()),
                "tokens": float(shard.num_generated_tokens), "grad_norm": norm, "seconds": seconds}
         if self.rank == 0:
             out["batch"] = batch.with_teacher().to_numpy_dict()
         self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
-                            learner_samples_per_s=shard.batch_size / seconds)
+                            learner_samples_per_s=shard.batch_size / seconds,
+                            **({"onpolicy_logprob_delta": gap["onpolicy_logprob_delta_max"]}
+                               if gap["onpolicy_tokens"] else {}))
         return out
 
     # -- weights -------------------------------------------------------------------------------
@@ -232,7 +236,7 @@ class StudentLearner:
 def combine_rank_metrics(results: list[dict]) -> dict:
     """One step's metrics from the ranks' results: loss and the objective's other float metrics
     weighted by each rank's tokens (= the global token mean), tokens summed, the group's
-    grad_norm."""
+    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
     skip = ("batch", "rank", "seconds")
     if len(results) == 1:
         return {k: v for k, v in results[0].items() if k not in skip}
@@ -240,7 +244,7 @@ def combine_rank_metrics(results: list[dict]) -> dict:
     total = sum(tokens)
     out = {}
     for key, value in results[0].items():
-        if key in skip:
+        if key in skip or key in ONPOLICY_KEYS:
             continue
         if key == "tokens":
             out[key] = total
@@ -248,4 +252,4 @@ def combine_rank_metrics(results: list[dict]) -> dict:
             out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
         else:
             out[key] = value
-    return out
+    return {**out, **combine_gaps(results)}
