@@ -267,6 +267,11 @@ def test_bounded_staleness_runs_ahead_and_records_lags(ray_session, tiny_overrid
     lags = lag_histogram(consumed(tmp_path))
     assert sum(lags.values()) == STEPS * 4 and set(lags) == {0, 1}  # ran one version ahead
     assert [r["policy_lag"] for r in rows] == [r["step"] - r["policy_version"] for r in rows]
+    for r in rows:      # the on-policy check measures the lag: float round-off only without one
+        if r["policy_lag"] == 0:
+            assert r["onpolicy_logprob_delta_max"] < STRICT_BOUND
+        else:
+            assert r["onpolicy_logprob_delta_max"] > 10 * STRICT_BOUND
 
 
 @pytest.mark.slow
