@@ -124,8 +124,8 @@ class StudentLearner:
         """One optimizer step on the scored sub-batches `parts` (to_numpy_dict, row order) of
         one prefix batch.  Returns this rank's metrics: loss (its shard's), tokens, grad_norm
         (global), seconds, the on-policy check of its shard with the weights before this
-        update (`opd.onpolicy.KEYS`); rank 0 also the batch summary (`batch`: the trajectory without
-        teacher scores, as to_numpy_dict)."""
+        update (`opd.onpolicy.KEYS`); rank 0 also the batch summary (`batch`: the trajectory
+        without teacher scores, as to_numpy_dict)."""
         start = time.perf_counter()
         batch = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in parts])
         a, b = shard_rows(batch.batch_size, self.world_size)[self.rank]
