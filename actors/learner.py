@@ -34,6 +34,7 @@ from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, sta
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
+from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps, logprob_gap
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -132,7 +133,8 @@ class StudentLearner:
         """One optimizer step on this rank's rows of `step`'s batch at policy `version`: takes
         its refs from the trajectory queue and fetches only its own pieces (actors/delivery.py).
         Returns this rank's metrics: loss (its shard's), tokens, grad_norm (global), seconds,
-        rows and bytes received.  If a rank cannot fetch its pieces (the worker that owned them
+        rows and bytes received, the on-policy check of its shard with the weights before this
+        update (`opd.onpolicy.KEYS`).  If a rank cannot fetch its pieces (the worker that owned them
         died), every rank returns {"lost": True} without training and the driver makes the
         step's parts again."""
         start = time.perf_counter()
@@ -149,6 +151,7 @@ class StudentLearner:
                 ray.get(self.queue.drop.remote(step))
             return {"rank": self.rank, "lost": True}
         shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
+        gap = logprob_gap(self.engine.module, shard, self.cfg)    # this version, before the update
         loss, metrics = student_loss(self.engine, shard, self.objective,
                                      dropout=self.cfg.learner.student_dropout)
         scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
@@ -163,8 +166,10 @@ class StudentLearner:
         self.steps += 1
         seconds = time.perf_counter() - start
         self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
-                            learner_samples_per_s=shard.batch_size / seconds)
-        return {**metrics, "rank": self.rank, "loss": float(loss.detach()),
+                            learner_samples_per_s=shard.batch_size / seconds,
+                            **({"onpolicy_logprob_delta": gap["onpolicy_logprob_delta_max"]}
+                               if gap["onpolicy_tokens"] else {}))
+        return {**metrics, **gap, "rank": self.rank, "loss": float(loss.detach()),
                 "tokens": float(shard.num_generated_tokens), "grad_norm": norm,
                 "seconds": seconds, "rows": shard.batch_size,
                 "received_bytes": payload_nbytes(payloads), "queue_depth": share["depth"]}
@@ -265,7 +270,7 @@ class StudentLearner:
 def combine_rank_metrics(results: list[dict]) -> dict:
     """One step's metrics from the ranks' results: loss and the objective's other float metrics
     weighted by each rank's tokens (= the global token mean), tokens summed, the group's
-    grad_norm."""
+    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
     skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
     if len(results) == 1:
         return {k: v for k, v in results[0].items() if k not in skip}
@@ -273,7 +278,7 @@ def combine_rank_metrics(results: list[dict]) -> dict:
     total = sum(tokens)
     out = {}
     for key, value in results[0].items():
-        if key in skip:
+        if key in skip or key in ONPOLICY_KEYS:
             continue
         if key == "tokens":
             out[key] = total
@@ -281,4 +286,4 @@ def combine_rank_metrics(results: list[dict]) -> dict:
             out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
         else:
             out[key] = value
-    return out
+    return {**out, **combine_gaps(results)}

@@ -25,6 +25,7 @@ GAUGES = {
     "opd_weight_sync_bytes": "Bytes of the last published student weights.",
     "opd_policy_version": "Current policy version (learner steps done).",
     "opd_idle_ratio": "Fraction of the last step the role's workers were idle.",
+    "opd_onpolicy_logprob_delta": "Max |recomputed - recorded| behaviour log-prob of the student tokens of the learner rank's last shard (~0 strict on-policy; opd/onpolicy.py).",
 }
 COMMIT_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5]
 ROUNDS_BOUNDARIES = [4, 8, 16, 24, 32, 48, 64, 128, 256, 576]

@@ -72,7 +72,7 @@ def merge_batches(parts: list[TrajectoryBatch]) -> TrajectoryBatch:
                            first.policy_version, first.source,
                            merge_stats([p.rollout_stats for p in parts]),
                            cat("teacher_logprobs"), cat("teacher_topk_values"),
-                           cat("teacher_topk_indices"))
+                           cat("teacher_topk_indices"), cat("behaviour_logprobs"))
 
 
 def shard_rows(batch: int, world_size: int) -> list[tuple[int, int]]:
@@ -91,4 +91,4 @@ def take_rows(batch: TrajectoryBatch, start: int, stop: int) -> TrajectoryBatch:
     return TrajectoryBatch(batch.batch_id, rows(batch.labels), batch.prefix_len, rows(batch.tokens),
                            batch.policy_version, batch.source, dict(batch.rollout_stats),
                            rows(batch.teacher_logprobs), rows(batch.teacher_topk_values),
-                           rows(batch.teacher_topk_indices))
+                           rows(batch.teacher_topk_indices), rows(batch.behaviour_logprobs))

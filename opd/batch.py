@@ -12,6 +12,13 @@ distribution of token `teacher_start + j` given the class label and the tokens b
 every token id of the vocabulary (`index_dtype`: int16 up to 32,768 tokens, else int32; int64 is
 accepted too); losses widen them to int64.
 
+`behaviour_logprobs` (B, N) float32, suffix only: the log-prob of each generated token under
+the warped guided distribution the rollout committed it from (`rollout.sampling.token_logprob`;
+for greedy decoding the same distribution's log-prob of the argmax).  Only student rollouts
+carry it (source "student"); the learner recomputes it with its own weights to prove the step
+on-policy (`opd/onpolicy.py`).  4 · B · N bytes: 8 KiB a step at the digits shape (B 32,
+N 64), 36 KiB at the paper's (B 32, L 576, P 288).
+
 In memory the batch holds torch tensors.  Two wire formats:
 
 - `to_numpy_dict()` / `from_numpy_dict()`: a flat dict of numpy arrays and Python scalars,
@@ -39,7 +46,8 @@ from torch import Tensor
 SOURCES = ("student", "data", "teacher")
 STATS_PREFIX = "rollout_stats/"
 ARROW_METADATA_KEY = b"opd.trajectory_batch"
-_TENSOR_FIELDS = ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices")
+_TENSOR_FIELDS = ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices",
+                  "behaviour_logprobs")
 _ARROW_COLUMNS = {"labels": "label"}  # field name -> arrow column name (one row per image)
 
 Stat = int | float | str | bool | list[int]
@@ -78,6 +86,8 @@ class TrajectoryBatch:
     teacher_topk_indices: (B, S, k) int16 / int32 / int64 token ids of those values, or None.
     S is L (every position) or L − P (the suffix only, see `teacher_start`).  At most one
     teacher transport (full or top-k) is present.
+    behaviour_logprobs: (B, L − P) float32 log-prob of each suffix token under the rollout's
+        warped guided distribution (student rollouts only), or None.
     """
 
     batch_id: int
@@ -90,6 +100,7 @@ class TrajectoryBatch:
     teacher_logprobs: Tensor | None = None
     teacher_topk_values: Tensor | None = None
     teacher_topk_indices: Tensor | None = None
+    behaviour_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:
@@ -124,6 +135,10 @@ class TrajectoryBatch:
                                  f"{INDEX_DTYPES}, got {vals.dtype}, {idx.dtype}")
             if full is not None:
                 raise ValueError("a batch carries one teacher transport: full log-probs or top-k, not both")
+        lp = self.behaviour_logprobs
+        if lp is not None and (lp.shape != (B, L - self.prefix_len) or lp.dtype != torch.float32):
+            raise ValueError(f"behaviour_logprobs must be (B, L - P) = {(B, L - self.prefix_len)} "
+                             f"float32, got {tuple(lp.shape)} {lp.dtype}")
 
     # -- shape helpers -------------------------------------------------------------------------
 

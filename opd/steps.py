@@ -106,7 +106,8 @@ class RolloutJob:
 
 def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
     """Complete the real prefixes of `job` with `model` (the student, or the teacher for
-    SeqKD).  A "data" job takes its suffix from the dataset and runs no model."""
+    SeqKD).  A "data" job takes its suffix from the dataset and runs no model.  A student
+    rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/onpolicy.py)."""
     if job.source == "data":
         return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
                                policy_version, "data", {"rollout_seconds": 0.0})
@@ -128,8 +129,9 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
              "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
              "longest_single_run": int(result.longest_single_run.max())}
     tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
+    logprobs = result.logprobs.cpu().clone() if job.source == "student" else None
     return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
-                           job.source, stats)
+                           job.source, stats, behaviour_logprobs=logprobs)
 
 
 @torch.no_grad()

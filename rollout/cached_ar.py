@@ -9,19 +9,23 @@ from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def decode_tokens(model, req: Request, first: torch.Tensor) -> torch.Tensor:
-    """first: (B,) token P -> (B, P + N) int64, decoding tokens P+1 .. T-1 one per forward."""
+def decode_tokens(model, req: Request, first: torch.Tensor,
+                  first_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """first: (B,) token P and its log-prob -> tokens (B, P + N) int64 and the behaviour
+    log-probs of tokens P .. T-1 (B, N) float32, decoding tokens P+1 .. T-1 one per forward."""
     B, P, T = req.batch, req.prefix_len, req.total
     out = torch.empty(B, T, dtype=torch.long, device=first.device)
+    logp = torch.empty(B, T - P, dtype=torch.float32, device=first.device)
     out[:, :P] = req.prefix
-    out[:, P] = first
+    out[:, P], logp[:, 0] = first, first_logp
     zero = torch.zeros(B, dtype=torch.long, device=first.device)
     for j in range(P + 1, T):
         x = out[:, j - 1: j]                                     # input token j-1 ...
         pos = torch.full((B, 1), j, dtype=torch.long, device=x.device)   # ... at position j
         logits = model.forward_cached(cfg_rows(x, req), cfg_rows(pos, req), None)[:, 0]
-        out[:, j] = choose_token(guide(logits, req.cfg_scale), req, pos[:, 0], zero)
-    return out
+        out[:, j], logp[:, j - P] = choose_token(guide(logits, req.cfg_scale), req, pos[:, 0],
+                                                 zero)
+    return out, logp
 
 
 @register("cached_ar")
@@ -33,8 +37,9 @@ class CachedAR(Engine):
         B, N = req.batch, req.num_new
         dev = req.labels.device
         parts = req.row_batches()
-        tokens = torch.cat([decode_tokens(model, req.take(i), prefill_token(model, req.take(i)))
-                            for i in parts])
+        decoded = [decode_tokens(model, req.take(i), *prefill_token(model, req.take(i)))
+                   for i in parts]
+        tokens, logprobs = (torch.cat(t) for t in zip(*decoded))
         committed = torch.zeros(N * len(parts), B, dtype=torch.long, device=dev)
         for k, i in enumerate(parts):                # batch k owns rounds k*N .. (k+1)*N - 1
             committed[k * N:(k + 1) * N, i] = 1
@@ -44,4 +49,5 @@ class CachedAR(Engine):
                              accepted=zeros, rejected=zeros.clone(),
                              active=[len(i) for i in parts for _ in range(N)],
                              modes=["full"] * (N * len(parts)), wall_time=0.0,
-                             prefills=len(parts) - 1, first_round=first_round)
+                             prefills=len(parts) - 1, first_round=first_round,
+                             logprobs=logprobs)

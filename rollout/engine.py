@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, sample_from,
-                              uniform, uses_cfg, warp)
+                              token_logprob, uniform, uses_cfg, warp)
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
@@ -196,21 +196,24 @@ def cfg_rows(x: Tensor, req: Request) -> Tensor:
 
 
 def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor,
-                 keys: Tensor | None = None) -> Tensor:
-    """guided: (B, V) logits; position, attempt: (B,) -> (B,) int64 argmax (greedy) or a
-    sample keyed by (seed, image, position, attempt); keys: the images' keys (default all)."""
-    if not req.sampled:
-        return guided.argmax(-1)
+                 keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """guided: (B, V) logits; position, attempt: (B,) -> token (B,) int64, the argmax (greedy)
+    or a sample keyed by (seed, image, position, attempt), and its behaviour log-prob (B,)
+    float32 (`sampling.token_logprob`); keys: the images' keys (default all)."""
     p = warp(guided, req.temperature, req.top_k, req.top_p)
-    u = uniform(req.keys if keys is None else keys, position, attempt, STREAM_TOKEN)
-    return sample_from(p, u)
+    if not req.sampled:
+        token = guided.argmax(-1)
+    else:
+        token = sample_from(p, uniform(req.keys if keys is None else keys, position, attempt,
+                                       STREAM_TOKEN))
+    return token, token_logprob(p, token)
 
 
 def prefill_token(model, req: Request, images: Tensor | None = None,
-                  rows: Tensor | None = None) -> Tensor:
+                  rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Round 0 of images `images` (default all): prefill (class token + prefix) into physical
     rows `rows` (default 0..k-1; their CFG copies R rows later) and choose image token P.
-    -> (k,) int64."""
+    -> token (k,) int64 and its behaviour log-prob (k,) float32."""
     labels, prefix, keys = req.labels, req.prefix, req.keys
     if images is not None:
         labels, prefix, keys = labels[images], prefix[images], keys[images]

@@ -40,15 +40,16 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     if req.num_new == 1:
         return _single_token(model, req, times)
     img = torch.arange(R, device=dev)                         # the image in each row
-    first = prefill_token(model, req, img)
+    first, first_logp = prefill_token(model, req, img)
     ones = torch.ones(B, dtype=torch.long, device=dev)
     committed = [torch.zeros_like(ones).index_fill_(0, img, 1)]
     active_log, modes, prefills = [R], ["full"], 0
     accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
     W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
     plan = make_plan(T, W, H, sync, dev, coupled)
-    st = init_state(req, img, first, plan, model.vocab_size)
+    st = init_state(req, img, first, plan, model.vocab_size, first_logp)
     out = torch.empty(B, T, dtype=torch.long, device=dev)
+    out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
     first_round = torch.zeros(B, dtype=torch.long, device=dev)
     waiting = R                                               # next image to admit
     while True:
@@ -58,9 +59,11 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
             done = (~live).nonzero().squeeze(1)[: B - waiting]
             new = torch.arange(waiting, waiting + done.shape[0], device=dev)
             out[img[done]] = st.seq[done, :T]
+            out_logp[img[done]] = st.logp[done, :T]
             img[done] = new
-            st.assign(done, init_state(req, new, prefill_token(model, req, new, done), plan,
-                                       model.vocab_size), new_images=True)
+            token, logp = prefill_token(model, req, new, done)
+            st.assign(done, init_state(req, new, token, plan, model.vocab_size, logp),
+                      new_images=True)
             committed[-1][new] = 1
             first_round[new] = len(committed) - 1
             waiting, prefills, A = waiting + done.shape[0], prefills + 1, A + done.shape[0]
@@ -91,29 +94,32 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
         active_log.append(A)
         modes.append("compact" if compact else "full")
     out[img] = st.seq[:, :T]
+    out_logp[img] = st.logp[:, :T]
     return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
-                   first_round)
+                   first_round, out_logp[:, req.prefix_len:])
 
 
 def _single_token(model, req: Request, times: list) -> RolloutResult:
     """N = 1: the prefill is the whole rollout (in batches of R images)."""
     dev, B, R = req.labels.device, req.batch, req.rows
     parts = req.row_batches()
-    first = torch.cat([prefill_token(model, req, i) for i in parts])
+    first, logp = (torch.cat(t) for t in zip(*[prefill_token(model, req, i) for i in parts]))
     zeros = torch.zeros(B, dtype=torch.long, device=dev)
     synchronize(dev)
     times.append(time.perf_counter())
     return _result(req, torch.cat([req.prefix, first[:, None]], 1), [torch.ones_like(zeros)],
-                   zeros, zeros.clone(), [R], ["full"], times, len(parts) - 1)
+                   zeros, zeros.clone(), [R], ["full"], times, len(parts) - 1,
+                   logprobs=logp[:, None])
 
 
 def _result(req, tokens, committed, accepted, rejected, active, modes, times,
-            prefills=0, first_round=None) -> RolloutResult:
+            prefills=0, first_round=None, logprobs=None) -> RolloutResult:
     return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
                          committed=torch.stack(committed), accepted=accepted,
                          rejected=rejected, active=active, modes=modes, wall_time=0.0,
                          round_times=[b - a for a, b in zip(times, times[1:])],
-                         prefills=prefills, first_round=first_round)
+                         prefills=prefills, first_round=first_round,
+                         logprobs=logprobs.contiguous())
 
 
 class JacobiEngine(Engine):

@@ -4,6 +4,8 @@ Per image b (B images; `cur[b]` committed tokens; T = P + N):
 
     seq[b, :cur]          committed tokens
     seq[b, cur:cur+W-1]   the current drafts (seq is T + W wide; past T is scratch)
+    logp[b, :cur]         behaviour log-prob of each committed token (prefix: unused), the
+                          log-prob under the aligned target p (rollout.sampling.token_logprob)
     q[b, i]               (sample mode) the distribution draft cur + i was drawn from
 
 A round feeds the window [token cur-1, drafts] at positions cur .. cur+W-1 (image token j sits
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from rollout.engine import Request
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              sample_from, uniform, warp)
+                              sample_from, token_logprob, uniform, warp)
 from rollout.verify import residual, verify_greedy, verify_sample
 
 
@@ -69,6 +71,8 @@ class JacobiState:
     rounds: Tensor       # (B,) int64 rounds taken so far (= attempt number of the next round)
     key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
     q: Tensor | None     # (B, W - 1, V) proposal of each draft (sample mode), else None
+    logp: Tensor | None = None  # (B, T + W) float32 behaviour log-probs of the committed
+    #                             tokens, laid out like seq (None: not recorded)
 
     def select(self, idx: Tensor) -> JacobiState:
         """The sub-batch of rows idx (copies)."""
@@ -77,7 +81,7 @@ class JacobiState:
 
     def assign(self, idx: Tensor, sub: JacobiState, new_images: bool = False) -> None:
         """Write a sub-batch back into rows idx (`key` changes only when rows get new images)."""
-        for name in ("seq", "cur", "rounds", "q") + (("key",) if new_images else ()):
+        for name in ("seq", "cur", "rounds", "q", "logp") + (("key",) if new_images else ()):
             if getattr(self, name) is not None:
                 getattr(self, name)[idx] = getattr(sub, name)
 
@@ -99,9 +103,10 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
-def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int) -> JacobiState:
-    """State of images `images` after their round 0 (prefill chose token P): cur = P + 1,
-    drafts from history."""
+def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
+               first_logp: Tensor | None = None) -> JacobiState:
+    """State of images `images` after their round 0 (prefill chose token P, with behaviour
+    log-prob `first_logp`; None records no log-probs): cur = P + 1, drafts from history."""
     B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
     seq = torch.zeros(B, T + W, dtype=torch.long, device=first.device)
     seq[:, :P] = req.prefix[images]
@@ -111,7 +116,11 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int) 
     q = None
     if req.sampled:
         q = one_hot(seq[:, P + 1: P + W], V, torch.float32)
-    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q)
+    logp = None
+    if first_logp is not None:
+        logp = torch.zeros(B, T + W, dtype=torch.float32, device=first.device)
+        logp[:, P] = first_logp
+    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
@@ -166,15 +175,16 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     pos = st.cur[:, None] + ar                                            # tokens cur + i
     drafts = st.seq.gather(1, pos[:, :-1])                                # (B, W - 1)
     idx = (offset[:, None] + ar).clamp_(max=W - 1)                        # aligned index
+    V = guided.shape[-1]
+    if req.sampled or st.logp is not None:
+        p = warp(guided, req.temperature, req.top_k, req.top_p)
+        p = p.gather(1, idx[..., None].expand(-1, -1, V))                 # (B, W, V) aligned
     if not req.sampled:
         pred = guided.argmax(-1).gather(1, idx)                           # (B, W)
         accepted = verify_greedy(pred, drafts, n_drafts)
         m = commit_count(accepted, live, plan.sync)
         content = pred        # committed = argmax[:m] (= accepted drafts), then reused argmax
     else:
-        V = guided.shape[-1]
-        p = warp(guided, req.temperature, req.top_k, req.top_p)
-        p = p.gather(1, idx[..., None].expand(-1, -1, V))                 # (B, W, V) aligned
         u = uniform(st.key[:, None], pos, st.rounds[:, None], plan.streams)   # (4, B, W)
         accepted, token = verify_sample(p, drafts, st.q, n_drafts, u[1, :, :-1], u[0])
         m = commit_count(accepted, live, plan.sync)
@@ -183,6 +193,8 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
                                 token[:, None])
         content = torch.where(ar < m[:, None], committed, fresh)
     st.seq.scatter_(1, pos, content)
+    if st.logp is not None:      # right for the committed ar < m; the rest is rewritten later
+        st.logp.scatter_(1, pos, token_logprob(p, content))
     fill_history(st.seq, st.cur + width, st.cur + m + (W - 1), plan)
     if req.sampled:
         nxt = m[:, None] + ar[:-1]                                        # aligned index

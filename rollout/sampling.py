@@ -4,6 +4,12 @@ Order (LlamaGen): guided logits `uncond + (cond - uncond) * scale`, then tempera
 top-k, then top-p, then softmax.  Greedy decoding is the argmax of the guided logits (the
 warps never move the argmax).
 
+Behaviour log-prob of a committed token (`token_logprob`), the same for both decodings:
+log p(token) under the warped guided distribution p = warp(guide(logits)) of its position --
+the distribution a sampled token was drawn (or accepted) from; for greedy decoding the same
+distribution's log-prob of the argmax.  The learner recomputes it teacher-forced with this
+definition (`opd/onpolicy.py`).
+
 Random numbers are not drawn from a generator in batch order.  Every uniform is a hash of
 
     (seed, image id, token index, attempt, stream)
@@ -103,6 +109,12 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
         remove[..., 0] = False
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
     return logits.softmax(-1)
+
+
+def token_logprob(p: Tensor, tokens: Tensor) -> Tensor:
+    """p: (..., V) float32 probabilities from `warp`, tokens: (...) int64 -> (...) float32
+    log p(token): a committed token's behaviour log-prob (module docstring)."""
+    return p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
 
 
 def sample_from(probs: Tensor, u: Tensor) -> Tensor:

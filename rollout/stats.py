@@ -25,6 +25,9 @@ class RolloutResult:
     prefills: int = 0       # prefill forwards after round 0 (slots: images admitted into rows)
     first_round: Tensor | None = None  # (B,) int64 round holding each image's prefill token
     #                                    (None = 0 for all: no slots)
+    logprobs: Tensor | None = None  # (B, N) float32 behaviour log-prob of each generated token
+    #                                 under the warped guided distribution it was committed
+    #                                 from (rollout.sampling.token_logprob); every engine sets it
     engine: str = ""
     options: dict = field(default_factory=dict)
 

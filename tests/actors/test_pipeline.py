@@ -18,6 +18,7 @@ from actors.records import RunRecords, lag_histogram
 from opd import checkpoints as ckpt
 from opd.config import load_config
 from opd.metrics import read_metrics
+from opd.onpolicy import STRICT_BOUND
 from opd.reference import run_reference
 
 STEPS = 5
@@ -40,6 +41,13 @@ def losses(rows):
 
 def consumed(run_dir):
     return json.loads((run_dir / CONSUMED_FILE).read_text())
+
+
+def assert_on_policy(rows):
+    """Every step's student tokens, recomputed by the learner(s), within STRICT_BOUND."""
+    for r in rows:
+        assert r["onpolicy_tokens"] == r["generated_tokens"] == 4 * (64 - r["prefix_len"])
+        assert r["onpolicy_logprob_delta_max"] < STRICT_BOUND
 
 
 def assert_each_batch_once(rows, run_dir, steps=STEPS):
@@ -131,6 +139,7 @@ def test_two_rollout_two_teacher_workers_equal_the_reference(two_by_two, referen
         [(k, k, k, 0) for k in range(STEPS)]
     assert_each_batch_once(rows, run_dir)
     assert consumed(run_dir)["lags"] == {"0": STEPS * 4}         # strict: every sample lag 0
+    assert_on_policy(rows)
 
 
 def test_metrics_reach_ray_and_the_run_directory(two_by_two):
@@ -175,6 +184,7 @@ def test_learner_world_size_2_zero2_matches_world_size_1(ray_session, tiny_overr
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in reference],
                                                            rel=1e-4)
     assert all(r["tokens"] == 4 * (64 - r["prefix_len"]) for r in rows)   # both shards counted
+    assert_on_policy(rows)                                                 # both shards checked
     assert_each_batch_once(rows, tmp_path)
 
 
@@ -302,6 +312,11 @@ def test_bounded_staleness_runs_ahead_and_records_lags(ray_session, tiny_overrid
     lags = lag_histogram(consumed(tmp_path))
     assert sum(lags.values()) == STEPS * 4 and set(lags) == {0, 1}  # ran one version ahead
     assert [r["policy_lag"] for r in rows] == [r["step"] - r["policy_version"] for r in rows]
+    for r in rows:      # the on-policy check measures the lag: float round-off only without one
+        if r["policy_lag"] == 0:
+            assert r["onpolicy_logprob_delta_max"] < STRICT_BOUND
+        else:
+            assert r["onpolicy_logprob_delta_max"] > 10 * STRICT_BOUND
 
 
 @pytest.mark.slow

@@ -42,6 +42,9 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     merged = merge_batches(subs)
     assert torch.equal(merged.tokens, whole.tokens)
     assert torch.equal(merged.labels, whole.labels)
+    assert torch.equal(merged.behaviour_logprobs, whole.behaviour_logprobs)
+    shard = take_rows(merged, 1, 3)
+    assert torch.equal(shard.behaviour_logprobs, whole.behaviour_logprobs[1:3])
     assert merged.rollout_stats["generated_tokens"] == whole.rollout_stats["generated_tokens"]
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
     plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)

@@ -22,6 +22,7 @@ def make(transport: str | None = "full", source: str = "student") -> TrajectoryB
         tokens=torch.randint(0, V, (B, L), generator=g), policy_version=3, source=source,
         rollout_stats={"rounds": 17, "commit_hist": [3, 0, 5], "mean_committed": 2.951, "seconds": 0.1 + 0.2,
                        "engine": "hb_sjd", "compact": True},
+        behaviour_logprobs=(-torch.rand(B, L - P, generator=g)) if source == "student" else None,
     )
     logp = torch.log_softmax(torch.randn(B, L, V, generator=g), -1)
     if transport == "full":
@@ -37,7 +38,8 @@ def assert_same(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
         assert getattr(a, name) == getattr(b, name) and type(getattr(a, name)) is type(getattr(b, name))
     assert a.rollout_stats == b.rollout_stats
     assert [type(v) for v in a.rollout_stats.values()] == [type(v) for v in b.rollout_stats.values()]
-    for name in ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices"):
+    for name in ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices",
+                 "behaviour_logprobs"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -93,6 +95,7 @@ def test_arrow_round_trip_exact(transport):
     assert table.column("tokens").to_pylist()[1] == batch.tokens[1].tolist()
     if transport == "full":
         assert table.schema.field("teacher_logprobs").type == pa.list_(pa.list_(pa.float32(), V), L)
+    assert table.schema.field("behaviour_logprobs").type == pa.list_(pa.float32(), L - P)
     assert_same(TrajectoryBatch.from_arrow(table), batch)
     assert_same(TrajectoryBatch.from_arrow(table.to_batches()[0]), batch)
 
@@ -138,7 +141,17 @@ def test_validation_names_the_field():
     with pytest.raises(ValueError, match="not both"):
         TrajectoryBatch(**kw, teacher_logprobs=torch.zeros(B, L, V), teacher_topk_values=torch.zeros(B, L, K),
                         teacher_topk_indices=torch.zeros(B, L, K, dtype=torch.int64))
+    with pytest.raises(ValueError, match="behaviour_logprobs must be"):
+        TrajectoryBatch(**kw, behaviour_logprobs=torch.zeros(B, L))      # suffix only
+    with pytest.raises(ValueError, match="behaviour_logprobs must be"):
+        TrajectoryBatch(**kw, behaviour_logprobs=torch.zeros(B, L - P, dtype=torch.float64))
     with pytest.raises(ValueError, match="rollout_stats"):
         TrajectoryBatch(**kw, rollout_stats={"bad": [1, 2.5]})
     with pytest.raises(ValueError, match="bfloat16"):
         TrajectoryBatch(**kw, teacher_logprobs=torch.zeros(B, L, V, dtype=torch.bfloat16)).to_numpy_dict()
+
+
+def test_behaviour_logprobs_cost_four_bytes_per_suffix_token():
+    d = make(None).to_numpy_dict()
+    assert d["behaviour_logprobs"].dtype == np.float32 and d["behaviour_logprobs"].nbytes == 4 * B * (L - P)
+    assert "behaviour_logprobs" not in make(None, source="data").to_numpy_dict()

@@ -6,6 +6,7 @@ from opd import checkpoints as ckpt
 from opd import reference
 from opd.config import load_config
 from opd.metrics import read_metrics
+from opd.onpolicy import STRICT_BOUND
 from opd.reference import run_reference
 from opd.rundir import RunDirError, prepare_run_dir
 
@@ -91,6 +92,11 @@ def test_gkd_mixes_sources_by_lambda(tiny_overrides, tmp_path):
     sources = [r["source"] for r in rows]
     assert set(sources) == {"student", "data"}
     assert all((r["rounds"] == 0) == (r["source"] == "data") for r in rows)
+    for r in rows:     # the on-policy check covers student tokens only: empty, not 0, on data
+        student = r["source"] == "student"
+        assert r["onpolicy_tokens"] == (r["generated_tokens"] if student else 0)
+        assert (r["onpolicy_logprob_delta_max"] is None) == (not student)
+        assert not student or r["onpolicy_logprob_delta_max"] < STRICT_BOUND
 
 
 def test_topk_transport(tiny_overrides, tmp_path):
