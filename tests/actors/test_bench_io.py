@@ -33,7 +33,8 @@ def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
     for row in res["rows"]:
         N = L - row["prefix_len"]
         # labels (B,) int64 + tokens (B, L) int64 + top-k values (B, N, k) float32 and indices
-        scored = B * 8 + B * L * 8 + B * N * k * (4 + itemsize)
+        # + the behaviour log-probs (B, N) float32 of the student's tokens
+        scored = B * 8 + B * L * 8 + B * N * k * (4 + itemsize) + B * N * 4
         step_io = row["io"]
         assert step_io["learner/0"]["received_bytes"] == scored
         assert step_io["teacher/0"]["sent_bytes"] == scored
