@@ -34,7 +34,7 @@ from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, sta
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
-from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps, logprob_gap
+from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -151,9 +151,9 @@ class StudentLearner:
                 ray.get(self.queue.drop.remote(step))
             return {"rank": self.rank, "lost": True}
         shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
-        gap = logprob_gap(self.engine.module, shard, self.cfg)    # this version, before the update
-        loss, metrics = student_loss(self.engine, shard, self.objective,
-                                     dropout=self.cfg.learner.student_dropout)
+        loss, metrics = student_loss(self.engine, shard, self.objective,    # + on-policy check:
+                                     dropout=self.cfg.learner.student_dropout, check=self.cfg)
+        gap = {k: metrics.pop(k) for k in ONPOLICY_KEYS}       # this version, before the update
         scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
         self.engine.backward(loss * scale if scale != 1.0 else loss)
         set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))

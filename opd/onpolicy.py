@@ -8,7 +8,9 @@ accepted from (speculative sampling commits tokens distributed as p).  Greedy de
 same distribution's log-prob of the argmax, so one definition serves both.
 
 `logprob_gap` recomputes those log-probs teacher-forced with the weights the learner holds
-(one conditional forward, plus one unconditional forward when CFG is on) and reports
+(one conditional forward, plus one unconditional forward when CFG is on; the learner passes the
+conditional logits of its loss forward when that runs in eval mode — `student_dropout` off,
+the default — so the check costs no conditional forward of its own) and reports
 
     onpolicy_logprob_delta_mean   mean |Δ| over the student-generated tokens of the batch
     onpolicy_logprob_delta_max    max |Δ|
@@ -44,10 +46,13 @@ KEYS = ("onpolicy_logprob_delta_mean", "onpolicy_logprob_delta_max", "onpolicy_t
 
 
 @torch.no_grad()
-def recompute_logprobs(student, batch: TrajectoryBatch, cfg: RunConfig) -> Tensor:
+def recompute_logprobs(student, batch: TrajectoryBatch, cfg: RunConfig,
+                       cond_logits: Tensor | None = None) -> Tensor:
     """(B, N) float32 log-probs of the batch's suffix tokens under `student`, teacher-forced in
-    eval mode, with the rollout's guidance and warping (the definition above).  The student's
-    train / eval mode is left as it was."""
+    eval mode, with the rollout's guidance and warping (the definition above).  `cond_logits`:
+    the (B, L − 1, V) logits of that conditional forward if the caller has them (the loss's
+    eval-mode forward: the same computation).  The student's train / eval mode is left as it
+    was."""
     r = cfg.rollout
     P = batch.prefix_len
     device = next(student.parameters()).device
@@ -55,7 +60,9 @@ def recompute_logprobs(student, batch: TrajectoryBatch, cfg: RunConfig) -> Tenso
     was_training = student.training
     student.eval()
     try:
-        logits = student(labels, tokens[:, :-1])[:, P:]                   # (B, N, V)
+        if cond_logits is None:
+            cond_logits = student(labels, tokens[:, :-1])
+        logits = cond_logits.detach()[:, P:]                               # (B, N, V)
         if uses_cfg(r.cfg_scale):
             null = torch.full_like(labels, student.num_classes)
             uncond = student(null, tokens[:, :-1])[:, P:]
@@ -66,14 +73,16 @@ def recompute_logprobs(student, batch: TrajectoryBatch, cfg: RunConfig) -> Tenso
     return token_logprob(p, tokens[:, P:]).cpu()
 
 
-def logprob_gap(student, batch: TrajectoryBatch, cfg: RunConfig) -> dict:
+def logprob_gap(student, batch: TrajectoryBatch, cfg: RunConfig,
+                cond_logits: Tensor | None = None) -> dict:
     """|recomputed − recorded| behaviour log-probs of the batch's student tokens: the KEYS
-    above (NaN mean / max and 0 tokens when the batch has no student tokens)."""
+    above (NaN mean / max and 0 tokens when the batch has no student tokens).  `cond_logits`:
+    see `recompute_logprobs`."""
     if batch.source != "student" or batch.behaviour_logprobs is None:
         return dict(zip(KEYS, (math.nan, math.nan, 0, 0.0)))
     start = time.perf_counter()
-    fresh = recompute_logprobs(student, batch, cfg)
-    delta = (fresh.double() - batch.behaviour_logprobs.double()).abs()
+    fresh = recompute_logprobs(student, batch, cfg, cond_logits)
+    delta = (fresh.double() - batch.behaviour_logprobs.double().cpu()).abs()
     return dict(zip(KEYS, (float(delta.mean()), float(delta.max()), int(delta.numel()),
                            time.perf_counter() - start)))
 

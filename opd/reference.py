@@ -8,8 +8,9 @@ Per step k (policy version k = the number of updates the student has had):
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
     traj   = rollout(current student, engine, batch)           (eval mode, no label dropout)
     traj   = score(teacher, traj)                              (teacher log-probs, full or top-k)
-    logprob_gap(student, traj)                                 (on-policy check, opd/onpolicy.py)
-    learn(student, optimizer, traj, objective)                 (loss on the generated suffix)
+    learn(student, optimizer, traj, objective)                 (loss on the generated suffix; the
+                                                               on-policy check, opd/onpolicy.py,
+                                                               on the same forward's logits)
 
 Deterministic for a seed: batches come from a seeded order, rollout random numbers are keyed
 by (seed, batch id, image, position, attempt), and the loop itself draws nothing.
@@ -29,7 +30,6 @@ from opd.data import PrefixBatcher
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.loop import RunInterrupted, StepLog  # noqa: F401  (RunInterrupted re-exported)
 from opd.models import load_into, load_state_dict_safely
-from opd.onpolicy import logprob_gap
 from opd.pretrain import load_role_model, open_dataset
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
@@ -144,10 +144,9 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 traj = score(teacher, traj, cfg)
                 seconds["teacher"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            gap = logprob_gap(student, traj, cfg)      # version `step`'s weights, before the update
-            metrics = {**learn(student, optimizer, traj, objective,
-                               grad_clip=cfg.learner.grad_clip, dropout=cfg.learner.student_dropout,
-                               lr=learning_rate(cfg, step)), **gap}
+            metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
+                            dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
+                            check=cfg)         # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
             steps.record(step_row(step, traj, metrics, seconds))
             track_quality(evaluator, quality, student, step + 1, run_dir)

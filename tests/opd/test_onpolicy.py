@@ -53,6 +53,21 @@ def test_same_weights_give_a_gap_below_the_bound(extra):
     assert traj.behaviour_logprobs.std() > 0.1          # peaked, varied distributions
 
 
+@pytest.mark.parametrize("extra", [SAMPLED, ["rollout.decoding=greedy", "rollout.gamma=2"]])
+def test_the_check_on_the_loss_forward_equals_a_forward_of_its_own(extra):
+    """student_loss(check=cfg) reuses its eval-mode forward's logits (no conditional forward of
+    its own): bit for bit the figures of a separate forward; with dropout on it runs its own."""
+    from opd.steps import student_loss
+    cfg = load_config("tiny", extra)                  # on-policy GKD
+    student, teacher, job = models_and_job()
+    traj = score(teacher, rollout(student, build_engine(cfg), job, cfg, policy_version=0), cfg)
+    alone = logprob_gap(student, traj, cfg)
+    for dropout in (False, True):
+        _, metrics = student_loss(student, traj, build_objective(cfg), dropout=dropout, check=cfg)
+        got = {k: metrics[k] for k in alone if k != "onpolicy_s"}
+        assert got == {k: v for k, v in alone.items() if k != "onpolicy_s"}
+
+
 def test_stale_weights_give_the_weights_own_logprob_change():
     """Roll out with version k−1, check with version k (one learner step later): the gap is
     |log p_k − log p_{k−1}| of the rollout's tokens, computed directly, and far above the
