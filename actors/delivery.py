@@ -65,3 +65,12 @@ def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> Part
         pieces.append(ray.put(payload))
     ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces))
     return report(batch, nbytes, seconds)
+
+
+def hand_over(batch: TrajectoryBatch, tag: PartTag | None, queue, seconds: float,
+              io) -> PartReport:
+    """A generated part: delivered into `queue` as the learner ranks' pieces (`tag`), or, without
+    a tag, put whole for a teacher to score; its bytes counted as sent by `io` (IOCounter)."""
+    made = put_payload(batch, seconds) if tag is None else deliver(batch, tag, queue, seconds)
+    io.put(made.nbytes)
+    return made

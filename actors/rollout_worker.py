@@ -15,7 +15,7 @@ import time
 import ray
 import torch
 
-from actors.delivery import PartTag, deliver, put_payload
+from actors.delivery import PartTag, hand_over
 from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.tasks import PartReport
@@ -123,10 +123,7 @@ class RolloutWorker:
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
-        busy = time.perf_counter() - start
-        report = put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
-        self.io.put(report.nbytes)
-        return report
+        return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
 
     def io_stats(self) -> dict:
         """Payload bytes received and sent, peak RSS (actors/iostats.py)."""

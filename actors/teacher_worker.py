@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from actors.delivery import PartTag, deliver, put_payload
+from actors.delivery import PartTag, deliver, hand_over
 from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
 from actors.rollout_worker import job_tokens, role_device, worker_info
@@ -67,10 +67,7 @@ class TeacherWorker:
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        busy = time.perf_counter() - start
-        report = put_payload(traj, busy) if tag is None else deliver(traj, tag, queue, busy)
-        self.io.put(report.nbytes)
-        return report
+        return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
 
     def io_stats(self) -> dict:
         """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
