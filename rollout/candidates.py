@@ -1,0 +1,102 @@
+"""Candidate drafting at the correction point (SJD-PAC's proactive drafting, greedy decoding).
+
+After a round whose verification corrected token k (the draft differed from the argmax), the
+next window's first draft, token k + 1, was predicted from the rejected draft: the Jacobi
+"single-token stall".  Such a row's next window is a token tree of the same W columns:
+
+    column 0                       root: the corrected token k, at position k + 1
+    branch j (j = 0..K-1)          [c_j, drafts k + 2, k + 3, ...] at positions k + 2, k + 3, ...
+
+c_0..c_{K-1} are the top-K tokens of this round's prediction of token k + 1 (c_0 its argmax, the
+draft plain Jacobi would use); every branch carries the same later drafts.  Branch 0 keeps the
+rest of the window (W - 1 - (K - 1) * L columns), the others L columns each.  A column sees the
+committed tokens, the root and its own branch's earlier columns (`tree`); the model caches
+column s in slot k + 1 + s (rollout/protocol.py), so the slots of a branch j > 0 are moved to
+positions k + 2.. once it has won.
+
+Verification: the root predicts token k + 1; the branch whose c_j equals that argmax (else
+branch 0, whose c_0 is then rejected) is the row's *path*, and greedy verification runs along it
+exactly as along a plain window.  Every committed token is an argmax under committed tokens
+only, so the output is Cached AR's (invariant 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Tree:
+    """The window layout with K branches (constants of a generate call); C = W + (K - 1) L
+    columns: the root (0), branch 0 (1..W-1, the plain window's drafts), then branches j > 0
+    (L columns each, from W + (j - 1) L)."""
+    K: int
+    L: int               # columns of each branch j > 0
+    depth: Tensor        # (C,) position offset of each column: root 0, branch column t: 1 + t
+    base: Tensor         # (K,) first column of each branch
+    length: Tensor       # (K,) columns of each branch
+    path: Tensor         # (K, W) column of aligned index i when branch j wins (padded)
+    mask: Tensor         # (C, C) bool, column s sees column t
+
+    @property
+    def extra(self) -> int:
+        """Columns (and cache slots) beyond the plain window."""
+        return (self.K - 1) * self.L
+
+
+def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
+    """The layout, or None when there is nothing to branch (K < 2 or W < 2)."""
+    if K < 2 or W < 2:
+        return None
+    L = min(L, W - 1)
+    length = torch.tensor([W - 1] + [L] * (K - 1))
+    base = torch.tensor([1] + [W + j * L for j in range(K - 1)])
+    C = W + (K - 1) * L
+    branch = torch.full((C,), -1, dtype=torch.long)
+    depth = torch.zeros(C, dtype=torch.long)
+    for j in range(K):
+        cols = torch.arange(int(base[j]), int(base[j] + length[j]))
+        branch[cols], depth[cols] = j, 1 + torch.arange(len(cols))
+    col = torch.arange(C)
+    mask = (col[None] == 0) | ((branch[:, None] == branch[None]) & (depth[None] <= depth[:, None]))
+    path = torch.zeros(K, W, dtype=torch.long)
+    path[:, 1:] = torch.arange(1, W)                  # past branch j: branch 0's columns
+    for j in range(1, K):
+        path[j, 1: L + 1] = base[j] + torch.arange(L)
+    return Tree(K, L, depth.to(device), base.to(device), length.to(device), path.to(device),
+                mask.to(device))
+
+
+def tree_window(tokens: Tensor, positions: Tensor, seq: Tensor, cand: Tensor,
+                tree: Tree) -> tuple[Tensor, Tensor]:
+    """Append the branches j > 0 to plain windows: tokens, positions (B, W) from
+    `window_inputs`, seq (B, T + W), cand (B, K) -> tokens, positions (B, C).  Branch j is
+    [c_j, the drafts after token cur]; only rows whose window starts at cur use it (elsewhere
+    the columns are computed and ignored)."""
+    W = tokens.shape[1]
+    pos = positions[:, :1] + tree.depth[W:]
+    alt = seq.gather(1, pos - 1)
+    alt[:, tree.base[1:] - W] = cand[:, 1:]
+    return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1)
+
+
+def choose_path(root: Tensor, cand: Tensor, on: Tensor, tree: Tree) -> tuple[Tensor, Tensor,
+                                                                             Tensor]:
+    """root: (B,) argmax of the root column, cand: (B, K), on: (B,) rows with candidates.
+    -> branch (B,) (the first c_j == root, else 0; 0 off the tree), path (B, W) column of each
+    aligned index, width (B,) valid aligned predictions along the path (W on branch 0)."""
+    match = cand == root[:, None]
+    branch = torch.where(on & match.any(1), match.long().argmax(1), 0)
+    return branch, tree.path[branch], 1 + tree.length[branch]
+
+
+def moves(start: Tensor, branch: Tensor, tree: Tree) -> tuple[Tensor, Tensor]:
+    """Cache slots to move after a round: (B, L) src, dst.  start: (B,) the window's first
+    slot (= cur on rows with candidates).  Branch j > 0's columns go to slots start + 1..;
+    other rows copy slots start + 1.. onto themselves (slots of the window)."""
+    t = torch.arange(tree.L, device=start.device)
+    dst = (start + 1)[:, None] + t
+    src = torch.where((branch > 0)[:, None], start[:, None] + tree.base[branch][:, None] + t, dst)
+    return src, dst
