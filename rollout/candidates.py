@@ -69,34 +69,45 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
                 mask.to(device))
 
 
-def tree_window(tokens: Tensor, positions: Tensor, seq: Tensor, cand: Tensor,
-                tree: Tree) -> tuple[Tensor, Tensor]:
-    """Append the branches j > 0 to plain windows: tokens, positions (B, W) from
-    `window_inputs`, seq (B, T + W), cand (B, K) -> tokens, positions (B, C).  Branch j is
-    [c_j, the drafts after token cur]; only rows whose window starts at cur use it (elsewhere
-    the columns are computed and ignored)."""
-    W = tokens.shape[1]
-    pos = positions[:, :1] + tree.depth[W:]
+def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
+                tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
+    """Append the branches j > 0 to plain windows.  tokens, positions (B, W) and offset (B,)
+    from `window_inputs`, seq (B, T + W), cand (B, K) -> tokens, positions (B, C) and the
+    attention mask (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions
+    cur + 1..; it sees the window's columns up to the root (column offset) and its own earlier
+    columns.  Only rows with candidates use it (elsewhere the columns are computed, ignored)."""
+    W, T = tokens.shape[1], seq.shape[1] - tokens.shape[1]
+    root = positions.gather(1, offset.clamp(max=W - 1)[:, None])          # (B, 1) = cur
+    pos = (root + tree.depth[W:]).clamp_(max=T - 1)     # past token T - 1: unused columns
     alt = seq.gather(1, pos - 1)
     alt[:, tree.base[1:] - W] = cand[:, 1:]
-    return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1)
+    mask = tree.mask.expand(tokens.shape[0], -1, -1).clone()
+    mask[:, W:, :W] = torch.arange(W, device=offset.device) <= offset[:, None, None]
+    return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1), mask
 
 
-def choose_path(root: Tensor, cand: Tensor, on: Tensor, tree: Tree) -> tuple[Tensor, Tensor,
-                                                                             Tensor]:
-    """root: (B,) argmax of the root column, cand: (B, K), on: (B,) rows with candidates.
-    -> branch (B,) (the first c_j == root, else 0; 0 off the tree), path (B, W) column of each
-    aligned index, width (B,) valid aligned predictions along the path (W on branch 0)."""
+def choose_path(guided: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
+                tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
+    """guided: (B, C, V) logits, offset: (B,) the root's column, cand: (B, K), on: (B,) rows
+    with candidates.  -> branch (B,) (the first c_j equal to the root's argmax, else 0; 0 off
+    the tree), path (B, W) column of each aligned index, valid (B,) aligned predictions made
+    under committed tokens only along the path (W on branch 0)."""
+    W = tree.path.shape[1]
+    col = offset.clamp(max=W - 1)[:, None, None].expand(-1, 1, guided.shape[-1])
+    root = guided.gather(1, col).squeeze(1).argmax(-1)
     match = cand == root[:, None]
     branch = torch.where(on & match.any(1), match.long().argmax(1), 0)
-    return branch, tree.path[branch], 1 + tree.length[branch]
+    path = tree.path[branch]
+    path = torch.where(path >= W, path, (path + offset[:, None]).clamp(max=W - 1))
+    return branch, path, 1 + tree.length[branch]
 
 
-def moves(start: Tensor, branch: Tensor, tree: Tree) -> tuple[Tensor, Tensor]:
-    """Cache slots to move after a round: (B, L) src, dst.  start: (B,) the window's first
-    slot (= cur on rows with candidates).  Branch j > 0's columns go to slots start + 1..;
-    other rows copy slots start + 1.. onto themselves (slots of the window)."""
+def moves(start: Tensor, offset: Tensor, branch: Tensor, tree: Tree) -> tuple[Tensor, Tensor]:
+    """Cache slots to move after a round: (B, L) src, dst.  start, offset: (B,) the window's
+    first slot and the root's column (`window_inputs`).  The columns of a winning branch
+    j > 0 go to slots cur + 1..; other rows copy slots start + 1.. onto themselves."""
     t = torch.arange(tree.L, device=start.device)
-    dst = (start + 1)[:, None] + t
-    src = torch.where((branch > 0)[:, None], start[:, None] + tree.base[branch][:, None] + t, dst)
+    won = (branch > 0)[:, None]
+    dst = torch.where(won, (start + offset + 1)[:, None], (start + 1)[:, None]) + t
+    src = torch.where(won, start[:, None] + tree.base[branch][:, None] + t, dst)
     return src, dst

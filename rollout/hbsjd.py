@@ -19,7 +19,7 @@ import torch
 
 from rollout.engine import (Engine, Request, calibration_path, cfg_rows, prefill_token,
                             register, synchronize)
-from rollout.candidates import moves
+from rollout.candidates import moves, tree_window
 from rollout.jacobi import init_state, jacobi_update, make_plan, window_inputs
 from rollout.sampling import guide
 from rollout.stats import RolloutResult
@@ -84,14 +84,15 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
         tokens, positions, offset = window_inputs(sub, plan)
         if plan.tree is None:
             logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
-        else:
-            mask = plan.tree.mask.expand(tokens.shape[0] * (2 if req.cfg else 1), -1, -1)
+        else:                             # (B, C) windows with the candidates' branches
+            tokens, positions, mask = tree_window(tokens, positions, offset, sub.seq, sub.cand,
+                                                  plan.tree)
             logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
-                                          mask)
+                                          cfg_rows(mask, req))
         *counts, taken = jacobi_update(sub, guide(logits, req.cfg_scale), offset, req, plan)
         counts = torch.stack(counts)                                  # (3, A or R)
         if taken is not None:                 # the winning branch's cache slots into place
-            src, dst = moves(positions[:, 0], taken, plan.tree)
+            src, dst = moves(positions[:, 0], offset, taken, plan.tree)
             model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
         if compact:
             st.assign(idx, sub)

@@ -138,13 +138,10 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     """-> tokens (B, W) int64, positions (B, W) int64, offset (B,) int64: window index of the
     prediction of token cur (offset > 0 only for clipped windows, = W for finished rows).
-    With candidate drafting the window has C = W + (K - 1) L columns (rollout/candidates.py)."""
+    With candidate drafting `candidates.tree_window` appends the branches."""
     start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
     positions = start[:, None] + plan.ar
-    tokens = st.seq.gather(1, positions - 1)
-    if plan.tree is not None:         # (B, C): the candidates' branches after the window
-        tokens, positions = tree_window(tokens, positions, st.seq, st.cand, plan.tree)
-    return tokens, positions, st.cur - start
+    return st.seq.gather(1, positions - 1), positions, st.cur - start
 
 
 def commit_count(accepted: Tensor, live: Tensor, sync: bool) -> Tensor:
@@ -192,8 +189,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     idx = (offset[:, None] + ar).clamp_(max=W - 1)                        # aligned index
     branch = None
     if plan.tree is not None:                 # verify along the branch the root chose
-        branch, path, t_width = choose_path(guided[:, 0].argmax(-1), st.cand, st.on_tree,
-                                            plan.tree)
+        branch, path, t_width = choose_path(guided, offset, st.cand, st.on_tree, plan.tree)
         idx = torch.where(st.on_tree[:, None], path, idx)
         valid = torch.minimum(width, t_width)                 # predictions under committed
         first = st.seq.gather(1, st.cur[:, None])            # the winning c_j is draft cur
@@ -235,9 +231,9 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
         nxt = idx.gather(1, m.clamp(max=W - 1)[:, None])                  # (B, 1) column
         logits = guided.gather(1, nxt[..., None].expand(-1, -1, V)).squeeze(1)
         st.cand = logits.topk(plan.tree.K, dim=-1).indices
-        st.cand[:, 0] = content.gather(1, m.clamp(max=W - 1)[:, None]).squeeze(1)
+        st.cand[:, 0] = st.seq.gather(1, (st.cur + m)[:, None]).squeeze(1)  # the window's draft
         stale = (accepted < n_drafts) | (branch > 0)          # draft cur + m saw a wrong token
-        st.on_tree = live & stale & (st.cur + m + W <= plan.T)
+        st.on_tree = live & stale & (m < width) & (st.cur + m + 1 < plan.T)
     st.cur += m
     st.rounds += live
     return m, took, rejected, branch

@@ -217,14 +217,12 @@ class GPT(nn.Module):
 
     # ---- rollout protocol -------------------------------------------------------------
     def setup_cache(self, max_batch: int, max_len: int) -> None:
-        """KV caches for `max_batch` rows of `max_len` positions.  Caches that already hold at
+        """KV caches for `max_batch` rows of `max_len` slots (a forward's positions end at
+        block_size; slots past it are scratch, e.g. a token tree's branches, see
+        `forward_cached`).  Caches that already hold at
         least that many rows and positions in the parameters' dtype and device are kept: a
         cached forward writes every position before any query attends to it, so what an
         earlier call left behind is never read, and rollouts allocate once per worker."""
-        if max_len > 2 * (self.block_size + 1):
-            raise ValueError(f"max_len {max_len} exceeds 2 * (block_size + 1) = "
-                             f"{2 * (self.block_size + 1)} (positions end at block_size; slots "
-                             f"past it are scratch, e.g. for a token tree's branches)")
         p = next(self.parameters())
         kc = self.layers[0].attention.k_cache
         if (kc is not None and kc.dtype == p.dtype and kc.device == p.device
