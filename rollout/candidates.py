@@ -1,23 +1,26 @@
 """Candidate drafting at the correction point (SJD-PAC's proactive drafting, greedy decoding).
 
-After a round whose verification corrected token k (the draft differed from the argmax), the
-next window's first draft, token k + 1, was predicted from the rejected draft: the Jacobi
-"single-token stall".  Such a row's next window is a token tree of the same W columns:
+After a round whose verification corrected a token, the next window's first draft (token cur)
+was predicted from the rejected draft: the Jacobi "single-token stall" (each round commits the
+corrected token and little more).  With K candidates such a row's next window also verifies
+K - 1 alternatives for token cur, as branches of a token tree appended to the W columns:
 
-    column 0                       root: the corrected token k, at position k + 1
-    branch j (j = 0..K-1)          [c_j, drafts k + 2, k + 3, ...] at positions k + 2, k + 3, ...
+    columns 0..W-1       the plain window: root (token cur - 1 at position cur), branch 0 =
+                         the W - 1 drafts (its first, c_0, is the stale prediction's argmax)
+    branch j = 1..K-1    L columns: [c_j, drafts cur + 1 ..] at positions cur + 1 ..
 
-c_0..c_{K-1} are the top-K tokens of this round's prediction of token k + 1 (c_0 its argmax, the
-draft plain Jacobi would use); every branch carries the same later drafts.  Branch 0 keeps the
-rest of the window (W - 1 - (K - 1) * L columns), the others L columns each.  A column sees the
-committed tokens, the root and its own branch's earlier columns (`tree`); the model caches
-column s in slot k + 1 + s (rollout/protocol.py), so the slots of a branch j > 0 are moved to
-positions k + 2.. once it has won.
+Candidates (`candidates`): c_0, then c_1 = the token one history offset H above (one grid row:
+HB-SJD's history draft), then the next most likely tokens of the stale prediction.  A branch
+sees the committed tokens, the root and its own earlier columns (`make_tree`'s mask; in a
+clipped tail window every column up to the root).  The model caches column s in slot
+start + s (rollout/protocol.py); a winning branch j > 0 is moved to slots cur + 1 .. .
 
-Verification: the root predicts token k + 1; the branch whose c_j equals that argmax (else
-branch 0, whose c_0 is then rejected) is the row's *path*, and greedy verification runs along it
-exactly as along a plain window.  Every committed token is an argmax under committed tokens
-only, so the output is Cached AR's (invariant 1).
+Verification: the root predicts token cur; the branch whose c_j equals that argmax (else
+branch 0, whose c_0 is then rejected) is the row's *path*; greedy verification runs along it
+as along a plain window, over its 1 + L valid predictions for j > 0 (the drafts after them are
+branch 0's, predicted after a wrong token, so the next window is a tree again).  Every
+committed token is an argmax given committed tokens only, so the output is Cached AR's
+(invariant 1).  Each round costs (K - 1) L more query columns for every row.
 """
 from __future__ import annotations
 
@@ -67,6 +70,18 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
         path[j, 1: L + 1] = base[j] + torch.arange(L)
     return Tree(K, L, depth.to(device), base.to(device), length.to(device), path.to(device),
                 mask.to(device))
+
+
+def candidates(logits: Tensor, draft: Tensor, above: Tensor, K: int) -> Tensor:
+    """The K candidates for the token after a correction: (B, V) logits of its (stale)
+    prediction, draft (B,) the window's draft for it (its argmax), above (B,) the token one
+    history offset H earlier -> (B, K) int64: [draft, above, the next most likely tokens];
+    `above` is left out when it is already among the first K - 1 of the prediction."""
+    top = logits.topk(K, dim=-1).indices
+    top[:, 0] = draft
+    has = (top[:, : K - 1] == above[:, None]).any(1)
+    mixed = torch.cat([top[:, :1], above[:, None], top[:, 1: K - 1]], 1)
+    return torch.where(has[:, None], top, mixed)
 
 
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,

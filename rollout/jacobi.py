@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from rollout.candidates import Tree, choose_path, make_tree, tree_window
+from rollout.candidates import Tree, candidates, choose_path, make_tree
 from rollout.engine import Request
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
                               sample_from, token_logprob, uniform, warp)
@@ -230,8 +230,9 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     if plan.tree is not None:                 # a correction at cur + a: candidates for a + 1
         nxt = idx.gather(1, m.clamp(max=W - 1)[:, None])                  # (B, 1) column
         logits = guided.gather(1, nxt[..., None].expand(-1, -1, V)).squeeze(1)
-        st.cand = logits.topk(plan.tree.K, dim=-1).indices
-        st.cand[:, 0] = st.seq.gather(1, (st.cur + m)[:, None]).squeeze(1)  # the window's draft
+        draft = st.seq.gather(1, (st.cur + m)[:, None]).squeeze(1)       # the window's draft
+        above = st.seq.gather(1, (st.cur + m - plan.H).clamp(min=0)[:, None]).squeeze(1)
+        st.cand = candidates(logits, draft, above, plan.tree.K)
         stale = (accepted < n_drafts) | (branch > 0)          # draft cur + m saw a wrong token
         st.on_tree = live & stale & (m < width) & (st.cur + m + 1 < plan.T)
     st.cur += m

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rollout import make_engine
-from rollout.candidates import choose_path, make_tree, moves
+from rollout.candidates import candidates, choose_path, make_tree, moves
 
 T = 16  # GPT-tiny: grid 4, vocab 11
 
@@ -22,6 +22,16 @@ def test_tree_layout():
     assert t2.depth.tolist() == [0, 1, 2, 3, 4, 1, 2] and t2.path.tolist() == [
         [0, 1, 2, 3, 4], [0, 5, 6, 3, 4]]
     assert make_tree(8, 1, torch.device("cpu")) is None and make_tree(1, 4, torch.device("cpu")) is None
+
+
+def test_candidates_are_draft_above_then_likeliest():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0, 1.0]] * 3)   # ranking 1, 2, 3, 4, 5, 0
+    draft = torch.tensor([1, 1, 1])
+    above = torch.tensor([0, 3, 5])
+    assert candidates(logits, draft, above, 4).tolist() == [[1, 0, 2, 3], [1, 2, 3, 4],
+                                                            [1, 5, 2, 3]]
+    assert candidates(logits, draft, above, 2).tolist() == [[1, 0], [1, 3], [1, 5]]
+    assert candidates(logits[:1], torch.tensor([1]), torch.tensor([1]), 2).tolist() == [[1, 2]]
 
 
 def test_choose_path_and_moves():
