@@ -32,8 +32,8 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     gamma: Compact execution when fewer than gamma rows are active (0 = always Full,
     > R = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD).
     coupled: sampled drafts are refreshed by maximal coupling (rollout/jacobi.py).
-    candidates: K >= 2 verifies the top-K candidates for the token after a correction in a
-    token tree (greedy; rollout/candidates.py), branch the columns of each alternative.
+    candidates: K >= 2 verifies K candidates for the token after a correction as branches of
+    a token tree (greedy; rollout/candidates.py), branch the columns of each alternative.
 
     With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
     are complete at the start of a round and images wait, the rows' tokens are kept and the
@@ -140,9 +140,9 @@ class JacobiEngine(Engine):
     W - 1 drafts]), H (history offset; None = one grid row), decoding, refresh (sampled drafts
     after the commit point: "coupled" = maximal coupling with their new distribution,
     "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
-    also take candidates (K >= 2: after a correction the next window verifies the top-K
-    candidates of the following token as a token tree, rollout/candidates.py; greedy only;
-    0 = off) and branch (columns of each alternative branch; None = a quarter of the drafts)."""
+    also take candidates (K >= 2: after a correction the next window also verifies K - 1
+    alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
+    only; 0 = off) and branch (columns of each alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 

@@ -180,7 +180,8 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
                   plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Verify this round's window and advance `st` in place.
 
-    guided: (B, W, V) guided logits of the window forward; offset from `window_inputs`.
+    guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
+    tree's branches after the window); offset from `window_inputs`.
     Returns committed (B,), accepted (B,) and rejected (B,) int64 counts of the round, and with
     candidate drafting the branch (B,) each row's tree window took (else None)."""
     W, ar = plan.W, plan.ar
