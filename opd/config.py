@@ -109,6 +109,8 @@ class RolloutConfig:
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = False
     """torch.compile the Full-execution verifier forward (CUDA graphs on a GPU); on a CPU it speeds Cached AR up more than HB-SJD (README, Rollouts)."""
+    candidates: int = bounded(0, ge=0)
+    """Greedy decoding: after a correction, the next window also verifies candidates - 1 alternatives for the following token (the token a grid row above, then the likeliest) as token-tree branches (rollout/candidates.py); 0 = off. Cuts rounds at W 16, costs time at W 4 on a CPU (README, Rollouts)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)
@@ -350,6 +352,23 @@ def _rollout_top_k(cfg: RunConfig) -> None:
     if cfg.rollout.top_k > cfg.model.vocab_size:
         raise ConfigError(f"rollout.top_k={cfg.rollout.top_k}: must be <= model.vocab_size "
                           f"({cfg.model.vocab_size}); 0 turns top-k off", "rollout.top_k")
+
+
+@cross_check
+def _candidates(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if r.candidates and r.decoding != "greedy":
+        raise ConfigError(f"rollout.candidates={r.candidates}: candidate drafting needs "
+                          f"rollout.decoding=greedy (got {r.decoding!r}); set "
+                          f"rollout.candidates=0", "rollout.candidates")
+    if r.candidates and r.compile:
+        raise ConfigError(f"rollout.candidates={r.candidates}: cannot be combined with "
+                          f"rollout.compile=true (the compiled verifier has no token tree)",
+                          "rollout.candidates")
+    if r.candidates and r.engine not in ("hbsjd", "sjd_independent"):
+        raise ConfigError(f"rollout.candidates={r.candidates}: only the hbsjd and "
+                          f"sjd_independent engines draft candidates (rollout.engine="
+                          f"{r.engine!r})", "rollout.candidates")
 
 
 @cross_check

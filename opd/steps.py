@@ -73,6 +73,8 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
     options = {"decoding": r.decoding, "compile": r.compile}
     if name != "cached_ar":
         options.update(W=r.window, H=r.history_offset, refresh=r.refresh)
+    if name in ("hbsjd", "sjd_independent") and r.candidates:
+        options.update(candidates=r.candidates)
     if name == "hbsjd":
         options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
                        calibrate_missing=True)    # measured once under the file's lock

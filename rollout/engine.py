@@ -78,6 +78,18 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"option refresh must be one of {REFRESHES}, got {o['refresh']!r}")
     if "execution" in o and o["execution"] not in EXECUTIONS:
         raise ValueError(f"option execution must be one of {EXECUTIONS}, got {o['execution']!r}")
+    k = o.get("candidates", 0)
+    if "candidates" in o and not (_is_int(k) and k >= 0):
+        raise ValueError(f"option candidates must be an int >= 0 (0 = off), got {k!r}")
+    if k and o.get("decoding") == "sample":
+        raise ValueError("option candidates needs decoding='greedy' (candidate drafting is "
+                         "not built for sampled verification); set candidates=0")
+    if k and o.get("compile"):
+        raise ValueError("option candidates cannot be combined with compile (the compiled "
+                         "verifier has no tree window); turn one of them off")
+    br = o.get("branch")
+    if "branch" in o and br is not None and not (_is_int(br) and br >= 1):
+        raise ValueError(f"option branch must be None or an int >= 1, got {br!r}")
     g = o.get("gamma")
     if "gamma" in o and g is not None and g != "auto" and not (_is_int(g) and g >= 0):
         raise ValueError(f"option gamma must be an int >= 0, 'auto' or None, got {g!r}")
@@ -304,7 +316,7 @@ class Engine:
         try:
             start = time.perf_counter()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
-                model.setup_cache(req.rows * (2 if req.cfg else 1), req.total)
+                model.setup_cache(req.rows * (2 if req.cfg else 1), self.cache_len(req))
                 if compiled is not None:
                     model.static_cache(True)
                 result = self.run(model if compiled is None else CompiledVerifier(model, compiled),
@@ -321,6 +333,10 @@ class Engine:
 
     def check_model(self, model, req: Request) -> None:
         """Engine-specific checks of a call (ValueError)."""
+
+    def cache_len(self, req: Request) -> int:
+        """KV cache slots per row the call needs (`setup_cache`'s max_len)."""
+        return req.total
 
     def run(self, model, req: Request) -> RolloutResult:
         raise NotImplementedError

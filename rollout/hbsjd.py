@@ -19,17 +19,21 @@ import torch
 
 from rollout.engine import (Engine, Request, calibration_path, cfg_rows, prefill_token,
                             register, synchronize)
+from rollout.candidates import moves, tree_window
 from rollout.jacobi import init_state, jacobi_update, make_plan, window_inputs
 from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
 def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
-               coupled: bool = True) -> RolloutResult:
+               coupled: bool = True, candidates: int = 0,
+               branch: int | None = None) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
     gamma: Compact execution when fewer than gamma rows are active (0 = always Full,
     > R = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD).
     coupled: sampled drafts are refreshed by maximal coupling (rollout/jacobi.py).
+    candidates: K >= 2 verifies K candidates for the token after a correction as branches of
+    a token tree (greedy; rollout/candidates.py), branch the columns of each alternative.
 
     With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
     are complete at the start of a round and images wait, the rows' tokens are kept and the
@@ -46,7 +50,7 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     active_log, modes, prefills = [R], ["full"], 0
     accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
     W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
-    plan = make_plan(T, W, H, sync, dev, coupled)
+    plan = make_plan(T, W, H, sync, dev, coupled, min(candidates, model.vocab_size), branch)
     st = init_state(req, img, first, plan, model.vocab_size, first_logp)
     out = torch.empty(B, T, dtype=torch.long, device=dev)
     out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
@@ -78,9 +82,18 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
         else:
             sub, rows, idx = st, None, None
         tokens, positions, offset = window_inputs(sub, plan)
-        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
-        counts = torch.stack(jacobi_update(sub, guide(logits, req.cfg_scale), offset, req,
-                                           plan))                     # (3, A or R)
+        if plan.tree is None:
+            logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+        else:                             # (B, C) windows with the candidates' branches
+            tokens, positions, mask = tree_window(tokens, positions, offset, sub.seq, sub.cand,
+                                                  plan.tree)
+            logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
+                                          cfg_rows(mask, req))
+        *counts, taken = jacobi_update(sub, guide(logits, req.cfg_scale), offset, req, plan)
+        counts = torch.stack(counts)                                  # (3, A or R)
+        if taken is not None:                 # the winning branch's cache slots into place
+            src, dst = moves(positions[:, 0], offset, taken, plan.tree)
+            model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
         if compact:
             st.assign(idx, sub)
         if idx is None and R == B:       # no slots, Full: row b holds image b
@@ -126,7 +139,10 @@ class JacobiEngine(Engine):
     """Shared option handling: W (window = tokens per verifier forward, [last committed,
     W - 1 drafts]), H (history offset; None = one grid row), decoding, refresh (sampled drafts
     after the commit point: "coupled" = maximal coupling with their new distribution,
-    "resample" = drawn afresh; both lossless, see rollout/jacobi.py)."""
+    "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
+    also take candidates (K >= 2: after a correction the next window also verifies K - 1
+    alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
+    only; 0 = off) and branch (columns of each alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -143,17 +159,24 @@ class JacobiEngine(Engine):
     def gamma(self, model, req: Request) -> int:
         return 0
 
+    def cache_len(self, req: Request) -> int:
+        """Cache slots per row: T, plus the branches' scratch slots with candidates."""
+        K = self.options.get("candidates", 0)
+        return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
+
     def run(self, model, req: Request) -> RolloutResult:
         plain = getattr(model, "_model", model)    # gamma is measured on the eager model
-        return run_jacobi(model, req, self.options["W"], self.history(plain),
-                          self.gamma(plain, req), self.SYNC,
-                          self.options["refresh"] == "coupled")
+        o = self.options
+        return run_jacobi(model, req, o["W"], self.history(plain), self.gamma(plain, req),
+                          self.SYNC, o["refresh"] == "coupled", o.get("candidates", 0),
+                          o.get("branch"))
 
 
 @register("sjd_independent")
 class IndependentSJD(JacobiEngine):
     """Independent Batched SJD: per-image cursors, Full execution, no switching."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled")
+    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", candidates=0,
+                    branch=None)
 
 
 @register("hbsjd")
@@ -164,7 +187,8 @@ class HBSJD(JacobiEngine):
     a few forwards, and saved under the file's lock), or
     None (uncalibrated fallback: half the batch, rounded up)."""
     DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", execution="hybrid",
-                    gamma=None, calibration=None, calibrate_missing=False)
+                    gamma=None, calibration=None, calibrate_missing=False, candidates=0,
+                    branch=None)
 
     def __init__(self, **options):
         super().__init__(**options)

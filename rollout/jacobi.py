@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from rollout.candidates import Tree, candidates, choose_path, make_tree
 from rollout.engine import Request
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
                               sample_from, token_logprob, uniform, warp)
@@ -53,15 +54,19 @@ class Plan:
     fill_mod: Tensor     # (F,) fill % H
     streams: Tensor      # (4, 1, 1) the streams of a round's uniforms: token, accept, draft,
     #                      couple
+    tree: Tree | None = None  # candidate drafting's window layout (rollout/candidates.py)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
-              coupled: bool = True) -> Plan:
+              coupled: bool = True, candidates: int = 0, branch: int | None = None) -> Plan:
+    """candidates: K >= 2 turns on candidate drafting (greedy, not sync), branch: columns of
+    each branch j > 0 (None: 1)."""
     ar = torch.arange(W, device=device)
     fill = torch.arange(max(W - 1, 1), device=device)
     streams = torch.tensor([STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT, STREAM_COUPLE],
                            device=device)
-    return Plan(T, W, H, sync, coupled, ar, fill, fill % H, streams.view(4, 1, 1))
+    tree = make_tree(W, candidates, device, branch or 1)
+    return Plan(T, W, H, sync, coupled, ar, fill, fill % H, streams.view(4, 1, 1), tree)
 
 
 @dataclass
@@ -73,6 +78,8 @@ class JacobiState:
     q: Tensor | None     # (B, W - 1, V) proposal of each draft (sample mode), else None
     logp: Tensor | None = None  # (B, T + W) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
+    cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.tree)
+    on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.tree)
 
     def select(self, idx: Tensor) -> JacobiState:
         """The sub-batch of rows idx (copies)."""
@@ -81,7 +88,8 @@ class JacobiState:
 
     def assign(self, idx: Tensor, sub: JacobiState, new_images: bool = False) -> None:
         """Write a sub-batch back into rows idx (`key` changes only when rows get new images)."""
-        for name in ("seq", "cur", "rounds", "q", "logp") + (("key",) if new_images else ()):
+        for name in (("seq", "cur", "rounds", "q", "logp", "cand", "on_tree")
+                     + (("key",) if new_images else ())):
             if getattr(self, name) is not None:
                 getattr(self, name)[idx] = getattr(sub, name)
 
@@ -120,12 +128,17 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     if first_logp is not None:
         logp = torch.zeros(B, T + W, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
-    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp)
+    cand = on_tree = None
+    if plan.tree is not None:
+        cand = torch.zeros(B, plan.tree.K, dtype=torch.long, device=first.device)
+        on_tree = torch.zeros(B, dtype=torch.bool, device=first.device)
+    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     """-> tokens (B, W) int64, positions (B, W) int64, offset (B,) int64: window index of the
-    prediction of token cur (offset > 0 only for clipped windows, = W for finished rows)."""
+    prediction of token cur (offset > 0 only for clipped windows, = W for finished rows).
+    With candidate drafting `candidates.tree_window` appends the branches."""
     start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
     positions = start[:, None] + plan.ar
     return st.seq.gather(1, positions - 1), positions, st.cur - start
@@ -164,17 +177,29 @@ def refresh_drafts(p: Tensor, drafts: Tensor, q: Tensor, accepted: Tensor, u_dra
 
 
 def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
-                  plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
+                  plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Verify this round's window and advance `st` in place.
 
-    guided: (B, W, V) guided logits of the window forward; offset from `window_inputs`.
-    Returns committed (B,), accepted (B,) and rejected (B,) int64 counts of the round."""
+    guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
+    tree's branches after the window); offset from `window_inputs`.
+    Returns committed (B,), accepted (B,) and rejected (B,) int64 counts of the round, and with
+    candidate drafting the branch (B,) each row's tree window took (else None)."""
     W, ar = plan.W, plan.ar
     width = (plan.T - st.cur).clamp_(min=0, max=W)                       # valid predictions
-    live, n_drafts = width > 0, width - 1
     pos = st.cur[:, None] + ar                                            # tokens cur + i
-    drafts = st.seq.gather(1, pos[:, :-1])                                # (B, W - 1)
     idx = (offset[:, None] + ar).clamp_(max=W - 1)                        # aligned index
+    branch = None
+    if plan.tree is not None:                 # verify along the branch the root chose
+        branch, path, t_width = choose_path(guided, offset, st.cand, st.on_tree, plan.tree)
+        idx = torch.where(st.on_tree[:, None], path, idx)
+        valid = torch.minimum(width, t_width)                 # predictions under committed
+        first = st.seq.gather(1, st.cur[:, None])            # the winning c_j is draft cur
+        st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
+                                                        st.cand.gather(1, branch[:, None]), first))
+    else:
+        valid = width
+    live, n_drafts = width > 0, valid - 1
+    drafts = st.seq.gather(1, pos[:, :-1])                                # (B, W - 1)
     V = guided.shape[-1]
     if req.sampled or st.logp is not None:
         p = warp(guided, req.temperature, req.top_k, req.top_p)
@@ -203,6 +228,14 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
         st.q = torch.where((nxt < width[:, None])[..., None], q_pred, q_fill)
     took = torch.minimum(accepted, m)
     rejected = ((accepted < m) & (accepted < n_drafts)).long()
+    if plan.tree is not None:                 # a correction at cur + a: candidates for a + 1
+        nxt = idx.gather(1, m.clamp(max=W - 1)[:, None])                  # (B, 1) column
+        logits = guided.gather(1, nxt[..., None].expand(-1, -1, V)).squeeze(1)
+        draft = st.seq.gather(1, (st.cur + m)[:, None]).squeeze(1)       # the window's draft
+        above = st.seq.gather(1, (st.cur + m - plan.H).clamp(min=0)[:, None]).squeeze(1)
+        st.cand = candidates(logits, draft, above, plan.tree.K)
+        stale = (accepted < n_drafts) | (branch > 0)          # draft cur + m saw a wrong token
+        st.on_tree = live & stale & (m < width) & (st.cur + m + 1 < plan.T)
     st.cur += m
     st.rounds += live
-    return m, took, rejected
+    return m, took, rejected, branch

@@ -31,8 +31,9 @@ class RolloutModel(Protocol):
     grid_size: int       # image tokens per grid row
 
     def setup_cache(self, max_batch: int, max_len: int) -> None:
-        """Provide a KV cache of at least `max_batch` physical rows and `max_len` positions
-        (max_len <= block_size + 1), on the model's device and dtype; one that is large
+        """Provide a KV cache of at least `max_batch` physical rows and `max_len` slots
+        (block_size + 1 positions; more with candidate drafting's scratch slots, see
+        `forward_cached`'s tree), on the model's device and dtype; one that is large
         enough may be kept from an earlier call (stale entries are never read, see above)."""
         ...
 
@@ -54,5 +55,11 @@ class RolloutModel(Protocol):
         float32; logits[b, s] is the distribution of image token number positions[b, s], the
         token that follows the input token tokens[b, s].  Positions within a row
         must be increasing; every position < positions[b, 0] of that row must have been
-        written before."""
+        written before.
+
+        Optional (engines with candidates >= 2 need it): `forward_cached(..., tree)` with
+        tree (B, S, S) bool verifies a token tree (column s cached in slot positions[b, 0] + s,
+        seeing the slots before positions[b, 0] and the columns tree[b, s]), and
+        `move_cached(rows, src, dst)` copies cache slots (B, C) within each row; see
+        opd.models.GPT."""
         ...

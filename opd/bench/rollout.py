@@ -13,6 +13,8 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
     engines: [sjd_sync, sjd_independent, hbsjd-full, hbsjd-compact, hbsjd-hybrid]
     decodings: [greedy]          gamma: measure | <int>     repeats: 3    warmup: 1
     refreshes: [coupled]         # sampled drafts: coupled and/or resample (rollout/jacobi.py)
+    candidates: [0]              # greedy: candidate drafting K (0 = off; rollout/candidates.py),
+                                 # every value a row of sjd_independent and hbsjd-* engines
     slots: null                  # physical rows per call (continuous batching); every engine,
                                  # Cached AR included, runs the batch's images through them
 
@@ -105,6 +107,9 @@ class RolloutBench:
     """Seed of the inputs and of sampling."""
     refreshes: list[str] = field(default_factory=lambda: ["coupled"])
     """Sampled drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
+    candidates: list[int] = field(default_factory=lambda: [0])
+    """Greedy rows of the independent engines once per candidate count K (0 = off, >= 2 on;
+    rollout/candidates.py); sampled rows and sjd_sync run without."""
     slots: int | None = bounded(None, ge=1)
     """Physical rows per call (continuous batching), every engine, Cached AR included; null =
     all of the batch's images at once."""
@@ -124,6 +129,9 @@ def check_bench(b: RolloutBench) -> RolloutBench:
         v = getattr(b, key)
         if not v or any(x not in allowed for x in v):
             raise _fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
+    if not b.candidates or any(k < 0 or k == 1 for k in b.candidates):
+        raise _fail("candidates", b.candidates, "must be a non-empty list of 0 (off) or ints "
+                    ">= 2")
     if b.dtype not in DTYPES:
         raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
     if b.device != "cpu" and not b.device.startswith("cuda"):
@@ -160,12 +168,16 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
     for d in b.decodings:
         for W in b.windows:
             for label in b.engines:
+                greedy_k = d == "greedy" and label != "sjd_sync"
                 for refresh in (b.refreshes if d == "sample" else ["coupled"]):
-                    name, opts = VARIANTS[label]
-                    opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
-                    if label == "hbsjd-hybrid":
-                        opts["gamma"] = gammas[B, W]
-                    out.append((label, d, W, dict(name=name, **opts)))
+                    for K in (b.candidates if greedy_k else [0]):
+                        name, opts = VARIANTS[label]
+                        opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
+                        if K:
+                            opts["candidates"] = K
+                        if label == "hbsjd-hybrid":
+                            opts["gamma"] = gammas[B, W]
+                        out.append((label, d, W, dict(name=name, **opts)))
     return out
 
 
@@ -207,6 +219,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
                 "gamma": kw.get("gamma"), "refresh": kw.get("refresh") if d == "sample" else None,
+                "candidates": (kw.get("candidates", 0) if d == "greedy" and label != "cached_ar"
+                               else None),
                 "slots": b.slots, "rounds": res.rounds,
                 "round_ratio": res.rounds / base[d][2], "prefills": res.prefills,
                 "longest_single_run": int(res.longest_single_run.max()),
@@ -219,7 +233,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "compact_rounds": sum(m == "compact" for m in res.modes),
             })
             if label == "hbsjd-hybrid":
-                progress[B, W, d] = res.progress.cpu().tolist()
+                progress[B, W, d, kw.get("candidates", 0)] = res.progress.cpu().tolist()
         log(f"batch {B}: {len(configs)} configurations x {b.repeats} repeats done")
     env = common.environment(b.device)
     best = best_progress(rows, progress)
@@ -236,13 +250,14 @@ def best_progress(rows: list[dict], progress: dict) -> dict | None:
     B = max(r["batch"] for r in cand)
     r = min((r for r in cand if r["batch"] == B), key=lambda r: r["latency_ms"])
     return {"batch": B, "W": r["W"], "verification": r["verification"],
-            "progress": progress[B, r["W"], r["verification"]]}
+            "progress": progress[B, r["W"], r["verification"], r["candidates"] or 0]}
 
 
 # ---- reporting -------------------------------------------------------------------------------
 
 COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "verify", "{}"),
            ("execution", "exec", "{}"), ("refresh", "refresh", "{}"), ("W", "W", "{}"),
+           ("candidates", "K", "{}"),
            ("gamma", "γ", "{}"), ("slots", "slots", "{}"), ("rounds", "rounds", "{}"),
            ("round_ratio", "rnd/AR", "{:.3f}"), ("prefills", "prefills", "{}"),
            ("longest_single_run", "stall", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
@@ -270,6 +285,7 @@ def format_table(rows: list[dict]) -> str:
             if cand:
                 r = max(cand, key=lambda r: r["speedup"])
                 refresh = f" {r['refresh']}" if r.get("refresh") else ""
+                refresh += f" K={r['candidates']}" if r.get("candidates") else ""
                 lines.append(f"best at batch {B} ({d}): {r['engine']}{refresh} W={r['W']} "
                              f"{r['speedup']:.2f}x over Cached AR")
     return "\n".join(lines)

@@ -86,8 +86,9 @@ class Attention(nn.Module):
         self.static = False   # attend over the whole cache (fixed shapes for torch.compile)
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor | None,
-                rows: Tensor | None, use_cache: bool) -> Tensor:
-        """x: (B, S, D); positions: (B, S) or None for 0..S-1 causal; rows: (B,) or None."""
+                rows: Tensor | None, use_cache: bool, tree: Tensor | None = None) -> Tensor:
+        """x: (B, S, D); positions: (B, S) or None for 0..S-1 causal; rows: (B,) or None;
+        tree: (B, S, S) bool or None (see GPT.forward_cached)."""
         B, S, _ = x.shape
         hd, kvd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([hd, kvd, kvd], dim=-1)
@@ -102,17 +103,27 @@ class Attention(nn.Module):
         else:
             assert self.k_cache is not None, "call setup_cache() before a cached forward"
             kc, vc = self.k_cache, self.v_cache
-            length = kc.shape[2] if self.static else int(positions.max()) + 1
+            slots = positions
+            if tree is not None:                     # column s lives in slot start + s
+                slots = positions[:, :1] + torch.arange(S, device=x.device)
+            length = kc.shape[2] if self.static else int(slots.max()) + 1
             if rows is None:                                            # rows 0..B-1: no gather
-                kc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = k
-                vc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], positions] = v
+                kc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], slots] = k
+                vc[:B].transpose(1, 2)[torch.arange(B, device=x.device)[:, None], slots] = v
                 keys, values = kc[:B, :, :length], vc[:B, :, :length]
             else:
-                kc[rows[:, None], :, positions] = k                     # (B, S, Hkv, hd) scatter
-                vc[rows[:, None], :, positions] = v
+                kc[rows[:, None], :, slots] = k                         # (B, S, Hkv, hd) scatter
+                vc[rows[:, None], :, slots] = v
                 keys, values = kc[rows, :, :length], vc[rows, :, :length]
             key_pos = torch.arange(length, device=x.device)
-            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B,1,S,L)
+            if tree is None:
+                mask = key_pos[None, None, :] <= positions[:, :, None]           # (B, S, L)
+            else:                                    # committed slots, then the tree's columns
+                col = key_pos[None, :] - positions[:, :1]                         # (B, L)
+                inside = (col >= 0) & (col < S)
+                seen = tree.gather(2, col.clamp(0, S - 1)[:, None, :].expand(-1, S, -1))
+                mask = (col < 0)[:, None, :] | (inside[:, None, :] & seen)
+            mask = mask.unsqueeze(1)                                              # (B,1,S,L)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, S, hd)
         return self.resid_dropout(self.wo(y))
@@ -127,8 +138,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor | None, rows: Tensor | None,
-                use_cache: bool) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, positions, rows, use_cache)
+                use_cache: bool, tree: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions, rows, use_cache, tree)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -183,7 +194,7 @@ class GPT(nn.Module):
         return self._rope[key]
 
     def _run(self, h: Tensor, positions: Tensor | None, rows: Tensor | None,
-             use_cache: bool) -> Tensor:
+             use_cache: bool, tree: Tensor | None = None) -> Tensor:
         table = self._rope_table(h.device, h.dtype)
         if positions is None:
             rope = table[: h.shape[1]].unsqueeze(0).expand(h.shape[0], -1, -1, -1)
@@ -191,7 +202,7 @@ class GPT(nn.Module):
             rope = table[positions]
         h = self.tok_dropout(h)
         for layer in self.layers:
-            h = layer(h, rope, positions, rows, use_cache)
+            h = layer(h, rope, positions, rows, use_cache, tree)
         return self.output(self.norm(h)).float()
 
     def forward(self, labels: Tensor, tokens: Tensor) -> Tensor:
@@ -206,12 +217,12 @@ class GPT(nn.Module):
 
     # ---- rollout protocol -------------------------------------------------------------
     def setup_cache(self, max_batch: int, max_len: int) -> None:
-        """KV caches for `max_batch` rows of `max_len` positions.  Caches that already hold at
+        """KV caches for `max_batch` rows of `max_len` slots (a forward's positions end at
+        block_size; slots past it are scratch, e.g. a token tree's branches, see
+        `forward_cached`).  Caches that already hold at
         least that many rows and positions in the parameters' dtype and device are kept: a
         cached forward writes every position before any query attends to it, so what an
         earlier call left behind is never read, and rollouts allocate once per worker."""
-        if max_len > self.block_size + 1:
-            raise ValueError(f"max_len {max_len} exceeds block_size + 1 = {self.block_size + 1}")
         p = next(self.parameters())
         kc = self.layers[0].attention.k_cache
         if (kc is not None and kc.dtype == p.dtype and kc.device == p.device
@@ -243,7 +254,24 @@ class GPT(nn.Module):
         positions = torch.arange(P + 1, device=prefix.device).expand(B, -1)
         return self._run(h, positions, rows, use_cache=True)
 
-    def forward_cached(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+    def forward_cached(self, tokens: Tensor, positions: Tensor, rows: Tensor | None,
+                       tree: Tensor | None = None) -> Tensor:
         """tokens, positions: (B, S) int64; rows: (B,) or None (rows 0..B-1).
-        Returns logits (B, S, V) float32 for the image tokens at indices `positions`."""
-        return self._run(self.tok_embeddings(tokens), positions, rows, use_cache=True)
+        Returns logits (B, S, V) float32 for the image tokens at indices `positions`.
+
+        tree: (B, S, S) bool or None.  A token tree verified in one forward (candidate
+        drafting): column s is rotated at positions[b, s] but cached in slot
+        positions[b, 0] + s, and sees the cache slots < positions[b, 0] and the columns t with
+        tree[b, s, t] (its ancestors and itself).  A causal tree over consecutive positions is
+        the plain forward.  Columns whose slot is not their position are moved into place with
+        `move_cached` before a later forward reads them."""
+        return self._run(self.tok_embeddings(tokens), positions, rows, use_cache=True,
+                         tree=tree)
+
+    def move_cached(self, rows: Tensor | None, src: Tensor, dst: Tensor) -> None:
+        """Copy the cached keys/values of slots src (B, C) to slots dst (B, C) of each row
+        (rows: (B,) or None for rows 0..B-1); src is read before dst is written."""
+        rows = torch.arange(src.shape[0], device=src.device) if rows is None else rows
+        for layer in self.layers:
+            for c in (layer.attention.k_cache, layer.attention.v_cache):
+                c.transpose(1, 2)[rows[:, None], dst] = c.transpose(1, 2)[rows[:, None], src]

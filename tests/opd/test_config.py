@@ -197,6 +197,22 @@ def test_cross_field_checks():
     assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
     assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
                                                     "sequence length model.grid_size ** 2 (64)")
+    assert error(["rollout.candidates=4"]).startswith(
+        "rollout.candidates=4: candidate drafting needs rollout.decoding=greedy (got 'sample')")
+    assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.compile=true"]
+                 ).startswith("rollout.candidates=4: cannot be combined with rollout.compile")
+    assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.engine=sjd_sync"]
+                 ).startswith("rollout.candidates=4: only the hbsjd and sjd_independent")
+    assert error(["rollout.candidates=-1"]) == "rollout.candidates=-1: must be >= 0"
+
+
+def test_candidates_reach_the_engine():
+    from opd.steps import build_engine
+    cfg = load_config(None, ["rollout.candidates=4", "rollout.decoding=greedy"])
+    assert build_engine(cfg).options["candidates"] == 4
+    assert build_engine(cfg, "sjd_independent").options["candidates"] == 4
+    assert "candidates" not in build_engine(cfg, "cached_ar").options
+    assert build_engine(load_config(None, [])).options["candidates"] == 0
 
 
 def test_validate_catches_bad_values_built_in_code():
@@ -234,13 +250,15 @@ def test_default_run_dir():
 
 def test_config_hash_values_are_pinned():
     """Cache keys (pretrained models, runs) hash the config: these values were computed on the
-    hand-written loader, before validation moved onto pydantic, and must not change."""
+    hand-written loader, before validation moved onto pydantic, and must not change.  A new key
+    changes the whole-config values (recorded in checkpoints' state.json only; rollout.candidates
+    moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4), never a cache key's."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "4f0befd26218"
-    assert config_hash(RunConfig()) == "c775bdc45f53"
+    assert config_hash(tiny) == "54165f582cc2"
+    assert config_hash(RunConfig()) == "8ac49b394f92"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "cbc1e17debe4"
+                                          "distill.objective_options.gate=0.5"])) == "f21410ed6e7b"
 
 
 # --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------

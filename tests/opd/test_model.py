@@ -128,3 +128,31 @@ def test_bad_preset_and_override():
         create_model("GPT-tiny", heads=3)
     with pytest.raises(ValueError, match="block_size"):
         random_model()(torch.tensor([0]), torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_token_tree_forward_and_moved_slots_match_uncached(model):
+    """A tree window (rollout/candidates.py): root, a 3-column branch and two 1-column branches
+    at the root's next position, each column equal to the uncached forward of its own path; the
+    winning branch's slot moved into place gives later forwards the uncached logits."""
+    B, T = 2, model.block_size
+    labels, tokens = data(model, B, seed=6)
+    model.setup_cache(B, T + 3)                          # 2 scratch slots past T + 1
+    model.prefill(labels, tokens[:, :4], None)             # positions 0..4
+    x, y = (tokens[:, 4:5] + 1) % model.vocab_size, (tokens[:, 4:5] + 2) % model.vocab_size
+    window = torch.cat([tokens[:, 3:7], x, y], 1)        # root = token 3 at position 4
+    positions = torch.tensor([4, 5, 6, 7, 5, 5]).expand(B, -1)
+    col = torch.arange(6)
+    branch = torch.tensor([-1, 0, 0, 0, 1, 2])
+    tree = (col[None] == 0) | ((branch[:, None] == branch[None]) & (col[None] <= col[:, None]))
+    out = model.forward_cached(window, positions, None, tree.expand(B, -1, -1))
+    ref = model(labels, tokens[:, :7])
+    torch.testing.assert_close(out[:, :4], ref[:, 4:8], rtol=1e-12, atol=1e-12)
+    for c, alt in ((4, x), (5, y)):
+        ref_alt = model(labels, torch.cat([tokens[:, :4], alt], 1))
+        torch.testing.assert_close(out[:, c], ref_alt[:, 5], rtol=1e-12, atol=1e-12)
+    # branch 2 (y) wins: its slot 4 + 5 goes to slot 5, then decoding goes on from y
+    model.move_cached(None, torch.full((B, 1), 9), torch.full((B, 1), 5))
+    nxt = tokens[:, 8:10]
+    out = model.forward_cached(nxt, torch.tensor([6, 7]).expand(B, -1), None)
+    ref_y = model(labels, torch.cat([tokens[:, :4], y, nxt], 1))
+    torch.testing.assert_close(out, ref_y[:, 6:8], rtol=1e-12, atol=1e-12)

@@ -45,6 +45,8 @@ def test_shipped_presets_load(name):
     (dict(device="tpu"), "device"),
     (dict(refreshes=["maximal"]), "refreshes"),
     (dict(slots=0), "slots"),
+    (dict(candidates=[1]), "candidates"),
+    (dict(candidates=[]), "candidates"),
 ])
 def test_bad_presets_name_the_key(tiny_preset, override, word):
     with pytest.raises(ConfigError, match=word):
@@ -126,3 +128,17 @@ def test_slots_and_refresh_rules_side_by_side(tiny_preset, tmp_path):
             assert r["round_ratio"] == r["rounds"] / 36 and r["prefills"] <= 4
     assert rows[2]["equal_ar"] is True
     assert "resample" in format_table(rows)
+
+
+def test_candidate_rows_side_by_side(tiny_preset):
+    """Greedy rows of the independent engines come once per K; sjd_sync and sampled rows once,
+    without candidates; every greedy row equals Cached AR's tokens."""
+    b = load_bench(tiny_preset, dict(batch_sizes=[4], windows=[4], candidates=[0, 3],
+                                     engines=["sjd_sync", "hbsjd-full"]))
+    rows = run_bench(b, log=lambda *_: None)["rows"]
+    assert [(r["engine"], r["verification"], r["candidates"]) for r in rows] == [
+        ("cached_ar", "greedy", None), ("cached_ar", "sample", None),
+        ("sjd_sync", "greedy", 0), ("hbsjd-full", "greedy", 0), ("hbsjd-full", "greedy", 3),
+        ("sjd_sync", "sample", None), ("hbsjd-full", "sample", None)]
+    assert all(r["equal_ar"] for r in rows if r["verification"] == "greedy")
+    assert " K" in format_table(rows).splitlines()[0]

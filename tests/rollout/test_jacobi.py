@@ -80,7 +80,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
     tokens, positions, offset = window_inputs(st, plan)
     assert tokens[:, 1:].tolist() == [[1, 2, 3], [1, 0, 3]]
-    m, took, rejected = jacobi_update(st, logits_for(pred), offset, req, plan)
+    m, took, rejected, _ = jacobi_update(st, logits_for(pred), offset, req, plan)
     assert took.tolist() == [2, 1] and m.tolist() == [3, 2] and rejected.tolist() == [1, 1]
     assert st.cur.tolist() == [8, 7] and st.rounds.tolist() == [2, 2]
     assert st.seq[0, 5:8].tolist() == [1, 2, 5]                   # argmax replaced draft 7
@@ -97,7 +97,7 @@ def test_sampled_round_records_proposals():
     plan = make_plan(16, 4, 4, False, torch.device("cpu"))
     st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
-    m, took, _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req, plan)
+    m, took, _, _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req, plan)
     k = int(m)
     assert st.cur.tolist() == [5 + k]
     width = 4
