@@ -20,6 +20,10 @@ Adding a field is one line plus its docstring: `name: type = default`, or
 bool, int, float, str, `Literal[...]`, `X | None`, unions, `tuple[...]`, `list[X]`,
 `dict[str, Any]` (free-form, validated by its user). Cross-field rules are functions
 decorated with `@cross_check`.
+
+Longer than the ~450 lines the rest of opd/ keeps to, on purpose: it is the one place that
+lists every config key with its documentation, and splitting the schema by section would
+scatter what a user reads to find a key.
 """
 from __future__ import annotations
 
