@@ -69,7 +69,10 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
         # bench measures rollouts inside the step, which the digits default (KD on data) has not.
         on_policy = ([] if cfg.distill.objective in ("varkd", "seqkd")
                      else ["distill.objective=gkd", "distill.lam=1"])
-        run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}", *on_policy,
+        # engines that draft no candidates compare with candidate drafting off
+        plain = ([] if engine in ("hbsjd", "sjd_independent") else ["rollout.candidates=0"])
+        run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}",
+                                        *on_policy, *plain,
                                         f"distill.steps={warmup_steps + steps}",
                                         "run.checkpoint_every=0", "eval.track=false",
                                         f"run.dir={run_dir}"])
