@@ -277,9 +277,11 @@ class Pipeline(RunRecords):
                 self._hook("after_seal", step=s)
 
     def _replan(self, plan: StepPlan) -> None:
-        """Generate every part of `plan` again at the published version (a new generation)."""
+        """Generate every part of `plan` again (a new generation): student rollouts at the
+        published version, other sources at their step's own."""
         self.dispatch.forget_step(plan.step)
-        self.planner.replan(plan, self.publisher.published.version)
+        self.planner.replan(plan, self.publisher.published.version if plan.source == "student"
+                            else plan.version)
         self.reissued += plan.parts
         self._submit_parts(plan)
 
