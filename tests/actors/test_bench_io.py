@@ -44,9 +44,10 @@ def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
         weights = sum(v.numel() * 4 for v in student.state_dict().values())
         assert step_io["learner/0"]["sent_bytes"] == weights            # one publish per step
         assert step_io["rollout/0"]["received_bytes"] >= weights
-        assert all(v["peak_rss_bytes"] > 0 for v in step_io.values())
+        # ru_maxrss is KiB on Linux: in bytes, any process that imported torch is > 100 MiB
+        assert all(v["peak_rss_bytes"] > 100 * 2 ** 20 for v in step_io.values()), step_io
     store = io["object_store"]
-    assert store["max_used_bytes"] is not None and store["max_used_bytes"] > 0, store
+    assert store["max_used_bytes"] is not None and store["max_used_bytes"] >= weights, store
     text = (out / "step.md").read_text()
     assert "| role | received MiB/step | sent MiB/step | peak RSS MiB |" in text
     for role in roles:
