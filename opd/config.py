@@ -342,8 +342,9 @@ class RunOptions:
 
     dir: str | None = None
     """Run directory; None = runs/<name>-<timestamp>."""
-    name: str = "digits-gkd"
-    """Run name."""
+    name: str = ""
+    """Run name (the run directory's prefix); "" = the dataset and what the phases train with,
+    e.g. digits-kd-gkd for a KD warm start, then GKD."""
     seed: int = 0
     """Global seed (data order, rollouts, initialization)."""
     mode: Literal["ray", "reference"] = "ray"
@@ -548,8 +549,18 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def default_run_dir(cfg: RunConfig, now: float | None = None) -> Path:
-    """run.dir, or runs/<run.name>-<YYYYmmdd-HHMMSS> when it is None."""
+    """run.dir, or runs/<run name>-<YYYYmmdd-HHMMSS> when it is None (`run_name`)."""
     if cfg.run.dir is not None:
         return Path(cfg.run.dir)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
-    return Path("runs") / f"{cfg.run.name}-{stamp}"
+    return Path("runs") / f"{run_name(cfg)}-{stamp}"
+
+
+def run_name(cfg: RunConfig) -> str:
+    """run.name, or "<data.dataset>-<objectives of the phases in order>" (digits-kd-gkd)."""
+    if cfg.run.name:
+        return cfg.run.name
+    d = cfg.distill
+    names = [p.objective or d.objective for p in d.phases] or [d.objective]
+    kept = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    return "-".join([cfg.data.dataset, *kept])

@@ -55,3 +55,27 @@ def test_write_quality_summary(tmp_path):
     assert table == gap_table(ROWS)
     assert table in (tmp_path / "quality.md").read_text()
     assert write_quality_summary(tmp_path / "nothing") == ""
+
+
+def _row(step, phase, source, rounds=0, ar_rounds=0, gen=0, roll=0.0):
+    return {"step": step, "phase": phase, "source": source, "loss": 1.0 + step, "rounds": rounds,
+            "ar_rounds": ar_rounds, "generated_tokens": gen, "rollout_s": roll,
+            "rollout_tokens_per_s": gen / roll if roll else 0.0, "mean_committed": 2.0 if gen else 0.0,
+            "teacher_s": 0.1, "learner_s": 0.2, "step_s": 0.5 + roll}
+
+
+def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_path):
+    from opd.artifacts import plot_training
+    from opd.summary import phase_spans, summarize
+    kd = [_row(s, "warm", "data") for s in range(3)]
+    on = [_row(3, "onpolicy", "student", 20, 64, 256, 0.5),
+          _row(4, "onpolicy", "data"),
+          _row(5, "onpolicy", "student", 30, 64, 256, 1.5)]
+    assert phase_spans(kd + on) == [("warm", 0, 2, 0), ("onpolicy", 3, 5, 2)]
+    s = summarize(kd + on)
+    assert s["student_steps"] == 2 and s["rounds_vs_ar"] == 50 / 128
+    assert s["rollout_tokens_per_s"] == 512 / 2.0 and s["rollout_s"] == 1.0
+    assert not {"student_steps", "rollout_s", "rollout_tokens_per_s", "mean_committed",
+                "rounds_vs_ar"} & set(summarize(kd))
+    assert plot_training(kd + on, tmp_path / "a.png") == tmp_path / "a.png"
+    assert plot_training(kd, tmp_path / "b.png") == tmp_path / "b.png"
