@@ -7,11 +7,11 @@ ROWS = [  # made-up quality.parquet rows, not in step order
     {"step": 0, "role": "teacher", "fid": 10.0, "precision": 0.8, "recall": 0.6,
      "class_acc": 0.9, "kl_data": 0.0},
     {"step": 50, "role": "student", "fid": 40.0, "precision": 0.5, "recall": 0.35,
-     "class_acc": 0.6, "kl_data": 0.3},
+     "class_acc": 0.6, "kl_data": 0.3, "kl_samples": 0.5},
     {"step": 0, "role": "student", "fid": 50.0, "precision": 0.4, "recall": 0.2,
-     "class_acc": 0.5, "kl_data": 0.4},
+     "class_acc": 0.5, "kl_data": 0.4, "kl_samples": 0.8},
     {"step": 100, "role": "student", "fid": 30.0, "precision": 0.7, "recall": 0.7,
-     "class_acc": 0.8, "kl_data": 0.1},
+     "class_acc": 0.8, "kl_data": 0.1, "kl_samples": 0.2},
 ]
 
 
@@ -25,6 +25,7 @@ def test_gap_table_exact_shares():
         "| recall ↑ | 0.6000 | 0.2000 | 0.7000 | 125.0% |",           # passed the teacher
         "| class accuracy ↑ | 0.9000 | 0.5000 | 0.8000 | 75.0% |",
         "| held-out KL(T‖S) ↓ | 0.0000 | 0.4000 | 0.1000 | 75.0% |",   # teacher: 0
+        "| on-policy KL(T‖S) ↓ | 0.0000 | 0.8000 | 0.2000 | 75.0% |",  # (0.8-0.2)/0.8
     ]
 
 
