@@ -18,7 +18,9 @@ finds presets, merges `extends:` and writes the resolved config back (YAML, hash
 Adding a field is one line plus its docstring: `name: type = default`, or
 `name: type = bounded(default, ge=..., lt=...)` for a numeric range. Supported types:
 bool, int, float, str, `Literal[...]`, `X | None`, unions, `tuple[...]`, `list[X]`,
-`dict[str, Any]` (free-form, validated by its user). Cross-field rules are functions
+`dict[str, Any]` (free-form, validated by its user), and a list of sections (`list[PhaseConfig]`:
+each entry validated like a section, errors name `distill.phases[1].lam`; one entry's key set
+on the command line as `distill.phases.1.lam=0.5`). Cross-field rules are functions
 decorated with `@cross_check`.
 
 Longer than the ~450 lines the rest of opd/ keeps to, on purpose: it is the one place that

@@ -5,8 +5,9 @@
     set_override(RunConfig, tree, "rollout.windw", "3")
                                     # ConfigError: unknown config key 'rollout.windw'; did you mean 'rollout.window'?
 
-A schema is a tree of stdlib dataclasses (fields with docstrings, `bounded(...)` ranges) whose
-root is decorated `@strict_schema`.  `build` validates a nested dict against it with
+A schema is a tree of stdlib dataclasses (fields with docstrings, `bounded(...)` ranges; a
+field may also hold a list of them, e.g. `distill.phases`) whose root is decorated
+`@strict_schema`.  `build` validates a nested dict against it with
 `pydantic.TypeAdapter` in strict JSON mode, the rules of a YAML file: an int field takes only
 an int, a float field an int or a float, a bool only true/false, a tuple a list, a section a
 mapping, and unknown keys are refused (`extra="forbid"`).  Before that, the few spellings that
