@@ -118,11 +118,11 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
     """The round's verification step: guide the logits, verify every window and advance `st`
     in place (rollout/jacobi.py); with candidate drafting move the winning branch's cache
     slots into place.  -> counts (3, B) int64: committed, accepted, rejected."""
-    *counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
+    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
     if taken is not None:
         src, dst = moves(positions[:, 0], offset, taken, plan.tree)
         model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
-    return torch.stack(counts)
+    return counts
 
 
 def _single_token(model, req: Request, times: list) -> RolloutResult:
@@ -183,7 +183,8 @@ class JacobiEngine(Engine):
         o = self.options
         return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
-                         min(o.get("candidates", 0), model.vocab_size), o.get("branch"))
+                         min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
+                         model.vocab_size)
 
     def run(self, model, req: Request) -> RolloutResult:
         plain = getattr(model, "_model", model)    # gamma is measured on the eager model
