@@ -16,6 +16,7 @@ or on the weights (no branch in a round depends on tensor values); times do.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -50,7 +51,7 @@ def round_costs(model, engine: JacobiEngine, labels: Tensor, prefix: Tensor | No
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 seed: int = 0, profiled: int = 2) -> dict:
     """Roll out labels (B,) / prefix (B, P) with `engine`'s options (Full execution) and
-    return {"rounds": verifier rounds, "forward_ms" / "verify_ms": mean per timed round,
+    return {"rounds": verifier rounds, "forward_ms" / "verify_ms": median of the timed rounds,
     "verify_ops" / "verify_ops_nested": aten operators of one verification step (the largest
     of the `profiled` profiled rounds)}; times are None when every round was a warm-up or
     profiled."""
@@ -92,8 +93,8 @@ def round_costs(model, engine: JacobiEngine, labels: Tensor, prefix: Tensor | No
         if was_training:
             model.train()
 
-    def ms(times):
-        return 1e3 * sum(times) / len(times) if times else None
+    def ms(times):               # the median: a shared machine's preemptions hit few rounds
+        return 1e3 * statistics.median(times) if times else None
     return {"rounds": r, "forward_ms": ms(forward), "verify_ms": ms(verify),
             "verify_ops": max((o[0] for o in ops), default=None),
             "verify_ops_nested": max((o[1] for o in ops), default=None)}
