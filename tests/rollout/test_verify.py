@@ -119,3 +119,46 @@ def test_columns_committed_before_stay():
 def test_residual_is_the_positive_part():
     p, q = torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.1, 0.6, 0.3])
     assert torch.allclose(residual(p, q), torch.tensor([0.4, 0.0, 0.0]))
+
+
+def reference_row(p, drafts, q, off, last, u, coupled):
+    """The rules of rollout/verify.py for one window, column by column: p, q (W, V), drafts
+    (W,), u (4, W) -> a, tokens (W,)."""
+    W = p.shape[0]
+    u_accept, u_couple, u_token, u_draft = u
+    a = off
+    while a < last and u_accept[a] * q[a, drafts[a]] < p[a, drafts[a]]:
+        a += 1
+    tokens = drafts.clone()
+    for c in range(a, W):
+        stale = coupled and c > a and c < last
+        if stale and u_couple[c] * q[c, drafts[c]] < p[c, drafts[c]]:
+            continue                                             # the stale draft is kept
+        dist = p[c]
+        if (c == a or stale) and c < last and residual(p[c], q[c]).sum() > 0:
+            dist = residual(p[c], q[c])
+        tokens[c] = sample_from(dist, u_token[c] if c == a else u_draft[c])
+    return a, tokens
+
+
+def test_fused_verification_equals_the_rules_row_by_row():
+    """Random windows, clipped and finished rows, q equal to p in places (empty residuals)."""
+    g = torch.Generator().manual_seed(0)
+    B, W, V = 64, 5, 4
+    p = torch.rand(B, W, V, generator=g) ** 3
+    p /= p.sum(-1, keepdim=True)
+    q = torch.rand(B, W, V, generator=g) ** 3
+    q /= q.sum(-1, keepdim=True)
+    q[::3] = p[::3]                                              # always accepted / kept
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, W, 1)
+    off = torch.randint(0, W + 1, (B,), generator=g)            # W: a finished row
+    off[:B // 2] = 0
+    u = torch.rand(4, B, W, 1, generator=g, dtype=torch.float64)
+    col = torch.arange(W)[:, None]
+    for coupled in (True, False):
+        a, tokens = verify_sample(p, drafts, q, col < off.view(B, 1, 1), col < W - 1, u, col,
+                                  coupled)
+        for b in range(B):
+            ref_a, ref = reference_row(p[b], drafts[b, :, 0], q[b], int(off[b]), W - 1,
+                                       u[:, b, :, 0], coupled)
+            assert int(a[b]) == ref_a and torch.equal(tokens[b, :, 0], ref), (b, coupled)
