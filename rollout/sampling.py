@@ -46,21 +46,18 @@ _MIX2 = _s64(0x94D049BB133111EB)
 
 
 def _shr(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return torch.bitwise_and(torch.bitwise_right_shift(x, k), (1 << (64 - k)) - 1)
-
-
-def _xorshift(z: Tensor, k: int) -> Tensor:
-    """z ^ (z >>> k)."""
-    return torch.bitwise_xor(z, _shr(z, k))
+    """Logical right shift of int64 bits (torch's >> is arithmetic); a new tensor."""
+    return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def splitmix64(x: Tensor) -> Tensor:
-    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); any shape.  (torch.bitwise_*
-    rather than ^ / >> / &: the same operators without a wrapper each, see rollout/roundcost.py.)"""
-    z = _xorshift(x + _GOLDEN, 30) * _MIX1
-    z = _xorshift(z, 27) * _MIX2
-    return _xorshift(z, 31)
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); any shape.  In place on
+    one new tensor, with torch.bitwise_* rather than ^ / >> / & (the same operators without
+    a wrapper each, see rollout/roundcost.py): z ^= z >>> 30; z *= MIX1; ..."""
+    z = x + _GOLDEN
+    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shr(z, 31))
 
 
 def image_key(seed: Tensor, image: Tensor) -> Tensor:
@@ -75,7 +72,7 @@ def uniform(key: Tensor, position: Tensor, attempt: Tensor, stream: Tensor | int
     fields = torch.bitwise_or(torch.bitwise_left_shift(position, 27),
                               torch.bitwise_left_shift(attempt, 3))
     h = splitmix64(torch.bitwise_xor(key, torch.bitwise_or(fields, stream)))
-    return _shr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+    return _shr(h, 11).to(torch.float64).mul_(1.0 / (1 << 53))
 
 
 def keyed_uniform(seed: Tensor, image: Tensor, position: Tensor, attempt: Tensor,
