@@ -251,7 +251,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
     if plan.sync and req.sampled:    # accepted past the batch minimum: drafts again, from p
         again = (plan.col >= off + m) & (plan.col <= a)
-        tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)
+        tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)       # u[3]: drafts
     write = torch.where(done, plan.scratch, pos)    # committed before: to scratch past T
     seq.scatter_(1, write, tokens)
     if st.logp is not None:      # right for the committed columns; the rest is rewritten later

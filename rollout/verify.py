@@ -4,7 +4,8 @@ Column c of a row's window holds the prediction of token start + c and the token
 it checks (rollout/jacobi.py):
 
     done[:, c]      the token was committed before the round (c < offset: a clipped window)
-    checked[:, c]   the token is a draft to check (offset <= c < W - 1, fewer on a tree path)
+    checked[:, c]   the token is a draft to check (c < W - 1, fewer on a tree path; `done`
+                    columns are not checked again)
     pred / p[:, c]  the argmax / distribution of token start + c; column W - 1 predicts the
                     token after the last draft
 
