@@ -73,7 +73,14 @@ def test_sweep_table_and_figures(tiny_preset, tmp_path):
             assert r["speedup"] == pytest.approx(1.0) and r["rounds"] == 12
             assert r["verify_ops"] is None and r["verify_ms"] is None
         else:                    # one round's cost: verification step against the forward
-            assert r["verify_ops"] > 0 and r["verify_ms"] > 0 and r["forward_ms"] > 0
+            assert r["verify_ms"] > 0 and r["forward_ms"] > 0
+    ops = {(r["engine"], r["verification"], r["W"]): r["verify_ops"] for r in rows
+           if r["engine"] != "cached_ar"}
+    for d in ("greedy", "sample"):       # Full execution of the same plan, at any window
+        independent = {ops[e, d, W] for e in VARIANTS if e != "sjd_sync" for W in (2, 5)}
+        assert len(independent) == 1
+        assert ops["sjd_sync", d, 2] > independent.pop()        # the batch minimum's operators
+    assert ops["hbsjd-full", "sample", 2] > 2 * ops["hbsjd-full", "greedy", 2]
     hybrid = [r for r in rows if r["engine"] == "hbsjd-hybrid"]
     assert all(isinstance(r["gamma"], int) for r in hybrid)
     assert {(c["batch"], c["W"]) for c in report["curves"]} == {(3, 2), (3, 5)}
