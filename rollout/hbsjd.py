@@ -16,24 +16,22 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import Tensor
 
 from rollout.engine import (Engine, Request, calibration_path, cfg_rows, prefill_token,
                             register, synchronize)
 from rollout.candidates import moves, tree_window
-from rollout.jacobi import init_state, jacobi_update, make_plan, window_inputs
+from rollout.jacobi import (JacobiState, Plan, init_state, jacobi_update, make_plan,
+                            window_inputs)
 from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
-               coupled: bool = True, candidates: int = 0,
-               branch: int | None = None) -> RolloutResult:
+def run_jacobi(model, req: Request, plan: Plan, gamma: int) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
-    gamma: Compact execution when fewer than gamma rows are active (0 = always Full,
-    > R = always Compact).  sync: commit the batch minimum (Batch-Synchronous SJD).
-    coupled: sampled drafts are refreshed by maximal coupling (rollout/jacobi.py).
-    candidates: K >= 2 verifies K candidates for the token after a correction as branches of
-    a token tree (greedy; rollout/candidates.py), branch the columns of each alternative.
+    plan: the call's constants (`JacobiEngine.plan`: window, history offset, sync, refresh,
+    candidate drafting).  gamma: Compact execution when fewer than gamma rows are active
+    (0 = always Full, > R = always Compact).
 
     With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
     are complete at the start of a round and images wait, the rows' tokens are kept and the
@@ -49,8 +47,6 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     committed = [torch.zeros_like(ones).index_fill_(0, img, 1)]
     active_log, modes, prefills = [R], ["full"], 0
     accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
-    W = min(W, req.num_new - 1)            # a window never needs more than N - 1 predictions
-    plan = make_plan(T, W, H, sync, dev, coupled, min(candidates, model.vocab_size), branch)
     st = init_state(req, img, first, plan, model.vocab_size, first_logp)
     out = torch.empty(B, T, dtype=torch.long, device=dev)
     out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
@@ -81,19 +77,8 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
             sub, rows = st.select(idx), (torch.cat([idx, idx + R]) if req.cfg else idx)
         else:
             sub, rows, idx = st, None, None
-        tokens, positions, offset = window_inputs(sub, plan)
-        if plan.tree is None:
-            logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
-        else:                             # (B, C) windows with the candidates' branches
-            tokens, positions, mask = tree_window(tokens, positions, offset, sub.seq, sub.cand,
-                                                  plan.tree)
-            logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
-                                          cfg_rows(mask, req))
-        *counts, taken = jacobi_update(sub, guide(logits, req.cfg_scale), offset, req, plan)
-        counts = torch.stack(counts)                                  # (3, A or R)
-        if taken is not None:                 # the winning branch's cache slots into place
-            src, dst = moves(positions[:, 0], offset, taken, plan.tree)
-            model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
+        logits, positions, offset = forward_window(model, sub, req, plan, rows)
+        counts = verify_window(model, sub, logits, positions, offset, req, plan, rows)
         if compact:
             st.assign(idx, sub)
         if idx is None and R == B:       # no slots, Full: row b holds image b
@@ -110,6 +95,34 @@ def run_jacobi(model, req: Request, W: int, H: int, gamma: int, sync: bool,
     out_logp[img] = st.logp[:, :T]
     return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
                    first_round, out_logp[:, req.prefix_len:])
+
+
+def forward_window(model, st: JacobiState, req: Request, plan: Plan,
+                   rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The round's verifier forward over the windows of `st`'s rows (cache rows `rows`, None =
+    Full execution).  -> logits (2B or B, W, V) (C columns with candidate drafting), positions
+    (B, W or C) and offset (B,) from `window_inputs`."""
+    tokens, positions, offset = window_inputs(st, plan)
+    if plan.tree is None:
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+    else:                                 # (B, C) windows with the candidates' branches
+        tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand,
+                                              plan.tree)
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
+                                      cfg_rows(mask, req))
+    return logits, positions, offset
+
+
+def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, offset: Tensor,
+                  req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
+    """The round's verification step: guide the logits, verify every window and advance `st`
+    in place (rollout/jacobi.py); with candidate drafting move the winning branch's cache
+    slots into place.  -> counts (3, B) int64: committed, accepted, rejected."""
+    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
+    if taken is not None:
+        src, dst = moves(positions[:, 0], offset, taken, plan.tree)
+        model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
+    return counts
 
 
 def _single_token(model, req: Request, times: list) -> RolloutResult:
@@ -164,12 +177,18 @@ class JacobiEngine(Engine):
         K = self.options.get("candidates", 0)
         return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
 
+    def plan(self, model, req: Request) -> Plan:
+        """The constants of a call (`jacobi.make_plan`); the window is clipped to N - 1 tokens,
+        the most predictions a round can use."""
+        o = self.options
+        return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
+                         self.SYNC, req.labels.device, o["refresh"] == "coupled",
+                         min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
+                         model.vocab_size)
+
     def run(self, model, req: Request) -> RolloutResult:
         plain = getattr(model, "_model", model)    # gamma is measured on the eager model
-        o = self.options
-        return run_jacobi(model, req, o["W"], self.history(plain), self.gamma(plain, req),
-                          self.SYNC, o["refresh"] == "coupled", o.get("candidates", 0),
-                          o.get("branch"))
+        return run_jacobi(model, req, self.plan(plain, req), self.gamma(plain, req))
 
 
 @register("sjd_independent")

@@ -5,27 +5,29 @@ Per image b (B images; `cur[b]` committed tokens; T = P + N):
     seq[b, :cur]          committed tokens
     seq[b, cur:cur+W-1]   the current drafts (seq is T + W wide; past T is scratch)
     logp[b, :cur]         behaviour log-prob of each committed token (prefix: unused), the
-                          log-prob under the aligned target p (rollout.sampling.token_logprob)
-    q[b, i]               (sample mode) the distribution draft cur + i was drawn from
+                          log-prob under the target p of its position
+                          (rollout.sampling.token_logprob)
+    q[b, c]               (sample mode) the distribution the token of the next window's column c
+                          was drawn from (one-hot for a token filled from history)
 
-A round feeds the window [token cur-1, drafts] at positions cur .. cur+W-1 (image token j sits
-at position j + 1).  Near the end the window is clipped: a row whose window would pass token
-T - 1 starts earlier instead (start = T - W) and re-feeds committed tokens, so every forward
-has the fixed shape (B, W); only predictions of tokens < T are used.  W is at most N - 1.
+A round feeds the window [token start - 1, ..., token start + W - 2] at positions start ..
+start + W - 1 (image token j sits at position j + 1): start = cur, the last committed token and
+W - 1 drafts.  Near the end the window is clipped: a row whose window would pass token T - 1
+starts earlier instead (start = T - W) and re-feeds committed tokens (offset = cur - start > 0),
+so every forward has the fixed shape (B, W); a finished row (cur = T) has offset W.  W is at
+most N - 1.
 
-After verification (rollout/verify.py) `m` tokens are committed (`a` accepted drafts plus the
-replacement / bonus token; the batch minimum for Batch-Synchronous SJD).  The next drafts are
-this round's predictions after the committed point, and the rest of the window is filled from
-history.  Greedy: the argmax.  Sampled, refresh="resample": a fresh sample from this round's
-prediction p, q = p.  Sampled, refresh="coupled" (MC-SJD's maximal coupling): a draft x that was
-never verified (index > a) and was drawn from q_old is kept with probability
-min(1, p(x) / q_old(x)), else replaced by a sample of norm(max(0, p - q_old)); the result is
-distributed exactly as p, so q = p as before, but it mostly stays the token the drafts after it
-were predicted from, and the window converges like greedy Jacobi instead of being redrawn.
-Drafts at indices <= a (verified, or the batch-minimum's uncommitted accepts) are resampled.
-History filling: token j gets the token H positions earlier,
-following the chain j - H, j - 2H, ... back to a defined token (committed or predicted); H = 1
-copies the left neighbour.  Where the chain leaves the sequence the last defined token is used.
+Verification (rollout/verify.py) runs in window columns: column c predicts token start + c.
+`m` tokens are committed (the accepted drafts plus the replacement / bonus token; the batch
+minimum for Batch-Synchronous SJD).  The round's tokens after them are the next drafts: the
+argmax (greedy), or tokens distributed exactly as this round's p, so q = p (sampled: redrawn, or
+kept by maximal coupling, see rollout/verify.py; with the batch minimum, accepted drafts that
+were not committed are redrawn from p).  Every column is written back in one scatter, the
+columns committed before the round to scratch slots past T.  Then the W - 1 tokens after the
+window are filled from history: token j gets the token H positions earlier, following the chain
+j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
+neighbour.  Where the chain leaves the sequence the window's last token is used.  (Filled
+tokens past the next window are never read before a later round writes them again.)
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from torch import Tensor
 from rollout.candidates import Tree, candidates, choose_path, make_tree
 from rollout.engine import Request
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              sample_from, token_logprob, uniform, warp)
-from rollout.verify import residual, verify_greedy, verify_sample
+                              inverse_cdf, uniform, warp)
+from rollout.verify import verify_greedy, verify_sample
 
 
 @dataclass
@@ -50,23 +52,35 @@ class Plan:
     sync: bool           # commit the batch minimum (Batch-Synchronous SJD)
     coupled: bool        # sampled drafts refreshed by maximal coupling (else resampled)
     ar: Tensor           # (W,) 0..W-1
-    fill: Tensor         # (F,) 0..F-1 with F = max(W - 1, 1): offsets of history-filled drafts
-    fill_mod: Tensor     # (F,) fill % H
-    streams: Tensor      # (4, 1, 1) the streams of a round's uniforms: token, accept, draft,
-    #                      couple
+    col: Tensor          # (W, 1) 0..W-1: the window's columns
+    scratch: Tensor      # (W, 1) T..T+W-1: slots past the sequence, for columns not written
+    checked: Tensor      # (W, 1) bool: the columns holding a draft (all but the last)
+    fill: Tensor         # (F, 1) 0..F-1 with F = max(W - 1, 1): history-filled tokens,
+    #                      counted from the first of them (`fill_history`)
+    fill_src: Tensor     # (F, 1) fill % H - H: their sources, counted the same way
+    q_cols: Tensor       # (W, 1) 0..W-2, W-2: column c of the next window is column
+    #                      shift + q_cols[c] of this one (`next_proposals`; the last, no
+    #                      draft, repeats W - 2)
+    streams: Tensor      # (4, 1, 1, 1) the streams of a round's uniforms: accept, couple,
+    #                      token, draft
+    vocab: Tensor | None = None  # (V,) 0..V-1 (one-hot proposals of filled tokens)
     tree: Tree | None = None  # candidate drafting's window layout (rollout/candidates.py)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
-              coupled: bool = True, candidates: int = 0, branch: int | None = None) -> Plan:
+              coupled: bool = True, candidates: int = 0, branch: int | None = None,
+              vocab_size: int | None = None) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (greedy, not sync), branch: columns of
-    each branch j > 0 (None: 1)."""
+    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None)."""
     ar = torch.arange(W, device=device)
-    fill = torch.arange(max(W - 1, 1), device=device)
-    streams = torch.tensor([STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT, STREAM_COUPLE],
-                           device=device)
-    tree = make_tree(W, candidates, device, branch or 1)
-    return Plan(T, W, H, sync, coupled, ar, fill, fill % H, streams.view(4, 1, 1), tree)
+    col = ar[:, None]
+    fill = torch.arange(max(W - 1, 1), device=device)[:, None]
+    streams = torch.tensor([STREAM_ACCEPT, STREAM_COUPLE, STREAM_TOKEN, STREAM_DRAFT],
+                           device=device).view(4, 1, 1, 1)
+    vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
+    return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
+                fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
+                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1))
 
 
 @dataclass
@@ -75,7 +89,8 @@ class JacobiState:
     cur: Tensor          # (B,) int64 committed length
     rounds: Tensor       # (B,) int64 rounds taken so far (= attempt number of the next round)
     key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
-    q: Tensor | None     # (B, W - 1, V) proposal of each draft (sample mode), else None
+    q: Tensor | None     # (B, W, V) proposal of the token of each window column (sample
+    #                      mode; the last column's is never used), else None
     logp: Tensor | None = None  # (B, T + W) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
     cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.tree)
@@ -94,15 +109,17 @@ class JacobiState:
                 getattr(self, name)[idx] = getattr(sub, name)
 
 
-def fill_history(seq: Tensor, defined: Tensor, stop: Tensor, plan: Plan) -> None:
-    """In place: for j in [defined, stop) (at most F tokens per row) set seq[b, j] =
+def fill_history(seq: Tensor, defined: Tensor, plan: Plan) -> Tensor:
+    """In place: for the F tokens j = defined .. defined + F - 1 of each row set seq[b, j] =
     seq[b, j - k*H] with the smallest k that lands below `defined`, i.e.
-    defined - H + (j - defined) % H, or seq[b, defined - 1] when that is negative."""
-    j = defined[:, None] + plan.fill                                       # (B, F)
-    src = (defined - plan.H)[:, None] + plan.fill_mod
-    src = torch.where(src < 0, (defined - 1)[:, None], src)
-    src = torch.where(j < stop[:, None], src, j)                           # others: unchanged
-    seq.scatter_(1, j, seq.gather(1, src))
+    defined - H + (j - defined) % H, or seq[b, defined - 1] when that is negative.
+    seq: (B, T + W, 1) (a view of JacobiState.seq), defined: (B, 1, 1) -> the filled tokens
+    (B, F, 1)."""
+    src = defined + plan.fill_src                                       # (B, F, 1)
+    src = torch.where(src < 0, defined - 1, src)
+    filled = seq.gather(1, src)
+    seq.scatter_(1, defined + plan.fill, filled)
+    return filled
 
 
 def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
@@ -120,10 +137,10 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
-    fill_history(seq, cur, cur + W - 1, plan)
+    fill_history(seq.unsqueeze(2), cur.view(B, 1, 1), plan)
     q = None
-    if req.sampled:
-        q = one_hot(seq[:, P + 1: P + W], V, torch.float32)
+    if req.sampled:                 # the first window starts at cur (W <= N - 1)
+        q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
     logp = None
     if first_logp is not None:
         logp = torch.zeros(B, T + W, dtype=torch.float32, device=first.device)
@@ -144,98 +161,110 @@ def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     return st.seq.gather(1, positions - 1), positions, st.cur - start
 
 
-def commit_count(accepted: Tensor, live: Tensor, sync: bool) -> Tensor:
-    """Tokens to commit per row: accepted + 1 (the batch minimum when sync); 0 if finished."""
-    m = accepted + 1
+def commit_count(a: Tensor, offset: Tensor, W: int, sync: bool) -> Tensor:
+    """a, offset: (B, 1, 1) (rollout/verify.py) -> tokens to commit per row (B, 1, 1): the
+    accepted drafts and one more, a + 1 - offset (the batch minimum when sync); 0 for a
+    finished row (a = offset = W)."""
+    m = (a + 1).clamp(max=W) - offset
     if sync:
-        m = torch.where(live, m, torch.iinfo(m.dtype).max).amin().expand_as(m)
-    return m * live
+        live = m > 0
+        m = torch.where(live, m, torch.iinfo(m.dtype).max).amin() * live
+    return m
 
 
-def refresh_drafts(p: Tensor, drafts: Tensor, q: Tensor, accepted: Tensor, u_draft: Tensor,
-                   u_couple: Tensor, plan: Plan) -> Tensor:
-    """New drafts for every aligned index, each distributed exactly as p[:, i] (so q = p).
+def tree_path(st: JacobiState, guided: Tensor, offset: Tensor,
+              plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Candidate drafting: verify along the branch the root chose (rollout/candidates.py).
+    guided: (B, C, V) logits of the tree window -> the path's logits as a plain window
+    (B, W, V), checked (B, W, 1) bool, last (B, 1, 1) the first column not checked, and the
+    branch (B,) each row took.  Writes the winning candidate into seq as draft cur."""
+    B, W, V = guided.shape[0], plan.W, guided.shape[-1]
+    branch, path, t_width = choose_path(guided, offset, st.cand, st.on_tree, plan.tree)
+    behind = plan.ar - offset[:, None]                        # (B, W) path index of column c
+    on = st.on_tree[:, None] & (behind >= 0)
+    cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
+    first = st.seq.gather(1, st.cur[:, None])
+    st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
+                                                    st.cand.gather(1, branch[:, None]), first))
+    valid = torch.minimum(W - offset, t_width)               # predictions under committed
+    last = (offset + valid - 1).view(B, 1, 1)
+    return guided.gather(1, cols[..., None].expand(B, W, V)), plan.col < last, last, branch
 
-    p: (B, W, V) aligned predictions, drafts / q: (B, W - 1) / (B, W - 1, V) this round's
-    drafts and their proposals, accepted: (B,), u_draft / u_couple: (B, W) float64.
-    Resample: sample_from(p, u_draft).  Coupled: index i > accepted with a stale draft x keeps x
-    if u_couple * q(x) < p(x) (probability min(1, p(x) / q(x))), else samples the residual
-    norm(max(0, p - q)) -- maximal coupling of q and p."""
-    if not plan.coupled:
-        return sample_from(p, u_draft)
-    S = drafts.shape[1]
-    stale = plan.ar[:S] > accepted[:, None]                               # (B, S) never verified
-    dist = p.clone()
-    dist[:, :S] = torch.where(stale[..., None], residual(p[:, :S], q), p[:, :S])
-    dist[:, :S] = torch.where(dist[:, :S].sum(-1, keepdim=True) > 0, dist[:, :S], p[:, :S])
-    new = sample_from(dist, u_draft)
-    p_x = p[:, :S].gather(2, drafts[..., None]).squeeze(2).double()
-    q_x = q.gather(2, drafts[..., None]).squeeze(2).double()
-    keep = stale & (u_couple[:, :S] * q_x < p_x)
-    new[:, :S] = torch.where(keep, drafts, new[:, :S])
-    return new
+
+def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
+                    last: Tensor, branch: Tensor, plan: Plan) -> None:
+    """After a correction at `a` the next window is a tree: the candidates for token cur + m
+    (before `st.cur` advances).  guided: (B, W, V) the path's logits, a, m, last:
+    (B, 1, 1)."""
+    B, W, V = guided.shape
+    col = (offset.view(B, 1, 1) + m).clamp(max=W - 1)                 # predicts token cur + m
+    logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
+    nxt = st.cur[:, None] + m.view(B, 1)
+    draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
+    above = st.seq.gather(1, (nxt - plan.H).clamp(min=0)).squeeze(1)
+    st.cand = candidates(logits, draft, above, plan.tree.K)
+    stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
+    live, nxt = offset < W, nxt.view(B)
+    st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
+
+
+def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
+                   plan: Plan) -> Tensor:
+    """q of the next window: its column c holds token start' + c (start' = its first token),
+    which this round held in column start' + c - start < W, a draft distributed as p there,
+    or filled from history after the window (one-hot).  p: (B, W, V), filled: (B, F, 1)
+    `fill_history`'s tokens, start: (B, 1, 1), cur: (B,) advanced -> (B, W, V)."""
+    B, W, V = p.shape
+    vocab = plan.vocab if plan.vocab is not None else torch.arange(V, device=p.device)
+    shift = cur.clamp(max=plan.T - W).view(B, 1, 1) - start             # in [0, W]
+    pool = torch.cat([p, filled == vocab], 1)                           # (B, W + F, V)
+    return pool.gather(1, (shift + plan.q_cols).expand(B, W, V))
 
 
 def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
-                  plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Verify this round's window and advance `st` in place.
+                  plan: Plan) -> tuple[Tensor, Tensor | None]:
+    """Verify this round's windows and advance `st` in place.
 
     guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
     tree's branches after the window); offset from `window_inputs`.
-    Returns committed (B,), accepted (B,) and rejected (B,) int64 counts of the round, and with
-    candidate drafting the branch (B,) each row's tree window took (else None)."""
-    W, ar = plan.W, plan.ar
-    width = (plan.T - st.cur).clamp_(min=0, max=W)                       # valid predictions
-    pos = st.cur[:, None] + ar                                            # tokens cur + i
-    idx = (offset[:, None] + ar).clamp_(max=W - 1)                        # aligned index
-    branch = None
-    if plan.tree is not None:                 # verify along the branch the root chose
-        branch, path, t_width = choose_path(guided, offset, st.cand, st.on_tree, plan.tree)
-        idx = torch.where(st.on_tree[:, None], path, idx)
-        valid = torch.minimum(width, t_width)                 # predictions under committed
-        first = st.seq.gather(1, st.cur[:, None])            # the winning c_j is draft cur
-        st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
-                                                        st.cand.gather(1, branch[:, None]), first))
-    else:
-        valid = width
-    live, n_drafts = width > 0, valid - 1
-    drafts = st.seq.gather(1, pos[:, :-1])                                # (B, W - 1)
-    V = guided.shape[-1]
+    Returns counts (3, B) int64 -- tokens committed, drafts accepted and drafts rejected (0 or
+    1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
+    window took (else None)."""
+    B, W = st.cur.shape[0], plan.W
+    off = offset.view(B, 1, 1)
+    start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
+    pos = start + plan.col                                            # (B, W, 1) column's token
+    seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
+    done = plan.col < off                                             # committed before
+    checked, last, branch = plan.checked, W - 1, None
+    if plan.tree is not None:
+        guided, checked, last, branch = tree_path(st, guided, offset, plan)
+    drafts = seq.gather(1, pos)                                       # (B, W, 1)
     if req.sampled or st.logp is not None:
-        p = warp(guided, req.temperature, req.top_k, req.top_p)
-        p = p.gather(1, idx[..., None].expand(-1, -1, V))                 # (B, W, V) aligned
-    if not req.sampled:
-        pred = guided.argmax(-1).gather(1, idx)                           # (B, W)
-        accepted = verify_greedy(pred, drafts, n_drafts)
-        m = commit_count(accepted, live, plan.sync)
-        content = pred        # committed = argmax[:m] (= accepted drafts), then reused argmax
-    else:
-        u = uniform(st.key[:, None], pos, st.rounds[:, None], plan.streams)   # (4, B, W)
-        accepted, token = verify_sample(p, drafts, st.q, n_drafts, u[1, :, :-1], u[0])
-        m = commit_count(accepted, live, plan.sync)
-        fresh = refresh_drafts(p, drafts, st.q, accepted, u[2], u[3], plan)  # (B, W) ~ p
-        committed = torch.where(ar < accepted[:, None], torch.cat([drafts, token[:, None]], 1),
-                                token[:, None])
-        content = torch.where(ar < m[:, None], committed, fresh)
-    st.seq.scatter_(1, pos, content)
-    if st.logp is not None:      # right for the committed ar < m; the rest is rewritten later
-        st.logp.scatter_(1, pos, token_logprob(p, content))
-    fill_history(st.seq, st.cur + width, st.cur + m + (W - 1), plan)
+        p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W, V)
     if req.sampled:
-        nxt = m[:, None] + ar[:-1]                                        # aligned index
-        q_pred = p.gather(1, nxt.clamp(max=W - 1)[..., None].expand(-1, -1, V))
-        q_fill = one_hot(st.seq.gather(1, st.cur[:, None] + nxt), V, p.dtype)
-        st.q = torch.where((nxt < width[:, None])[..., None], q_pred, q_fill)
-    took = torch.minimum(accepted, m)
-    rejected = ((accepted < m) & (accepted < n_drafts)).long()
-    if plan.tree is not None:                 # a correction at cur + a: candidates for a + 1
-        nxt = idx.gather(1, m.clamp(max=W - 1)[:, None])                  # (B, 1) column
-        logits = guided.gather(1, nxt[..., None].expand(-1, -1, V)).squeeze(1)
-        draft = st.seq.gather(1, (st.cur + m)[:, None]).squeeze(1)       # the window's draft
-        above = st.seq.gather(1, (st.cur + m - plan.H).clamp(min=0)[:, None]).squeeze(1)
-        st.cand = candidates(logits, draft, above, plan.tree.K)
-        stale = (accepted < n_drafts) | (branch > 0)          # draft cur + m saw a wrong token
-        st.on_tree = live & stale & (m < width) & (st.cur + m + 1 < plan.T)
-    st.cur += m
-    st.rounds += live
-    return m, took, rejected, branch
+        u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
+        a, tokens = verify_sample(p, drafts, st.q, done, checked, u, plan.col, plan.coupled)
+    else:
+        tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
+        a = verify_greedy(tokens, drafts, done, checked)
+    m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
+    if plan.sync and req.sampled:    # accepted past the batch minimum: drafts again, from p
+        again = (plan.col >= off + m) & (plan.col <= a)
+        tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)       # u[3]: drafts
+    write = torch.where(done, plan.scratch, pos)    # committed before: to scratch past T
+    seq.scatter_(1, write, tokens)
+    if st.logp is not None:      # right for the committed columns; the rest is rewritten later
+        st.logp.unsqueeze(2).scatter_(1, write, p.gather(2, tokens).log())   # token_logprob
+    filled = fill_history(seq, start + W, plan)
+    accepted, rejected = a - off, a < last      # finished rows: 0, False
+    if plan.sync:                 # a row past the batch minimum commits accepted drafts only
+        accepted, rejected = torch.minimum(accepted, m), rejected & (accepted < m)
+    counts = torch.stack([m, accepted, rejected.long()])
+    if plan.tree is not None:
+        next_candidates(st, guided, offset, a, m, last, branch, plan)
+    st.cur += m.view(B)
+    st.rounds += 1                # (a finished row's count is never used again)
+    if req.sampled:
+        st.q = next_proposals(p, filled, start, st.cur, plan)
+    return counts.view(3, B), branch

@@ -46,16 +46,18 @@ _MIX2 = _s64(0x94D049BB133111EB)
 
 
 def _shr(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    """Logical right shift of int64 bits (torch's >> is arithmetic); a new tensor."""
+    return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def splitmix64(x: Tensor) -> Tensor:
-    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); any shape."""
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); any shape.  In place on
+    one new tensor, with torch.bitwise_* rather than ^ / >> / & (the same operators without
+    a wrapper each, see rollout/roundcost.py): z ^= z >>> 30; z *= MIX1; ..."""
     z = x + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
+    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shr(z, 31))
 
 
 def image_key(seed: Tensor, image: Tensor) -> Tensor:
@@ -67,8 +69,10 @@ def uniform(key: Tensor, position: Tensor, attempt: Tensor, stream: Tensor | int
     """Uniforms in [0, 1), float64, one per (image key, position, attempt, stream); int64
     arguments broadcast together (e.g. key (B, 1), position (B, S), stream (3, 1, 1)).
     Keys must satisfy 0 <= position < 2**32, 0 <= attempt < 2**24, 0 <= stream < 8."""
-    h = splitmix64(key ^ ((position << 27) | (attempt << 3) | stream))
-    return _shr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+    fields = torch.bitwise_or(torch.bitwise_left_shift(position, 27),
+                              torch.bitwise_left_shift(attempt, 3))
+    h = splitmix64(torch.bitwise_xor(key, torch.bitwise_or(fields, stream)))
+    return _shr(h, 11).to(torch.float64).mul_(1.0 / (1 << 53))
 
 
 def keyed_uniform(seed: Tensor, image: Tensor, position: Tensor, attempt: Tensor,
@@ -97,7 +101,10 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
     """logits: (..., V) guided -> probabilities (..., V) float32 after temperature, top-k
     (keep the k largest; 0/None = off) and top-p (keep the smallest prefix of the sorted
     distribution whose mass reaches top_p, as in HF/LlamaGen; 1.0/None = off)."""
-    logits = logits.float() / temperature
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if temperature != 1.0:                      # (x / 1.0 is x: skip the copy)
+        logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -121,9 +128,14 @@ def sample_from(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling.  probs: (..., V) non-negative (need not be normalised),
     u: (...) float64 uniforms -> tokens (...) int64.  A zero-probability token is never
     chosen (first index whose cumulative mass exceeds u * total)."""
-    cdf = probs.to(torch.float64).cumsum(-1)
-    x = (u * cdf[..., -1]).unsqueeze(-1)
-    tok = torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).squeeze(-1)
+    return inverse_cdf(probs, u.unsqueeze(-1)).squeeze(-1)
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """`sample_from` with a trailing unit dimension: probs (..., V), u (..., 1) float64 ->
+    tokens (..., 1) int64."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    tok = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 

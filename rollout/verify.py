@@ -1,69 +1,83 @@
-"""Verification of a Jacobi window (FACTS.md §3).
+"""Verification of every Jacobi window of a round at once (FACTS.md §3), in window columns.
 
-All tensors are *aligned*: index i of a row refers to image token `cur + i`, where `cur` is
-the row's committed length.  The verifier forward saw [last committed token, drafts], so
+Column c of a row's window holds the prediction of token start + c and the token seq[start + c]
+it checks (rollout/jacobi.py):
 
-    pred[:, i]    distribution of token cur + i          (B, W, V), valid for i < w
-    drafts[:, i]  draft for token cur + i                (B, W - 1), checked for i < w - 1
+    done[:, c]      the token was committed before the round (c < offset: a clipped window)
+    checked[:, c]   the token is a draft to check (c < W - 1, fewer on a tree path; `done`
+                    columns are not checked again)
+    pred / p[:, c]  the argmax / distribution of token start + c; column W - 1 predicts the
+                    token after the last draft
 
-and the draft at window index i + 1 is checked against the prediction at index i.
+Every per-row scalar is a (B, 1, 1) tensor and every per-column one (B, W, 1), so a round is a
+few batched operations with no loop over rows or columns.  `a` is the first column that was
+neither committed before nor accepted (W when every column was committed before: a finished
+row); the round commits the accepted drafts before `a` and one more token at `a`.
 
-Greedy: accept while draft == argmax; the first mismatch is replaced by the argmax.
-Probabilistic (speculative sampling): accept x with probability min(1, p(x) / q(x)), where q
-is the distribution x was drawn from (one-hot for initialised drafts); stop at the first
-rejection and resample from norm(max(0, p - q)); if every draft is accepted the bonus token is
-drawn from p at the next index.  Either way `a` drafts are accepted and one more token (the
-replacement or bonus) is produced at index a.
+Greedy: a draft is accepted while it equals the argmax; the argmax replaces the first mismatch.
+Sampled (speculative sampling): draft x, drawn from q, is accepted with probability
+min(1, p(x) / q(x)) (`keeps`); at the first rejection the replacement is drawn from
+norm(max(0, p - q)) (`residual`), after a fully accepted window the bonus token from p.  The
+columns after `a` become the next round's drafts, each distributed exactly as p: redrawn from p
+(refresh "resample"), or (refresh "coupled", MC-SJD's maximal coupling) a stale draft x is kept
+with probability min(1, p(x) / q(x)), else redrawn from norm(max(0, p - q)).  All draws are one
+inverse-CDF sample per column.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from rollout.sampling import sample_from
+from rollout.sampling import inverse_cdf
 
 
 def leading_true(ok: Tensor) -> Tensor:
-    """ok: (B, S) bool -> (B,) int64 length of the all-True prefix of each row."""
-    return ok.long().cumprod(1).sum(1)
-
-
-def verify_greedy(argmax: Tensor, drafts: Tensor, n_drafts: Tensor) -> Tensor:
-    """argmax: (B, W) aligned argmax predictions, drafts: (B, W - 1), n_drafts: (B,) drafts
-    to check -> accepted (B,) int64.  The committed tokens are argmax[:, :accepted + 1]."""
-    idx = torch.arange(drafts.shape[1], device=drafts.device)
-    ok = (drafts == argmax[:, : drafts.shape[1]]) & (idx < n_drafts[:, None])
-    return leading_true(ok)
+    """ok: (B, S, ...) bool -> (B, 1, ...) int64 length of the all-True prefix along dim 1."""
+    return ok.cumprod(1).sum(1, keepdim=True)
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
     """Distribution to resample from after rejecting a draft: max(0, p - q), (..., V)
-    (unnormalised; `sample_from` normalises)."""
+    (unnormalised; `inverse_cdf` normalises)."""
     return (p - q).clamp_(min=0.0)
 
 
-def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, n_drafts: Tensor, u_accept: Tensor,
-                  u_token: Tensor) -> tuple[Tensor, Tensor]:
-    """Speculative-sampling verification of every row at once.
+def keeps(u: Tensor, q_x: Tensor, p_x: Tensor) -> Tensor:
+    """A token x drawn from q is kept with probability min(1, p(x) / q(x)): u * q(x) < p(x)
+    (no division).  u: float64 uniforms, q_x, p_x: probabilities -> bool."""
+    return u * q_x < p_x
 
-    p: (B, W, V) aligned target distributions, drafts: (B, W - 1), q: (B, W - 1, V) the
-    distributions the drafts were drawn from, n_drafts: (B,) drafts to check, u_accept:
-    (B, W - 1) float64 uniforms for the acceptance tests, u_token: (B, W) float64 uniforms for
-    a replacement / bonus token at each index (the one at index `accepted` is used).
 
-    Returns accepted (B,) int64 and token (B,) int64, the token at index `accepted`: drawn
-    from norm(max(0, p - q)) after a rejection, from p when every draft was accepted."""
-    B, S = drafts.shape
-    idx = torch.arange(S, device=drafts.device)
-    p_x = p[:, :S].gather(2, drafts.unsqueeze(2)).squeeze(2).double()
-    q_x = q.gather(2, drafts.unsqueeze(2)).squeeze(2).double()
-    ok = (u_accept * q_x < p_x) & (idx < n_drafts[:, None])     # u < p/q without dividing
-    accepted = leading_true(ok)
-    rows = torch.arange(B, device=p.device)
-    p_a = p[rows, accepted]                                      # (B, V)
-    rejected = accepted < n_drafts
-    q_a = q[rows, accepted.clamp(max=max(S - 1, 0))] if S else torch.zeros_like(p_a)
-    dist = torch.where(rejected[:, None], residual(p_a, q_a), p_a)
-    empty = dist.sum(-1, keepdim=True) <= 0                      # only by rounding: fall back
-    dist = torch.where(empty, p_a, dist)
-    return accepted, sample_from(dist, u_token.gather(1, accepted[:, None]).squeeze(1))
+def verify_greedy(pred: Tensor, drafts: Tensor, done: Tensor, checked: Tensor) -> Tensor:
+    """pred, drafts: (B, W, 1) argmax and checked token of each column, done / checked:
+    (B, W, 1) bool (module docstring) -> a (B, 1, 1) int64.  The round's tokens are `pred`
+    (the accepted drafts equal it)."""
+    return leading_true(done | (checked & (drafts == pred)))
+
+
+def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, done: Tensor, checked: Tensor,
+                  u: Tensor, col: Tensor, coupled: bool) -> tuple[Tensor, Tensor]:
+    """Speculative sampling of every window, and the next round's drafts.
+
+    p: (B, W, V) predictions, drafts: (B, W, 1) the checked tokens, q: (B, W, V) the
+    distributions they were drawn from (any finite rows where nothing is checked), done /
+    checked: (B, W, 1) bool, u: (4, B, W, 1) float64 uniforms of the acceptance test, the
+    coupling test, the token at `a` and the drafts after it, col: (W, 1) the column numbers.
+
+    Returns a (B, 1, 1) int64 and the round's tokens (B, W, 1) int64: the accepted drafts
+    before `a`, the replacement or bonus token at `a`, the next drafts after it."""
+    u_accept, u_couple, u_token, u_draft = u
+    p_x, q_x = p.gather(2, drafts), q.gather(2, drafts)                # (B, W, 1)
+    a = leading_true(done | (checked & keeps(u_accept, q_x, p_x)))     # (B, 1, 1)
+    at = col == a                                                      # (B, W, 1) token at a
+    res = residual(p, q)                                               # (B, W, V)
+    usable = checked & (res.sum(-1, keepdim=True) > 0)     # else p (rounding left nothing)
+    kept = col < a                                                     # accepted drafts
+    if coupled:
+        stale = (col > a) & checked                                    # never verified
+        from_res = (at | stale) & usable
+        kept = kept | (stale & keeps(u_couple, q_x, p_x))
+    else:
+        from_res = at & usable
+    new = inverse_cdf(torch.where(from_res, res, p), torch.where(at, u_token, u_draft))
+    return a, torch.where(kept, drafts, new)

@@ -23,6 +23,9 @@ Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up r
 rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
 images admitted into freed rows, tokens per image-round, latency mean and P95, speedup over
 Cached AR with the same decoding and batch, and (greedy) whether the tokens equal Cached AR's.
+Jacobi rows also report one round's cost from one more rollout of the same images with Full
+execution (`rollout.roundcost`): the aten operators the verification step calls per round and
+its time per round, measured side by side with the verifier forward's.
 Full vs Compact verifier latency per (physical rows, W) is the calibration file's entry
 ($OPD_CACHE/calibration.json, what `opd calibrate` writes and training reads), measured and
 saved when it has none (delete the file to measure again); `gamma: measure` uses its gamma.
@@ -42,6 +45,7 @@ from opd.config import ConfigError
 from opd.config_loader import bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
+from rollout.roundcost import round_costs
 
 VARIANTS = {
     "sjd_sync": ("sjd_sync", {}),
@@ -215,6 +219,10 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 enumerate(configs) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = last[i], np.asarray(times[i])
+            cost = ({} if label == "cached_ar" or N < 2 else
+                    round_costs(model, engines[i], labels, prefix, N, cfg_scale=b.cfg_scale,
+                                temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
+                                seed=b.seed))
             rows.append({
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
@@ -231,6 +239,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "equal_ar": (bool(torch.equal(res.tokens, base[d][1])) if d == "greedy"
                              else None),
                 "compact_rounds": sum(m == "compact" for m in res.modes),
+                "verify_ops": cost.get("verify_ops"), "forward_ms": cost.get("forward_ms"),
+                "verify_ms": cost.get("verify_ms"),
             })
             if label == "hbsjd-hybrid":
                 progress[B, W, d, kw.get("candidates", 0)] = res.progress.cpu().tolist()
@@ -262,7 +272,9 @@ COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "v
            ("round_ratio", "rnd/AR", "{:.3f}"), ("prefills", "prefills", "{}"),
            ("longest_single_run", "stall", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
            ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
-           ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}")]
+           ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}"),
+           ("verify_ops", "ops/rnd", "{}"), ("forward_ms", "fwd ms/rnd", "{:.2f}"),
+           ("verify_ms", "verify ms/rnd", "{:.2f}")]
 
 
 def format_table(rows: list[dict]) -> str:

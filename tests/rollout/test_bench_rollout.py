@@ -71,11 +71,22 @@ def test_sweep_table_and_figures(tiny_preset, tmp_path):
             assert r["equal_ar"] is None
         if r["engine"] == "cached_ar":
             assert r["speedup"] == pytest.approx(1.0) and r["rounds"] == 12
+            assert r["verify_ops"] is None and r["verify_ms"] is None
+        else:                    # one round's cost: verification step against the forward
+            assert r["verify_ms"] > 0 and r["forward_ms"] > 0
+    ops = {(r["engine"], r["verification"], r["W"]): r["verify_ops"] for r in rows
+           if r["engine"] != "cached_ar"}
+    for d in ("greedy", "sample"):       # Full execution of the same plan, at any window
+        independent = {ops[e, d, W] for e in VARIANTS if e != "sjd_sync" for W in (2, 5)}
+        assert len(independent) == 1
+        assert ops["sjd_sync", d, 2] > independent.pop()        # the batch minimum's operators
+    assert ops["hbsjd-full", "sample", 2] > 2 * ops["hbsjd-full", "greedy", 2]
     hybrid = [r for r in rows if r["engine"] == "hbsjd-hybrid"]
     assert all(isinstance(r["gamma"], int) for r in hybrid)
     assert {(c["batch"], c["W"]) for c in report["curves"]} == {(3, 2), (3, 5)}
     table = format_table(rows)
     assert "speedup" in table and "hbsjd-hybrid" in table and "best at batch 3 (greedy)" in table
+    assert "ops/rnd" in table.splitlines()[0]
     paths = save_figures(report, tmp_path / "figs")
     assert [p.name for p in paths] == ["progress.png", "verifier_latency.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)

@@ -197,39 +197,47 @@ def test_coupled_refresh_follows_the_exact_distribution(long_model, name, opts, 
 
 
 def test_refresh_keeps_a_stale_draft_with_probability_min_1_p_over_q():
-    """The coupling rule, exactly: draft x (index > accepted) is kept iff u * q(x) < p(x); a
-    replaced draft comes from norm(max(0, p - q)); verified indices (<= accepted) and the last
-    index (no stale draft) are drawn from p."""
-    from rollout.jacobi import make_plan, refresh_drafts
-    plan = make_plan(8, 4, 1, False, torch.device("cpu"), coupled=True)
+    """The coupling rule, exactly: draft x after the first rejection `a` is kept iff
+    u * q(x) < p(x); a replaced draft comes from norm(max(0, p - q)); the last column (no stale
+    draft) is drawn from p."""
+    from rollout.verify import verify_sample
+    col = torch.arange(4)[:, None]
+    done, checked = torch.zeros(1, 4, 1, dtype=torch.bool), col < 3
     p = torch.tensor([[0.3, 0.7]]).repeat(4, 1)[None].double()          # (1, W=4, V=2)
-    q = torch.tensor([[0.6, 0.4]]).repeat(3, 1)[None].double()          # (1, 3, 2)
-    drafts = torch.tensor([[0, 0, 0]])
-    accepted = torch.tensor([0])                   # index 0 was verified; 1 and 2 are stale
-    u_draft = torch.tensor([[0.1, 0.1, 0.1, 0.1]], dtype=torch.float64)  # p-sample: token 0
+    q = torch.tensor([[0.6, 0.4]]).repeat(4, 1)[None].double()          # (1, 4, 2)
+    drafts = torch.tensor([[0, 0, 0, 0]])[..., None]
+    u_accept = torch.full((1, 4, 1), 0.9, dtype=torch.float64)   # p/q = 0.5: column 0 rejected
+    u_token = u_draft = torch.full((1, 4, 1), 0.1, dtype=torch.float64)  # p-sample: token 0
     # keep iff u < p(0) / q(0) = 0.5
-    new = refresh_drafts(p, drafts, q, accepted, u_draft,
-                         torch.tensor([[0.0, 0.49, 0.51, 0.0]], dtype=torch.float64), plan)
-    assert new.tolist() == [[0, 0, 1, 0]]      # index 2 redrawn from the residual [0, 0.3]
+    u_couple = torch.tensor([0.0, 0.49, 0.51, 0.0], dtype=torch.float64).view(1, 4, 1)
+    u = torch.stack([u_accept, u_couple, u_token, u_draft])
+    a, new = verify_sample(p, drafts, q, done, checked, u, col, coupled=True)
+    assert int(a) == 0
+    assert new.view(4).tolist() == [1, 0, 1, 0]   # 0, 2 from the residual [0, 0.3]; 1 kept
     # p == q keeps every stale draft, whatever u is
-    new = refresh_drafts(q[:, :1].expand(1, 4, 2), torch.tensor([[1, 1, 1]]), q, accepted,
-                         u_draft, torch.full((1, 4), 0.999, dtype=torch.float64), plan)
-    assert new.tolist() == [[0, 1, 1, 0]]
-    resample = make_plan(8, 4, 1, False, torch.device("cpu"), coupled=False)
-    new = refresh_drafts(p, drafts, q, accepted, torch.tensor([[0.1, 0.5, 0.2, 0.9]]).double(),
-                         torch.zeros(1, 4, dtype=torch.float64), resample)
-    assert new.tolist() == [[0, 1, 0, 1]]      # inverse CDF of p = [0.3, 0.7]
+    p_eq = torch.cat([p[:, :1], q[:, 1:]], 1)             # column 0 still rejects draft 0
+    a, new = verify_sample(p_eq, torch.tensor([[0, 1, 1, 1]])[..., None], q, done, checked,
+                           torch.stack([u_accept, u_couple * 0 + 0.999, u_token, u_draft]),
+                           col, True)
+    assert int(a) == 0 and new.view(4).tolist() == [1, 1, 1, 0]
+    a, new = verify_sample(p, drafts, q, done, checked,
+                           torch.stack([u_accept, u_couple, u_token,
+                                        torch.tensor([0.1, 0.5, 0.2, 0.9]).double().view(1, 4, 1)]),
+                           col, coupled=False)
+    assert int(a) == 0 and new.view(4).tolist() == [1, 1, 0, 1]  # resample: inverse CDF of p
 
 
 def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
     """Keeping every stale draft (no min(1, p/q) test) leaves drafts distributed as their old
     proposal while the verifier is told q = p: the statistics reject it."""
     import rollout.jacobi
-    real = rollout.jacobi.refresh_drafts
+    real = rollout.jacobi.verify_sample
 
-    def keep_all(p, drafts, q, accepted, u_draft, u_couple, plan):
-        return real(p, drafts, q, accepted, u_draft, torch.zeros_like(u_couple) - 1.0, plan)
-    monkeypatch.setattr(rollout.jacobi, "refresh_drafts", keep_all)
+    def keep_all(p, drafts, q, done, checked, u, *args):
+        u = u.clone()
+        u[1] = -1.0                               # the coupling test u * q(x) < p(x) passes
+        return real(p, drafts, q, done, checked, u, *args)
+    monkeypatch.setattr(rollout.jacobi, "verify_sample", keep_all)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     engine = make_engine("hbsjd", W=8, decoding="sample", refresh="coupled", execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)

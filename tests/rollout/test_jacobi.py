@@ -21,18 +21,19 @@ def request(B, P, sampled=False):
 
 
 def test_fill_history_follows_the_offset_chain():
-    plan = make_plan(16, 7, 4, False, torch.device("cpu"))
+    plan = make_plan(16, 7, 4, False, torch.device("cpu"))              # F = 6 tokens
     seq = torch.arange(100, 124)[None].repeat(3, 1)
-    defined = torch.tensor([10, 10, 2])
-    stop = torch.tensor([16, 12, 8])
-    fill_history(seq, defined, stop, plan)
+    filled = fill_history(seq.unsqueeze(2), torch.tensor([10, 12, 2]).view(3, 1, 1), plan)
     assert seq[0, 10:16].tolist() == [106, 107, 108, 109, 106, 107]    # j - 4, j - 8, ...
-    assert seq[1, 10:16].tolist() == [106, 107, 112, 113, 114, 115]    # only up to stop
+    assert seq[1, 12:18].tolist() == [108, 109, 110, 111, 108, 109]
     assert seq[2, 2:8].tolist() == [101, 101, 100, 101, 101, 101]      # j-4 < 0: left nbr
+    assert seq[:, 18:].tolist() == [list(range(118, 124))] * 3         # nothing else
+    assert filled[..., 0].tolist() == [seq[0, 10:16].tolist(), seq[1, 12:18].tolist(),
+                                       seq[2, 2:8].tolist()]
     plan1 = make_plan(16, 7, 1, False, torch.device("cpu"))
     seq = torch.arange(100, 124)[None].clone()
-    fill_history(seq, torch.tensor([5]), torch.tensor([9]), plan1)
-    assert seq[0, 4:10].tolist() == [104, 104, 104, 104, 104, 109]     # H = 1: left neighbour
+    fill_history(seq.unsqueeze(2), torch.tensor([5]).view(1, 1, 1), plan1)
+    assert seq[0, 4:12].tolist() == [104] * 7 + [111]                  # H = 1: left neighbour
 
 
 def test_init_state_drafts_come_from_history():
@@ -44,8 +45,8 @@ def test_init_state_drafts_come_from_history():
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
     sampled = init_state(request(2, 9, True), torch.arange(2), torch.tensor([3, 4]), plan, 7)
-    assert sampled.q.shape == (2, 4, 7)
-    assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:14])
+    assert sampled.q.shape == (2, 5, 7)                                # one per window column
+    assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
     assert (sampled.q.sum(-1) == 1).all()
 
 
@@ -61,9 +62,11 @@ def test_window_is_clipped_at_the_end():
 
 
 def test_commit_count():
-    acc, live = torch.tensor([2, 0, 3, 1]), torch.tensor([True, True, True, False])
-    assert commit_count(acc, live, False).tolist() == [3, 1, 4, 0]
-    assert commit_count(acc, live, True).tolist() == [1, 1, 1, 0]
+    W = 4              # a: the first column neither committed before nor accepted (verify.py)
+    a = torch.tensor([2, 0, 3, 4, 2, 3]).view(6, 1, 1)
+    offset = torch.tensor([0, 0, 0, 4, 2, 2]).view(6, 1, 1)       # 4: finished, 2: clipped
+    assert commit_count(a, offset, W, False).view(6).tolist() == [3, 1, 4, 0, 1, 2]
+    assert commit_count(a, offset, W, True).view(6).tolist() == [1, 1, 1, 0, 1, 1]
 
 
 def logits_for(pred, V=7):
@@ -80,7 +83,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
     tokens, positions, offset = window_inputs(st, plan)
     assert tokens[:, 1:].tolist() == [[1, 2, 3], [1, 0, 3]]
-    m, took, rejected, _ = jacobi_update(st, logits_for(pred), offset, req, plan)
+    (m, took, rejected), _ = jacobi_update(st, logits_for(pred), offset, req, plan)
     assert took.tolist() == [2, 1] and m.tolist() == [3, 2] and rejected.tolist() == [1, 1]
     assert st.cur.tolist() == [8, 7] and st.rounds.tolist() == [2, 2]
     assert st.seq[0, 5:8].tolist() == [1, 2, 5]                   # argmax replaced draft 7
@@ -97,7 +100,8 @@ def test_sampled_round_records_proposals():
     plan = make_plan(16, 4, 4, False, torch.device("cpu"))
     st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
-    m, took, _, _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req, plan)
+    (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req,
+                                    plan)
     k = int(m)
     assert st.cur.tolist() == [5 + k]
     width = 4
