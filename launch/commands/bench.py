@@ -2,6 +2,7 @@
 
     opd bench rollout --config digits [--json OUT] [--out DIR] [key=value ...]
     opd bench paper --config digits_paper [--out DIR] [key=value ...]
+    opd bench table1 --config table1_gpu [--out DIR] [key=value ...]
     opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [--synthetic]
                    [key=value ...]
 """
@@ -46,6 +47,24 @@ def add_paper(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_paper)
 
 
+def add_table1(which: argparse._SubParsersAction) -> None:
+    r = which.add_parser(
+        "table1", help="the paper's Table 1 rollout rows: Cached AR vs HB-SJD, eager and compiled",
+        description="Cached AR and HB-SJD rollouts of run presets' shapes (GKD / VarKD LlamaGen "
+                    "presets, the digits student pretrained on the spot), eager and compiled: "
+                    "time mean and P95, speedup, rounds, tokens and operators per round; "
+                    "placeholders where the preset wants a GPU and none is present. Writes "
+                    "table1.md and table1.json.")
+    r.add_argument("--config", default="table1_gpu", metavar="PRESET",
+                   help="bench preset: a name in configs/bench/ or a YAML path "
+                        "(default table1_gpu)")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="preset overrides, values parsed as YAML (e.g. repeats=3 "
+                        "modes=[eager])")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    r.set_defaults(bench_run=run_table1)
+
+
 def add_step(which: argparse._SubParsersAction) -> None:
     from launch.commands import add_config_args
     r = which.add_parser(
@@ -73,7 +92,7 @@ def add_step(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_step)
 
 
-BENCHES = [add_rollout, add_paper, add_step]
+BENCHES = [add_rollout, add_paper, add_table1, add_step]
 """Adders of `opd bench` sub-commands; each sets `bench_run` on its parser."""
 
 
@@ -135,6 +154,22 @@ def run_paper(args: argparse.Namespace) -> int:
     (out / "paper.md").write_text(text)
     for path in [out / "paper.json", out / "paper.md", *save_plots(report, out)]:
         print(f"wrote {path}")
+    return 0
+
+
+def run_table1(args: argparse.Namespace) -> int:
+    from opd.bench.common import resolve_bench_preset
+    from opd.bench.table1 import format_markdown, load_table1_bench, run_table1
+
+    bench = load_table1_bench(args.config, _overrides(args.overrides))
+    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+    report = run_table1(bench)
+    out.mkdir(parents=True, exist_ok=True)
+    text = format_markdown(report)
+    print(text)
+    (out / "table1.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "table1.md").write_text(text)
+    print(f"wrote {out / 'table1.md'}, {out / 'table1.json'}")
     return 0
 
 
