@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The benchmark suite on one GPU: `opd bench paper` for LlamaGen-B- and -L-shaped students
-# (random weights, 576 tokens, batch 32, CFG 2.0, bf16 on cuda), under 8 minutes on one H200,
-# everything under one folder:
+# The GPU check: the paper's Table 1 rollout rows (`opd bench table1 --config table1_gpu`):
+# Cached AR vs HB-SJD rollout time (mean, P95), speedup, rounds, tokens and operators per round,
+# eager and compiled, for the GKD / VarKD LlamaGen-B and -L rollout shapes (random weights, 576
+# tokens, prefix 0.5, batch 32, CFG 2, W 16) and the digits 16x16 student pretrained on the spot
+# (250 steps). Under 8 minutes on one H200 from a fresh checkout (the preset's budget_s stops
+# starting new rows after 6). Without a GPU every row says "unmeasured: no GPU" and it exits 0.
 #
-#   scripts/gpu_bench.sh [OUT_DIR] [PRESET] [key=value ...]
-#     OUT_DIR   default runs/gpu_bench-<time>; gets environment.txt, <student>/paper.{md,json},
-#               <student>/*.png, <student>.log and summary.md (every student's tables)
-#     PRESET    default gpu_llamagen (configs/bench/); overrides go to every student's run
-#   env: STUDENTS  models to run (default "GPT-B GPT-L"), PYTHON (default python)
+#   scripts/gpu_bench.sh [OUT_DIR] [key=value ...]
+#     OUT_DIR    default runs/gpu_bench-<time>; gets environment.txt, table1.{md,json},
+#                table1.log and summary.md
+#     key=value  overrides of the table1 preset (e.g. repeats=3 modes=[eager])
+#   env: DEVICE   cuda (default) or cpu: the same code path on a CPU in seconds, with the
+#                 GPT-tiny presets (table1_cpu_tiny, and cpu_tiny for PAPER)
+#        PAPER    also run `opd bench paper` with this preset (gpu_llamagen on a GPU: ~190 s
+#                 per student more, past the 8 minutes) for every STUDENTS model
+#        STUDENTS models of the PAPER runs (default "GPT-B GPT-L"; GPT-tiny with DEVICE=cpu)
+#        PAPER_ARGS  overrides of the PAPER preset;  PYTHON (default python)
 #
-# The same code path on a CPU (what the tests run):
-#   STUDENTS=GPT-tiny scripts/gpu_bench.sh /tmp/suite cpu_tiny
+#   DEVICE=cpu scripts/gpu_bench.sh /tmp/suite          # what tests/opd/test_bench_table1.py runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu_bench-$(date +%Y%m%d-%H%M%S)}
-PRESET=${2:-gpu_llamagen}
-shift $(( $# < 2 ? $# : 2 ))
+shift $(( $# < 1 ? $# : 1 ))
 PY=${PYTHON:-python}
-STUDENTS=${STUDENTS:-GPT-B GPT-L}
+if [ "${DEVICE:-cuda}" = cpu ]; then
+  TABLE1=table1_cpu_tiny; STUDENTS=${STUDENTS:-GPT-tiny}
+else
+  TABLE1=table1_gpu; STUDENTS=${STUDENTS:-GPT-B GPT-L}
+fi
 mkdir -p "$OUT"
 start=$(date +%s)
 {
@@ -25,11 +35,14 @@ start=$(date +%s)
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv 2>&1 || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 } > "$OUT/environment.txt"
-: > "$OUT/summary.md"
-for student in $STUDENTS; do
-  echo "== $student ($PRESET) =="
-  "$PY" -m launch.cli bench paper --config "$PRESET" --out "$OUT/$student" \
-    "model=$student" "$@" 2>&1 | tee "$OUT/$student.log"
+echo "== Table 1 ($TABLE1) =="
+"$PY" -m launch.cli bench table1 --config "$TABLE1" --out "$OUT" "$@" 2>&1 | tee "$OUT/table1.log"
+cp "$OUT/table1.md" "$OUT/summary.md"
+for student in ${PAPER:+$STUDENTS}; do
+  echo "== paper ablations: $student ($PAPER) =="
+  # shellcheck disable=SC2086  # PAPER_ARGS: several key=value words
+  "$PY" -m launch.cli bench paper --config "$PAPER" --out "$OUT/$student" \
+    "model=$student" ${PAPER_ARGS:-} 2>&1 | tee "$OUT/$student.log"
   cat "$OUT/$student/paper.md" >> "$OUT/summary.md"
 done
 echo "suite done in $(( $(date +%s) - start )) s; tables in $OUT/summary.md" | tee -a "$OUT/environment.txt"

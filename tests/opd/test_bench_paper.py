@@ -213,18 +213,25 @@ def test_pretrained_snapshots(tiny_overrides):
 
 
 def test_gpu_script_runs_the_suite_on_cpu(tmp_path):
-    """scripts/gpu_bench.sh, the same path as on the GPU, with the CPU tiny preset."""
+    """scripts/gpu_bench.sh, the same path as on the GPU, with the CPU tiny presets: Table 1
+    (table1_cpu_tiny) and the paper's ablations (PAPER=cpu_tiny)."""
     out = tmp_path / "suite"
-    env = dict(os.environ, STUDENTS="GPT-tiny", PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "cpu_tiny",
-                           "repeats=1", "warmup=0", "ablations=[engines,execution]"],
+    env = dict(os.environ, DEVICE="cpu", PAPER="cpu_tiny", STUDENTS="GPT-tiny",
+               PAPER_ARGS="repeats=1 warmup=0 ablations=[engines,execution]",
+               PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out),
+                           "repeats=1", "modes=[eager]"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    table1 = json.loads((out / "table1.json").read_text())
+    assert table1["config"]["modes"] == ["eager"] and table1["config"]["repeats"] == 1
+    assert len(table1["rows"]) == 2 * 3 + 2 and all(r["status"] is None for r in table1["rows"])
     report = json.loads((out / "GPT-tiny" / "paper.json").read_text())
     assert list(report["ablations"]) == ["engines", "execution"]
     assert report["config"]["model"] == "GPT-tiny"
     assert (out / "GPT-tiny" / "1_engines.png").read_bytes()[:8] == PNG
     summary = (out / "summary.md").read_text()
+    assert "| tiny GKD | GPT-tiny |" in summary
     assert "## 1. Cached AR vs Batch-Synchronous SJD" in summary and "floor" in summary
     assert "suite done" in (out / "environment.txt").read_text()
 
