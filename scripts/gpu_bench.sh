@@ -4,7 +4,7 @@
 # eager and compiled, for the GKD / VarKD LlamaGen-B and -L rollout shapes (random weights, 576
 # tokens, prefix 0.5, batch 32, CFG 2, W 16) and the digits 16x16 student pretrained on the spot
 # (250 steps). Under 8 minutes on one H200 from a fresh checkout (the preset's budget_s stops
-# starting new rows after 6). Without a GPU every row says "unmeasured: no GPU" and it exits 0.
+# starting new rows after 5). Without a GPU every row says "unmeasured: no GPU" and it exits 0.
 #
 #   scripts/gpu_bench.sh [OUT_DIR] [key=value ...]
 #     OUT_DIR    default runs/gpu_bench-<time>; gets environment.txt, table1.{md,json},

@@ -170,7 +170,7 @@ def run_table1(args: argparse.Namespace) -> int:
     (out / "table1.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "table1.md").write_text(text)
     print(f"wrote {out / 'table1.md'}, {out / 'table1.json'}")
-    return 0
+    return int(any((r["status"] or "").startswith("failed") for r in report["rows"]))
 
 
 def _ray_runner(cfg):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
@@ -209,9 +210,9 @@ def build_student(b: Table1Bench, s: Shape):
 # ---- the table -------------------------------------------------------------------------------
 
 def run_table1(b: Table1Bench, log: Callable = print) -> dict:
-    """{"config", "environment", "measured" (False: placeholders), "workloads", "rows"}; a row
-    per (workload, mode, engine), its numbers or a `status` ("unmeasured: no GPU", "skipped:
-    ...")."""
+    """{"config", "environment", "measured" (False: placeholders), "workloads", "rows",
+    "notes"}; a row per (workload, mode, engine), its numbers or a `status` ("unmeasured: no
+    GPU", "skipped: ...", "failed: ..." with the traceback on stderr)."""
     if b.threads:
         torch.set_num_threads(b.threads)
     measured = b.device == "cpu" or torch.cuda.is_available()
@@ -229,21 +230,24 @@ def run_table1(b: Table1Bench, log: Callable = print) -> dict:
                     "same_as": same if same != w.name else None}
             elapsed = time.perf_counter() - start
             if not measured:
-                status = NO_GPU
-            elif (same, mode) in done:
-                status = None
-            elif b.budget_s and elapsed > b.budget_s:
-                status = f"skipped: {elapsed:.0f} s > budget_s={b.budget_s:g}"
-            else:
-                if s.key not in models:
-                    log(f"[{elapsed:5.0f} s] {w.name}: building the student ({w.weights})")
-                    models[s.key] = build_student(b, s)
-                log(f"[{time.perf_counter() - start:5.0f} s] {w.name}, {mode}")
-                done[same, mode] = measure(b, s, models[s.key], mode)
-                status = None
+                done[same, mode] = NO_GPU
+            elif (same, mode) not in done and b.budget_s and elapsed > b.budget_s:
+                done[same, mode] = f"skipped: {elapsed:.0f} s > budget_s={b.budget_s:g}"
+            elif (same, mode) not in done:
+                log(f"[{elapsed:5.0f} s] {w.name}, {mode}")
+                try:                      # one failing workload-mode must not lose the others
+                    if s.key not in models:
+                        models[s.key] = build_student(b, s)
+                    done[same, mode] = measure(b, s, models[s.key], mode)
+                except Exception as e:    # noqa: BLE001  (reported in its rows, exit code 1)
+                    traceback.print_exc()
+                    first_line = (str(e).splitlines() or [""])[0]
+                    done[same, mode] = f"failed: {type(e).__name__}: {first_line}"
+            got = done[same, mode]
             for i, (name, cfg) in enumerate(configs):
-                row = dict(base, engine=engine_label(name, cfg), status=status)
-                rows.append(row if status else dict(row, **done[same, mode][i]))
+                row = dict(base, engine=engine_label(name, cfg))
+                rows.append(dict(row, status=got) if isinstance(got, str) else
+                            dict(row, status=None, **got[i]))
     order = {s.workload.name: i for i, s in enumerate(shapes)}
     rows.sort(key=lambda r: (order[r["workload"]], b.modes.index(r["mode"])))   # stable
     notes = [f"{s.workload.name}: the same rollout as {first[s.key]} (the run configs differ "

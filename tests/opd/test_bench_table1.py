@@ -1,5 +1,6 @@
 """`opd bench table1` (opd/bench/table1.py): the rows of the CPU tiny preset relate exactly as
 the measured samples and the engines say; the GPU preset without a GPU prints placeholders."""
+import json
 import math
 
 import numpy as np
@@ -107,6 +108,28 @@ def test_no_gpu_prints_every_row_as_a_placeholder(monkeypatch):
         {("GPT-digits-S", 128, 128)}
     table = [line for line in format_markdown(report).splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows) and all(NO_GPU in line for line in table[2:])
+
+
+def test_a_failing_mode_keeps_the_other_rows(monkeypatch, tmp_path):
+    """A workload-mode that raises prints `failed: ...` in its rows, the others are measured,
+    and `opd bench table1` exits 1 after writing the table."""
+    from launch.cli import main
+    measure = t1.measure
+
+    def broken(b, s, model, mode):
+        if mode == "compiled":
+            raise RuntimeError("no graph\nsecond line")
+        return measure(b, s, model, mode)
+    monkeypatch.setattr(t1, "measure", broken)
+    workload = ("workloads=[{name: a, config: tiny, overrides: [model.student=GPT-tiny, "
+                "model.grid_size=4, data.batch_size=2, rollout.gamma=1]}]")
+    assert main(["bench", "table1", "--config", "table1_cpu_tiny", "--out", str(tmp_path),
+                 "repeats=1", "warmup=0", workload]) == 1
+    rows = json.loads((tmp_path / "table1.json").read_text())["rows"]
+    failed = "failed: RuntimeError: no graph"
+    assert [(r["mode"], r["status"]) for r in rows] == [
+        ("eager", None), ("eager", None), ("compiled", failed), ("compiled", failed)]
+    assert "failed: RuntimeError: no graph" in (tmp_path / "table1.md").read_text()
 
 
 def test_bad_presets_name_the_key():
