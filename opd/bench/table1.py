@@ -14,9 +14,9 @@ A preset (configs/bench/table1_*.yaml) lists workloads; each is a run config who
     repeats: 5            warmup: 1                    budget_s: 300
 
 Per workload and mode, Cached AR and the run's engine roll out the same labels and prefixes
-(`data.batch_size` images, `data.prefix_ratio` of each image given) `warmup` times, then
-`repeats` times interleaved (opd.bench.common.interleave).  A row reports the mean and P95 of
-those rollout times, the speedup (Cached AR's mean over the row's, same mode), rounds, tokens
+(`data.batch_size` images, `data.prefix_ratio` of each image given, not `prefix_ratios`)
+`warmup` times, then `repeats` times interleaved (opd.bench.common.interleave).  A row reports
+the mean and P95 of those rollout times, the speedup (Cached AR's mean over the row's, same mode), rounds, tokens
 per round (all images' generated tokens / rounds), tokens per image-round, the aten operators of
 one verification step (`rollout.roundcost`, Jacobi engines) and the first call's time (the
 compile, in compiled mode).  Compiled mode sets `rollout.compile` and turns `rollout.candidates`
@@ -37,7 +37,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
-import numpy as np
 import torch
 
 from opd.bench import common
@@ -63,7 +62,8 @@ class Workload:
     """Dotted run-config overrides (e.g. model.grid_size=16)."""
     weights: Literal["random", "pretrained"] = "random"
     """random: normal(0, random_init_std) init; pretrained: the student `opd pretrain` caches
-    for this run config (trained on first use, `pretrain.student_steps` steps)."""
+    for this run config (trained on first use, `pretrain.student_steps` steps).  The run
+    config's model.student_ckpt is not read."""
 
 
 @strict_schema
@@ -94,6 +94,7 @@ class Table1Bench:
 
 
 def load_table1_bench(name: str, overrides: dict | None = None) -> Table1Bench:
+    """Read and validate a table1 preset; ConfigError naming the key."""
     b = common.load_preset(Table1Bench, name, overrides)
     if not b.workloads or not b.modes:
         raise ConfigError("bench preset keys workloads and modes must be non-empty lists",
