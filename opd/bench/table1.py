@@ -16,14 +16,14 @@ A preset (configs/bench/table1_*.yaml) lists workloads; each is a run config who
 Per workload and mode, Cached AR and the run's engine roll out the same labels and prefixes
 (`data.batch_size` images, `data.prefix_ratio` of each image given, not `prefix_ratios`)
 `warmup` times, then `repeats` times interleaved (opd.bench.common.interleave).  A row reports
-the mean and P95 of those rollout times, the speedup (Cached AR's mean over the row's, same mode), rounds, tokens
-per round (all images' generated tokens / rounds), tokens per image-round, the aten operators of
-one verification step (`rollout.roundcost`, Jacobi engines) and the first call's time (the
-compile, in compiled mode).  Compiled mode sets `rollout.compile` and turns `rollout.candidates`
-off (the compiled verifier has no tree window), so eager mode also runs the run's engine without
-candidates where it has them: that row and the compiled one differ only in the compile.
-Workloads whose rollouts are identical (GKD and VarKD presets differ only in the objective) are
-measured once and their rows say so.
+the mean and P95 of those rollout times, the speedup (Cached AR's mean over the row's, same
+mode), rounds, tokens per round (all images' generated tokens / rounds), tokens per image-round,
+the aten operators of one verification step (`rollout.roundcost`, Jacobi engines) and the first
+call's time (the compile, in compiled mode).  Compiled mode sets `rollout.compile` and turns
+`rollout.candidates` off (the compiled verifier has no tree window), so eager mode also runs the
+run's engine without candidates where it has them: that row and the compiled one differ only in
+the compile.  Workloads whose rollouts are identical (GKD and VarKD presets differ only in the
+objective) are measured once and their rows say so.
 
 Where the preset's device is cuda and no CUDA device is present, every measured cell is
 "unmeasured: no GPU" (nothing is built or trained) so the table's shape still shows.
