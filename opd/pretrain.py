@@ -56,7 +56,7 @@ def train_supervised(model: GPT, dataset: TokenDataset, *, steps: int, batch_siz
     and AdamW (LlamaGen's betas).  Returns the per-step losses."""
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                            betas=(0.9, 0.95))
+                            betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 20)) * (0.1 + 0.9 * (1 - s / steps)))
     batches = PrefixBatcher(dataset, min(batch_size, dataset.num_rows), seed)
