@@ -6,6 +6,7 @@ cached under `$OPD_CACHE` (default `~/.cache/opd`) by a hash of everything that 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -55,7 +56,7 @@ def train_supervised(model: GPT, dataset: TokenDataset, *, steps: int, batch_siz
     and AdamW (LlamaGen's betas).  Returns the per-step losses."""
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                            betas=(0.9, 0.95))
+                            betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 20)) * (0.1 + 0.9 * (1 - s / steps)))
     batches = PrefixBatcher(dataset, min(batch_size, dataset.num_rows), seed)
@@ -100,13 +101,23 @@ def pretrain_key(cfg: RunConfig, role: str, train_file: Path) -> dict:
     preset = cfg.model.teacher if role == "teacher" else cfg.model.student
     steps = p.teacher_steps if role == "teacher" else p.student_steps
     return {"role": role, "preset": preset, "model": model_overrides(cfg),
-            "data": dataset_digest(train_file), "steps": steps, "batch_size": p.batch_size,
+            "data": file_sha256(train_file), "steps": steps, "batch_size": p.batch_size,
             "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 2}
 
 
 def dataset_digest(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the file's bytes: the key of a model trained on it, the same from any checkout
+    or directory (`opd prepare digits` writes byte-identical files)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
