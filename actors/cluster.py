@@ -31,6 +31,7 @@ from actors.rollout_worker import RolloutWorker
 from actors.teacher_worker import TeacherWorker
 from opd.config import ConfigError, RunConfig, config_to_dict
 from opd.cache import cache_dir
+from opd.phases import rolls_out
 from opd.pretrain import load_role_model
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -124,6 +125,12 @@ def pool_size(n: int | tuple[int, int]) -> int:
     return n[0] if isinstance(n, tuple) else n
 
 
+def rollout_pool_size(cfg: RunConfig) -> int:
+    """Rollout workers a run starts with: none when no phase trains on student rollouts
+    (opd/phases.py: KD, SeqKD and GKD at λ 0 never sample from the student)."""
+    return pool_size(cfg.rollout.num_workers) if rolls_out(cfg) else 0
+
+
 def bundle(num_cpus: float, num_gpus: float, custom: str | None = None) -> dict:
     b = {"CPU": num_cpus if num_cpus > 0 else 0.01}      # a bundle must ask for something
     if num_gpus > 0:
@@ -181,7 +188,7 @@ class ActorGroups:
     def _start(self, cfg: RunConfig, run_dir: str | Path | None) -> None:
         c = actor_config(cfg)
         roles = (("learner", StudentLearner, cfg.learner.world_size, cfg.learner, 0),
-                 ("rollout", RolloutWorker, pool_size(cfg.rollout.num_workers), cfg.rollout,
+                 ("rollout", RolloutWorker, rollout_pool_size(cfg), cfg.rollout,
                   cfg.cluster.max_restarts),
                  ("teacher", TeacherWorker, cfg.teacher.num_workers, cfg.teacher,
                   cfg.cluster.max_restarts))
@@ -201,6 +208,8 @@ class ActorGroups:
                     f"(cluster.num_cpus)", f"rollout.num_{res.lower()}s")
         pgs = {}
         for name, _, count, sec, _ in roles:
+            if count == 0:                       # no rollout worker: no phase samples the student
+                continue
             pgs[name] = placement_group([role_bundle(cfg, name)] * count, strategy="PACK")
             self.pgs.append(pgs[name])
         for name, pg in pgs.items():
@@ -209,7 +218,7 @@ class ActorGroups:
                                   f"{name}.num_gpus and the worker counts); it has "
                                   f"{ray.cluster_resources()}", f"{name}.num_cpus")
         for name, cls_, count, sec, restarts in roles:
-            actors = [_spawn(cls_, c, i, sec, restarts, pgs[name], i,
+            actors = [_spawn(cls_, c, i, sec, restarts, pgs.get(name), i,
                              actor_name(name, i), self.namespace) for i in range(count)]
             setattr(self, name if name != "learner" else "learners", actors)
         self.queue = ray.remote(TrajectoryQueue).options(

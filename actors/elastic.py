@@ -34,6 +34,7 @@ import ray
 
 from actors.cluster import fits, joins_cluster, role_bundle, run_bundles
 from actors.pool import DEAD, UP
+from opd.phases import rolls_out
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ElasticRollout:
         """The policy of an elastic run (None for a fixed pool); the pipeline hook
         "rollout_wait", callable(pipeline, step=, row=) -> float, becomes its `wait_signal`."""
         n = pipeline.cfg.rollout.num_workers
-        if not (isinstance(n, tuple) and n[0] < n[1]):
+        if not (isinstance(n, tuple) and n[0] < n[1]) or not rolls_out(pipeline.cfg):
             return None
         hook = pipeline.hooks.get("rollout_wait")
         signal = None if hook is None else (lambda step, row: hook(pipeline, step=step, row=row))

@@ -72,7 +72,6 @@ class StudentLearner:
         self.rank, self.world_size = rank, self.cfg.learner.world_size
         self.device = role_device(self.cfg.learner.num_gpus)
         self.engine = None
-        self.objective = build_objective(self.cfg)
         self.metrics = RoleMetrics("learner", rank)
         self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
@@ -151,7 +150,8 @@ class StudentLearner:
                 ray.get(self.queue.drop.remote(step))
             return {"rank": self.rank, "lost": True}
         shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
-        loss, metrics = student_loss(self.engine, shard, self.objective,    # + on-policy check:
+        objective = build_objective(self.cfg, step)          # the step's phase's objective
+        loss, metrics = student_loss(self.engine, shard, objective,         # + on-policy check:
                                      dropout=self.cfg.learner.student_dropout, check=self.cfg)
         gap = {k: metrics.pop(k) for k in ONPOLICY_KEYS}       # this version, before the update
         scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]

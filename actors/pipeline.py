@@ -5,7 +5,8 @@ the invariants, roles and one step's data flow are in docs/ARCHITECTURE.md).
 Per step k, the reference's order of work:
 
     pb     = next prefix batch                      (the driver owns the data cursor)
-    source = objective.choose_source(k, seed)
+    source = objective.choose_source(k, seed)       (the step's phase's objective:
+                                                     opd/phases.py)
     jobs   = RolloutJob(pb, ...) cut into row ranges (rows keep their image ids)
     part   = RolloutWorker.generate(job, k)         (student version k; "teacher": TeacherWorker;
                                                      "data": the dataset suffix, no model)
@@ -78,8 +79,8 @@ from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.loop import StepLog
 from opd.pretrain import open_dataset
-from opd.reference import check_objective
-from opd.steps import build_objective, needs_teacher_scores, rollout
+from opd.reference import check_objectives
+from opd.steps import rollout
 
 WAIT_S = 30.0
 
@@ -96,9 +97,7 @@ class Pipeline(RunRecords):
         self.hooks = hooks or {}
         self.interrupt = interrupt or NoInterrupt()
         self.elastic: ElasticRollout | None = None
-        self.objective = build_objective(cfg)
-        check_objective(cfg, self.objective)
-        self.scores = needs_teacher_scores(self.objective)
+        check_objectives(cfg)
         self.started_ray = False
         self.groups = ActorGroups()
         self.quality: QualityTracking | None = None
@@ -141,7 +140,7 @@ class Pipeline(RunRecords):
         self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
         self.publisher = WeightPublisher(cfg, self.groups, self.dispatch, self.metrics,
                                          self._learner_failure)
-        if self.publisher.collective:
+        if self.publisher.collective and self.groups.rollout:
             self.groups.join_broadcast(cfg)
         self.elastic = ElasticRollout.for_run(self)
         train = open_dataset(cfg, "train")
@@ -153,7 +152,7 @@ class Pipeline(RunRecords):
             start = self._load_checkpoint(ckpt, batcher)
         self.steps = StepLog(cfg, self.run_dir, start=start, stop_after=stop_after,
                              resume=resume, desc="opd ray", progress=self.progress)
-        self.planner = StepPlanner(cfg, self.objective, batcher, train.seq_len, start)
+        self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
         self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
         self.version = start               # learner steps done = the current policy version
         self.training: Training | None = None
@@ -217,7 +216,7 @@ class Pipeline(RunRecords):
 
     def _submit_generate(self, plan: StepPlan, part: int) -> None:
         """Generate a part: delivered straight into the queue, or whole for a teacher to score."""
-        tag = None if self.scores else self._tag(plan, part)
+        tag = None if plan.scored else self._tag(plan, part)
         job, queue, version = plan.jobs[part], self.groups.queue, plan.version
         if plan.source == "data":               # no model: the suffix comes from the data
             traj = rollout(None, None, job, self.cfg, policy_version=plan.version)
@@ -256,7 +255,7 @@ class Pipeline(RunRecords):
         plan.rollout_busy += busy
         if len(plan.generated) == plan.parts:
             plan.rollout_done = time.perf_counter()
-        if self.scores:
+        if plan.scored:
             self._submit_score(plan, part)
         else:
             plan.delivered[part] = report

@@ -13,12 +13,14 @@ from actors.shards import split_job
 from actors.tasks import StepPlan
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
-from opd.steps import RolloutJob, batch_prefix_len, batch_source
+from opd.phases import phase_at
+from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
+                       needs_teacher_scores)
 
 
 class StepPlanner:
-    def __init__(self, cfg: RunConfig, objective, batcher: PrefixBatcher, seq_len: int, start: int):
-        self.cfg, self.objective, self.batcher, self.seq_len = cfg, objective, batcher, seq_len
+    def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
+        self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, StepPlan] = {}
         self.next_step = start
@@ -29,7 +31,8 @@ class StepPlanner:
         cfg, s = self.cfg, self.next_step
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
-        source = batch_source(self.objective, s, cfg.run.seed)
+        objective = build_objective(cfg, s)             # the step's phase's (opd/phases.py)
+        source = batch_source(objective, s, cfg.run.seed)
         version = s
         if source == "student":
             version = published
@@ -38,9 +41,12 @@ class StepPlanner:
         pb = next(self.batcher)
         self.cursor[s + 1] = self.batcher.state_dict()
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
-                         batch_prefix_len(cfg, pb.batch_id, self.seq_len), source, cfg.run.seed)
+                         batch_prefix_len(cfg, pb.batch_id, self.seq_len, s), source,
+                         cfg.run.seed)
         plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version, split_job(job, parts),
-                                        gen=next(self._gens))
+                                        gen=next(self._gens),
+                                        scored=needs_teacher_scores(objective),
+                                        phase=phase_at(cfg, s).name)
         self.next_step += 1
         return plan
 

@@ -43,6 +43,9 @@ class WeightPublisher:
         self.last_sync = Sync(-1)
 
     def publish(self, version: int) -> None:
+        if not self.groups.rollout:              # no phase samples the student: nobody to send to
+            self.published = PublishedWeights(version, None)
+            return
         self.sync = Sync(version)
         if self.collective and self._broadcast(version):
             self.published = PublishedWeights(version, None, self.sync.bytes)

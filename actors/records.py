@@ -140,9 +140,9 @@ class RunRecords:
         """The metrics.parquet row: the reference's columns plus the pipeline's own."""
         traj = BatchSummary.of(plan)
         seconds = {"rollout": max(0.0, plan.rollout_done - plan.issued),
-                   "teacher": max(0.0, plan.score_done - plan.score_started) if self.scores else 0.0,
+                   "teacher": max(0.0, plan.score_done - plan.score_started) if plan.scored else 0.0,
                    "learner": now - learner_start}
-        row = step_row(plan.step, traj, combine_rank_metrics(results), seconds)
+        row = step_row(plan.step, traj, combine_rank_metrics(results), seconds, phase=plan.phase)
         depth = results[0]["queue_depth"]
         pools = self.dispatch.pools
         R, M = len(pools["rollout"].alive()), len(pools["teacher"].alive())

@@ -35,7 +35,7 @@ def merge_stats(parts: list[dict]) -> dict:
         values = [p[key] for p in parts if key in p]
         if key in ("generated_tokens", "accepted", "rejected", "image_rounds_sum", "images"):
             out[key] = sum(values)
-        elif key in ("rounds", "rollout_seconds", "teacher_seconds", "image_rounds_max",
+        elif key in ("rounds", "ar_rounds", "rollout_seconds", "teacher_seconds", "image_rounds_max",
                      "longest_single_run"):
             out[key] = max(values)
         elif key == "commit_hist":

@@ -85,6 +85,8 @@ class StepPlan:
     rollout_busy: float = 0.0
     teacher_busy: float = 0.0
     sealed: bool = False               # the queue holds it as one item
+    scored: bool = True                # its objective needs teacher scores (else no scoring)
+    phase: str = ""                    # the name of its distill.phases entry
 
     @property
     def parts(self) -> int:

@@ -1,8 +1,9 @@
 """What a run leaves for a person to look at besides its tables: `training.png`.
 
-- `training.png`: loss and rollout speed (generated tokens / s) over steps, and — when the run
-  tracked quality (quality.parquet, opd/eval/tracking.py) — the student's FID and class
-  accuracy over steps with the teacher's levels as horizontal lines.
+- `training.png`: loss over steps; for a run with student rollouts their speed (generated
+  tokens / s) and rounds against Cached AR's for the same tokens; when the run tracked quality
+  (quality.parquet, opd/eval/tracking.py) the student's FID and class accuracy over steps with
+  the teacher's levels as horizontal lines.  Every panel marks the distill.phases boundaries.
 - The sample grids (`samples/teacher.png` once, `samples/student_step_<n>.png` at every
   evaluation) are drawn by the evaluation itself, from its fixed-key sample set.
 """
@@ -18,9 +19,10 @@ def _column(rows: list[dict], key: str) -> np.ndarray:
 
 
 def plot_training(rows: list[dict], path: Path, *, quality: list[dict] | None = None) -> Path | None:
-    """Loss and rollout tokens/s over steps (two panels); with `quality` rows (quality.parquet)
-    a third panel: student FID (left axis) and class accuracy (right axis) over steps, the
-    teacher's as dashed horizontal lines."""
+    """Loss over steps; rollout tokens/s and rounds / Cached AR rounds over the steps on student
+    rollouts (only if there are any); with `quality` rows (quality.parquet) student FID (left
+    axis) and class accuracy (right axis) over steps, the teacher's as dashed horizontal lines.
+    A dotted vertical line and the phase's name at each phase boundary."""
     if not rows:
         return None
     import matplotlib
@@ -29,26 +31,46 @@ def plot_training(rows: list[dict], path: Path, *, quality: list[dict] | None = 
 
     students = sorted((r for r in quality or () if r.get("role") == "student"), key=lambda r: r["step"])
     teacher = next((r for r in quality or () if r.get("role") == "teacher"), None)
+    from opd.summary import phase_spans
+
     steps = np.array([r["step"] for r in rows])
     loss = np.array([r.get("loss") or np.nan for r in rows], dtype=float)
-    speed = np.array([r.get("rollout_tokens_per_s") or np.nan for r in rows], dtype=float)
-    panels = 3 if students else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5))
-    a, b = axes[0], axes[1]
+    rollouts = [r for r in rows if r.get("source") == "student"]
+    panels = 1 + bool(rollouts) + bool(students)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5), squeeze=False)
+    axes = list(axes[0])
+    a = axes[0]
     a.plot(steps, loss, lw=1)
     a.set(xlabel="step", ylabel="loss", title="distillation loss")
-    b.plot(steps, speed, lw=1, color="tab:green")
-    b.set(xlabel="step", ylabel="generated tokens / s", title="rollout speed")
-    if np.isnan(speed).all():
-        b.text(0.5, 0.5, "no student rollouts\n(data batches: distill.lam=0)", ha="center",
-               va="center", transform=b.transAxes, color="0.4")
+    if rollouts:
+        _rollout_panel(axes[1], rollouts)
     if students:
-        _quality_panel(axes[2], students, teacher)
+        _quality_panel(axes[-1], students, teacher)
+    spans = phase_spans(rows)
+    if len(spans) > 1:
+        for ax in axes:
+            for name, first, _, _ in spans:
+                ax.axvline(first, ls=":", lw=1, color="0.5")
+                ax.text(first, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=7,
+                        va="top", color="0.3")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _rollout_panel(ax, rollouts: list[dict]) -> None:
+    """Generated tokens / s (left) and rounds / Cached AR rounds (right) of the student steps."""
+    steps = np.array([r["step"] for r in rollouts])
+    ax.plot(steps, _column(rollouts, "rollout_tokens_per_s"), ".", ms=2, color="tab:green")
+    ax.set(xlabel="step", ylabel="generated tokens / s", title="student rollouts")
+    ar = _column(rollouts, "ar_rounds")
+    ratio = np.where(ar > 0, _column(rollouts, "rounds") / np.where(ar > 0, ar, 1), np.nan)
+    if np.isfinite(ratio).any():
+        right = ax.twinx()
+        right.plot(steps, ratio, ".", ms=2, color="tab:purple")
+        right.set(ylabel="rounds / Cached AR rounds", ylim=(0, 1.05))
 
 
 def _quality_panel(ax, students: list[dict], teacher: dict | None) -> None:

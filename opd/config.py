@@ -198,14 +198,50 @@ class LearnerConfig:
     """Bucket size of the collective weight broadcast (MiB of parameters per broadcast call)."""
 
 
+ObjectiveName = Literal["gkd", "varkd", "kd", "seqkd"]
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of `distill.phases`: its steps and what changes in them.  A key left unset
+    (null) takes the run's own value (distill.*, data.prefix_ratio(s), learner.*)."""
+
+    name: str = ""
+    """Shown in metrics.parquet (`phase`), training.png and the summary; "" = the objective."""
+    steps: int | None = bounded(None, ge=1)
+    """Learner steps of the phase; null (the last phase only) = the rest of distill.steps."""
+    objective: ObjectiveName | None = None
+    """Objective of the phase's steps (`kd`, `gkd`, `varkd`, `seqkd`)."""
+    lam: float | None = bounded(None, ge=0.0, le=1.0)
+    """GKD's on-policy fraction lambda at the phase's first step."""
+    lam_end: float | None = bounded(None, ge=0.0, le=1.0)
+    """GKD: lambda at the phase's last step, linear from `lam` in between (a ramp); null = `lam`."""
+    beta: float | None = bounded(None, ge=0.0, le=1.0)
+    """GKD / VarKD generalized-JSD beta."""
+    temperature: float | None = bounded(None, gt=0.0)
+    """Softmax temperature of the loss."""
+    prefix_ratio: float | None = bounded(None, ge=0.0, lt=1.0)
+    """Real-prefix ratio of the phase's batches (instead of data.prefix_ratio(s))."""
+    prefix_ratios: tuple[float, ...] | None = bounded(None, ge=0.0, lt=1.0)
+    """Prefix ratios to spread the phase's batches over (as data.prefix_ratios)."""
+    lr: float | None = bounded(None, gt=0.0)
+    """A learning-rate schedule of the phase's own: warm-up over `warmup_steps`, then
+    learner.lr_decay over the phase, from this peak; null (and warmup_steps null) = the run's
+    schedule goes on."""
+    warmup_steps: int | None = bounded(None, ge=0)
+    """Warm-up of the phase's own schedule (with `lr`, or learner.lr when only this is set)."""
+    objective_options: dict[str, Any] = field(default_factory=dict)
+    """Objective options of the phase, over distill.objective_options."""
+
+
 @dataclass
 class DistillConfig:
     """The distillation objective and the on-policy schedule."""
 
-    objective: Literal["gkd", "varkd", "kd", "seqkd"] = "kd"
-    """Objective registered by name in opd's objectives.  The digits default is `kd` (forward KL
-    to the teacher on data sequences): of KD, SeqKD and GKD at lambda 0, 0.25 and 1 it closed
-    the most of the teacher-student gap at 600 steps (README, "What opd train does")."""
+    objective: ObjectiveName = "kd"
+    """Objective registered by name in opd's objectives, for every step unless `phases` says
+    otherwise.  Set on the command line without `distill.phases`, it replaces the preset's
+    phases: `opd train distill.objective=kd` is plain KD for the whole run."""
     steps: int = bounded(600, ge=1)
     """Learner steps."""
     beta: float = bounded(0.5, ge=0.0, le=1.0)
@@ -222,6 +258,11 @@ class DistillConfig:
     """Prefix batches buffered between rollout/teacher workers and the learner (Ray pipeline backpressure)."""
     objective_options: dict[str, Any] = field(default_factory=dict)
     """Objective-specific options (e.g. VarKD gates), validated by the objective."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """The schedule: phases run one after another, each with its steps and objective settings
+    (opd/phases.py), e.g. a KD warm start, then on-policy GKD: [{name: warm, steps: 400,
+    objective: kd}, {name: onpolicy, objective: gkd}].  Their steps add up to distill.steps
+    (the last may leave its steps out: the rest).  [] = one phase, distill.* for every step."""
 
 
 @dataclass
@@ -301,8 +342,9 @@ class RunOptions:
 
     dir: str | None = None
     """Run directory; None = runs/<name>-<timestamp>."""
-    name: str = "digits-gkd"
-    """Run name."""
+    name: str = ""
+    """Run name (the run directory's prefix); "" = the dataset and what the phases train with,
+    e.g. digits-kd-gkd for a KD warm start, then GKD."""
     seed: int = 0
     """Global seed (data order, rollouts, initialization)."""
     mode: Literal["ray", "reference"] = "ray"
@@ -376,6 +418,33 @@ def _candidates(cfg: RunConfig) -> None:
 
 
 @cross_check
+def _phases(cfg: RunConfig) -> None:
+    d = cfg.distill
+    phases = d.phases
+    for i, p in enumerate(phases):
+        key = f"distill.phases[{i}]"
+        if p.steps is None and i < len(phases) - 1:
+            raise ConfigError(f"{key}.steps is not set: only the last phase may leave out its "
+                              f"steps (it takes the rest of distill.steps)", f"{key}.steps")
+        if p.prefix_ratio is not None and p.prefix_ratios is not None:
+            raise ConfigError(f"{key}: set prefix_ratio or prefix_ratios, not both",
+                              f"{key}.prefix_ratios")
+        if p.lam_end is not None and (p.objective or d.objective) != "gkd":
+            raise ConfigError(f"{key}.lam_end={p.lam_end:g}: a lambda ramp needs objective gkd "
+                              f"(the phase's objective is {p.objective or d.objective!r})",
+                              f"{key}.lam_end")
+    fixed = sum(p.steps or 0 for p in phases)
+    if phases and phases[-1].steps is not None and fixed != d.steps:
+        raise ConfigError(f"distill.phases: the phases' steps add up to {fixed}, not "
+                          f"distill.steps={d.steps}; set distill.steps={fixed} or leave out the "
+                          f"last phase's steps (it then takes the rest)", "distill.phases")
+    if phases and phases[-1].steps is None and fixed >= d.steps:
+        raise ConfigError(f"distill.phases: the phases before the last take {fixed} steps, "
+                          f"leaving none of distill.steps={d.steps} for the last; raise "
+                          f"distill.steps", "distill.phases")
+
+
+@cross_check
 def _worker_span(cfg: RunConfig) -> None:
     n = cfg.rollout.num_workers
     if isinstance(n, tuple) and n[0] > n[1]:
@@ -445,13 +514,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except ConfigError as e:
             raise ConfigError(f"{preset}: {e}", e.key) from None
     loader.apply_overrides(RunConfig, tree, overrides)
+    _objective_replaces_phases(tree, overrides)
     return config_from_dict(tree)
+
+
+def _objective_replaces_phases(tree: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """`distill.objective=X` given without `distill.phases...`: X for the whole run (the
+    preset's phases go), so `opd train distill.objective=kd` is plain KD on data."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    if "distill.objective" in keys and not any(k.startswith("distill.phases") for k in keys):
+        if isinstance(tree.get("distill"), dict):
+            tree["distill"]["phases"] = []
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     """A validated copy of `cfg` with dotted `key=value` overrides applied."""
     tree = config_to_dict(cfg)
     loader.apply_overrides(RunConfig, tree, overrides)
+    _objective_replaces_phases(tree, overrides)
     return config_from_dict(tree)
 
 
@@ -469,8 +549,18 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def default_run_dir(cfg: RunConfig, now: float | None = None) -> Path:
-    """run.dir, or runs/<run.name>-<YYYYmmdd-HHMMSS> when it is None."""
+    """run.dir, or runs/<run name>-<YYYYmmdd-HHMMSS> when it is None (`run_name`)."""
     if cfg.run.dir is not None:
         return Path(cfg.run.dir)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
-    return Path("runs") / f"{cfg.run.name}-{stamp}"
+    return Path("runs") / f"{run_name(cfg)}-{stamp}"
+
+
+def run_name(cfg: RunConfig) -> str:
+    """run.name, or "<data.dataset>-<objectives of the phases in order>" (digits-kd-gkd)."""
+    if cfg.run.name:
+        return cfg.run.name
+    d = cfg.distill
+    names = [p.objective or d.objective for p in d.phases] or [d.objective]
+    kept = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    return "-".join([cfg.data.dataset, *kept])

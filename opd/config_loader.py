@@ -88,6 +88,23 @@ def is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
+def section_items(tp: Any) -> type | None:
+    """The section type of a list of sections (`list[Phase]`, `tuple[Phase, ...]`), else None."""
+    args = get_args(tp)
+    if get_origin(tp) in (list, tuple) and args and is_section(args[0]) \
+            and (get_origin(tp) is list or args[1:] == (Ellipsis,)):
+        return args[0]
+    return None
+
+
+def dotted(path: tuple) -> str:
+    """A key path as the messages name it: ("distill", "phases", 1, "lam") -> distill.phases[1].lam."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
+    return out
+
+
 @functools.cache
 def all_keys(root: type, prefix: str = "") -> tuple[str, ...]:
     """Every dotted key of the schema (sections and leaves)."""
@@ -224,6 +241,10 @@ def _spell_section(cls: type, tree: dict, free: dict, path: tuple) -> dict:
         elif get_origin(tp) is dict and isinstance(value, dict):
             free[(*path, name)] = dict(value)          # free-form: kept as written
             out[name] = {}
+        elif section_items(tp) is not None and isinstance(value, list):
+            item = section_items(tp)
+            out[name] = [_spell_section(item, v, free, (*path, name, i)) if isinstance(v, dict)
+                         else repr(v) for i, v in enumerate(value)]
         else:
             out[name] = spell(value, tp, fields(cls)[name].metadata)
     return out
@@ -246,22 +267,29 @@ def build(cls: type, tree: Any, what: str = "config") -> Any:
     _first_problem(cls, cls, tree, spelled, problems, (), what)
     if problems:                     # not met in the tree (should not happen): name it anyway
         loc, err = next(iter(problems.items()))
-        raise ConfigError(f"{'.'.join(map(str, loc))}: {err['msg']}", ".".join(map(str, loc)))
+        raise ConfigError(f"{dotted(loc)}: {err['msg']}", dotted(loc))
     for path, value in free.items():
         node = obj
         for name in path[:-1]:
-            node = getattr(node, name)
+            node = node[name] if isinstance(name, int) else getattr(node, name)
         setattr(node, path[-1], value)
     return obj
 
 
 def _error_key(cls: type, loc: tuple) -> tuple:
-    """The dotted-key path of a pydantic error location (union member tags and tuple indices
-    dropped)."""
-    out: list[str] = []
-    for part in loc:
+    """The key path of a pydantic error location (union member tags and tuple indices
+    dropped; the index into a list of sections kept as an int)."""
+    out: list[str | int] = []
+    parts = iter(loc)
+    for part in parts:
         out.append(str(part))
         tp = hints(cls).get(str(part)) if is_section(cls) else None
+        if section_items(tp) is not None:
+            index = next(parts, None)
+            if not isinstance(index, int):
+                break
+            out.append(index)
+            tp = section_items(tp)
         if not is_section(tp):
             break
         cls = tp
@@ -270,7 +298,7 @@ def _error_key(cls: type, loc: tuple) -> tuple:
 
 def _first_problem(root: type, cls: type, raw: dict, spelled: dict, problems: dict,
                    path: tuple, what: str) -> None:
-    prefix = "".join(p + "." for p in path)
+    prefix = dotted(path) + "." if path else ""
     for name, value in raw.items():
         name = str(name)
         key, at = prefix + name, (*path, name)
@@ -278,6 +306,16 @@ def _first_problem(root: type, cls: type, raw: dict, spelled: dict, problems: di
         err = problems.pop(at, None)
         if tp is None:
             raise unknown_key(root, key, cls, prefix, name, [], what)
+        if (item := section_items(tp)) is not None:
+            if err is not None or not isinstance(value, list):
+                raise ConfigError(f"{key}={value!r}: expected a list of mappings with keys "
+                                  f"{', '.join(fields(item))}", key)
+            for i, v in enumerate(value):
+                if not isinstance(v, dict):
+                    raise ConfigError(f"'{key}[{i}]' must be a mapping of keys, got {v!r}",
+                                      f"{key}[{i}]")
+                _first_problem(root, item, v, spelled[name][i], problems, (*at, i), what)
+            continue
         if is_section(tp):
             if err is not None:
                 raise ConfigError(f"'{key}' must be a mapping of keys, got {value!r}", key)
@@ -373,12 +411,27 @@ def set_override(root: type, tree: dict[str, Any], key: str, raw: str, what: str
     parts = key.split(".")
     cls: Any = root
     node = tree
+    skip = False
     for i, part in enumerate(parts):
+        if skip:                             # the index of a list of sections, already taken
+            skip = False
+            continue
         prefix = ".".join(parts[:i]) + ("." if i else "")
         last = i == len(parts) - 1
         if part not in fields(cls):
             raise unknown_key(root, key, cls, prefix, part, parts[i + 1:], what)
         tp = hints(cls)[part]
+        if section_items(tp) is not None and not last:   # distill.phases.1.lam=0.5
+            items, index = node.get(part), parts[i + 1]
+            if not isinstance(items, list) or not index.isdigit() or int(index) >= len(items) \
+                    or i + 2 >= len(parts):
+                n = len(items) if isinstance(items, list) else 0
+                raise ConfigError(f"{key}: {prefix}{part} holds {n} entries; set one's key as "
+                                  f"{prefix}{part}.N.KEY=VALUE with 0 <= N < {n}, or the whole "
+                                  f"list as {prefix}{part}=[{{...}}, ...]", key)
+            node[part] = items = [dict(x) if isinstance(x, dict) else x for x in items]
+            node, cls, skip = items[int(index)], section_items(tp), True
+            continue
         if is_section(tp):
             if last:
                 value = parse_scalar(raw)

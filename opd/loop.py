@@ -41,6 +41,7 @@ class StepLog:
         self.log.truncate(start)
         self.bar = tqdm(total=cfg.distill.steps, initial=start, desc=desc, disable=not progress,
                         dynamic_ncols=True)
+        self.rollout_figures: dict[str, str] = {}    # of the last step on student rollouts
 
     def __enter__(self) -> StepLog:
         return self
@@ -58,8 +59,13 @@ class StepLog:
         """One step's row: into the log (flushed every run.log_every rows) and the bar."""
         self.log.append(row)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}",
-                             commit=f"{row['mean_committed']:.2f}")
+        if row.get("source") == "student":        # rollout figures only where there are rollouts
+            ar = row.get("ar_rounds") or 0
+            self.rollout_figures = {"tok_s": f"{row['rollout_tokens_per_s']:.0f}",
+                                    "commit": f"{row['mean_committed']:.2f}",
+                                    "rounds/AR": f"{row['rounds'] / ar:.2f}" if ar else "-"}
+        self.bar.set_postfix(phase=row.get("phase", ""), loss=f"{row['loss']:.4f}",
+                             **self.rollout_figures)
 
     def checkpoint_due(self, version: int) -> bool:
         """Is the checkpoint of `version` (= learner steps done) due: every

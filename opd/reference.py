@@ -5,6 +5,8 @@ Per step k (policy version k = the number of updates the student has had):
     batch  = next prefix batch from the Parquet data           (real prefix, ratio · T; the ratio
                                                                is data.prefix_ratio or one of
                                                                data.prefix_ratios, by batch id)
+    phase  = phase_at(cfg, k)                                  (distill.phases: the step's
+                                                               objective, λ, prefix ratios, lr)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
     traj   = rollout(current student, engine, batch)           (eval mode, no label dropout)
     traj   = score(teacher, traj)                              (teacher log-probs, full or top-k)
@@ -31,29 +33,38 @@ from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.loop import RunInterrupted, StepLog  # noqa: F401  (RunInterrupted re-exported)
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
+from opd.phases import objectives, phase_at, phases, rolls_out
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
 
 
-def check_objective(cfg: RunConfig, objective) -> None:
-    """The teacher transport must be one the objective's loss supports."""
-    if needs_teacher_scores(objective) and not objective.supports(cfg.teacher.transport):
-        from opd.config import ConfigError
-        raise ConfigError(f"teacher.transport={cfg.teacher.transport!r} is not supported by "
-                          f"distill.objective={objective.name!r}; use one of {objective.needs}")
+def check_objectives(cfg: RunConfig) -> None:
+    """The teacher transport must be one that every phase's objective supports."""
+    for phase, objective in zip(phases(cfg), objectives(cfg)):
+        if needs_teacher_scores(objective) and not objective.supports(cfg.teacher.transport):
+            from opd.config import ConfigError
+            key = (f"distill.phases[{phase.index}].objective" if cfg.distill.phases
+                   else "distill.objective")
+            raise ConfigError(f"teacher.transport={cfg.teacher.transport!r} is not supported by "
+                              f"{key}={objective.name!r}; use one of {objective.needs}",
+                              "teacher.transport")
 
 
-def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
-    """The metrics.parquet row of one step."""
+def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> dict:
+    """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry).
+    `ar_rounds` is the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is
+    what the rollout engine saved."""
     s = traj.rollout_stats
     gen = traj.num_generated_tokens
     roll = seconds.get("rollout", 0.0)
-    return {"step": step, "batch_id": traj.batch_id, "policy_version": traj.policy_version,
+    return {"step": step, "phase": phase, "batch_id": traj.batch_id,
+            "policy_version": traj.policy_version,
             "source": traj.source, "prefix_len": traj.prefix_len,
             **{k: v for k, v in metrics.items()},
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
-            "rounds": s.get("rounds", 0), "mean_committed": s.get("mean_committed", 0.0),
+            "rounds": s.get("rounds", 0), "ar_rounds": s.get("ar_rounds", 0),
+            "mean_committed": s.get("mean_committed", 0.0),
             "commit_hist": s.get("commit_hist"),
             "image_rounds_max": s.get("image_rounds_max", 0),
             "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
@@ -61,6 +72,11 @@ def step_row(step: int, traj, metrics: dict, seconds: dict) -> dict:
             "longest_single_run": s.get("longest_single_run", 0),
             "generated_tokens": gen,
             "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
+
+
+def _teacher_rollouts(cfg: RunConfig) -> bool:
+    """Whether some phase samples its sequences from the teacher (SeqKD)."""
+    return any(o.source == "teacher" for o in objectives(cfg))
 
 
 def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher,
@@ -107,9 +123,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     torch.manual_seed(seed)
     teacher = load_role_model(cfg, "teacher", progress=progress)
     student = load_role_model(cfg, "student", progress=progress)
-    objective = build_objective(cfg)
-    check_objective(cfg, objective)
-    engine = build_engine(cfg)
+    check_objectives(cfg)
+    engine = build_engine(cfg) if rolls_out(cfg) or _teacher_rollouts(cfg) else None
     train = open_dataset(cfg, "train")
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
@@ -131,9 +146,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
                 raise steps.interrupted(step, path)
             pb = next(batcher)
+            objective = build_objective(cfg, step)
             source = batch_source(objective, step, seed)
             job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
-                             batch_prefix_len(cfg, pb.batch_id, train.seq_len), source, seed)
+                             batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
             seconds = {}
             t0 = time.perf_counter()
             traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
@@ -148,7 +164,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
                             check=cfg)         # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
-            steps.record(step_row(step, traj, metrics, seconds))
+            steps.record(step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name))
             track_quality(evaluator, quality, student, step + 1, run_dir)
             if steps.checkpoint_due(step + 1):
                 save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)

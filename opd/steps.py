@@ -18,8 +18,9 @@ from torch import Tensor
 from opd.batch import TrajectoryBatch, index_dtype
 from opd.cache import calibration_file
 from opd.config import RunConfig
-from opd.objectives import Objective, get_objective
+from opd.objectives import Objective
 from opd.onpolicy import logprob_gap
+from opd.phases import learning_rate, objective_at, phase_at  # noqa: F401 (learning_rate re-exported)
 from rollout import make_engine
 
 
@@ -37,23 +38,20 @@ def keyed_seed(*keys: int) -> int:
 PREFIX_KEY = 0x5052   # keyed_seed's third key for the prefix-ratio choice ("PR")
 
 
-def batch_prefix_len(cfg: RunConfig, batch_id: int, seq_len: int) -> int:
-    """Real prefix tokens of training batch `batch_id`: `data.prefix_ratios[i]` with i chosen
-    by (run.seed, batch id), or `data.prefix_ratio` when no spread is set.  Keyed, so the
-    reference loop and every Ray worker agree, also after a resume or a re-issue."""
-    ratios = cfg.data.prefix_ratios or (cfg.data.prefix_ratio,)
+def batch_prefix_len(cfg: RunConfig, batch_id: int, seq_len: int, step: int = 0) -> int:
+    """Real prefix tokens of training batch `batch_id` at learner step `step`: one of the step's
+    phase's prefix ratios (opd/phases.py; the run's `data.prefix_ratios`, or `data.prefix_ratio`
+    when no spread is set), chosen by (run.seed, batch id).  Keyed, so the reference loop and
+    every Ray worker agree, also after a resume or a re-issue."""
+    ratios = phase_at(cfg, step).prefix_ratios
     ratio = ratios[keyed_seed(cfg.run.seed, batch_id, PREFIX_KEY) % len(ratios)]
     return prefix_len_for(ratio, seq_len)
 
 
-def build_objective(cfg: RunConfig) -> Objective:
-    """The configured objective with its knobs (distill.* and distill.objective_options)."""
-    d = cfg.distill
-    common = {"gkd": dict(lmbda=d.lam, beta=d.beta, temperature=d.temperature),
-              "kd": dict(temperature=d.temperature),
-              "seqkd": {},
-              "varkd": dict(beta=d.beta, temperature=d.temperature)}[d.objective]
-    return get_objective(d.objective, **{**common, **d.objective_options})
+def build_objective(cfg: RunConfig, step: int = 0) -> Objective:
+    """The objective of learner step `step` with its knobs (its phase's settings over distill.*
+    and distill.objective_options; opd/phases.py)."""
+    return objective_at(cfg, step)
 
 
 def batch_source(objective: Objective, step: int, seed: int) -> str:
@@ -123,7 +121,9 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
         top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
         slots=r.slots or None)
     image_rounds = result.image_rounds
-    stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds,
+    B = int(job.labels.shape[0])
+    ar_rounds = (T - P) * -(-B // (r.slots or B))   # Cached AR: one round per token and row batch
+    stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds, "ar_rounds": ar_rounds,
              "mean_committed": result.mean_committed, "engine": result.engine,
              "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
              "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
@@ -211,18 +211,6 @@ def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
     optimizer.step()
     student.eval()
     return {**metrics, "loss": float(loss.detach()), "grad_norm": float(norm)}
-
-
-def learning_rate(cfg: RunConfig, step: int) -> float:
-    """The learner's learning rate at 0-based learner step `step`: learner.lr after a linear
-    warm-up over learner.warmup_steps, then constant or (learner.lr_decay="linear") decaying
-    linearly to 10 % at distill.steps.  A function of the step alone, so resume is exact."""
-    lr, warmup = cfg.learner.lr, cfg.learner.warmup_steps
-    if warmup > 0:
-        lr *= min(1.0, (step + 1) / warmup)
-    if cfg.learner.lr_decay == "linear":
-        lr *= 0.1 + 0.9 * max(0.0, 1.0 - step / cfg.distill.steps)
-    return lr
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

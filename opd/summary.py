@@ -9,22 +9,45 @@ import numpy as np
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Aggregate per-step rows: first/last loss, mean step time split, rollout speed."""
+    """Aggregate per-step rows: first/last loss, mean step time split and, for runs with
+    student rollouts, the share of steps on them, their speed and the rounds they took against
+    the rounds Cached AR needs for the same tokens (`rounds_vs_ar`)."""
     if not rows:
         return {}
     col = lambda k: np.array([r.get(k) or 0.0 for r in rows], dtype=float)  # noqa: E731
     gen, roll = col("generated_tokens"), col("rollout_s")
     student = np.array([r.get("source") == "student" for r in rows])
     n = max(1, len(rows) // 10)
-    return {
+    out = {
         "steps": len(rows),
         "loss_first": float(col("loss")[:n].mean()), "loss_last": float(col("loss")[-n:].mean()),
-        "rollout_s": float(roll.mean()), "teacher_s": float(col("teacher_s").mean()),
+        "teacher_s": float(col("teacher_s").mean()),
         "learner_s": float(col("learner_s").mean()), "step_s": float(col("step_s").mean()),
-        "rollout_tokens_per_s": float(gen[student].sum() / max(roll[student].sum(), 1e-9)),
-        "mean_committed": float(col("mean_committed")[student].mean()) if student.any() else 0.0,
         "total_s": float(col("step_s").sum()),
     }
+    if student.any():
+        ar = col("ar_rounds")[student].sum()
+        out.update({
+            "student_steps": int(student.sum()),
+            "rollout_s": float(roll[student].mean()),
+            "rollout_tokens_per_s": float(gen[student].sum() / max(roll[student].sum(), 1e-9)),
+            "mean_committed": float(col("mean_committed")[student].mean()),
+            "rounds_vs_ar": float(col("rounds")[student].sum() / ar) if ar > 0 else float("nan"),
+        })
+    return out
+
+
+def phase_spans(rows: list[dict]) -> list[tuple[str, int, int, int]]:
+    """(phase name, first step, last step, steps on student rollouts) of each run of rows of
+    one phase, in step order."""
+    spans: list[list] = []
+    for r in sorted(rows, key=lambda r: r["step"]):
+        name = r.get("phase") or ""
+        if not spans or spans[-1][0] != name:
+            spans.append([name, r["step"], r["step"], 0])
+        spans[-1][2] = r["step"]
+        spans[-1][3] += r.get("source") == "student"
+    return [tuple(s) for s in spans]
 
 
 def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
@@ -34,6 +57,9 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
         return s
     width = max(len(k) for k in s)
     print(f"\nopd run summary ({run_dir})")
+    for name, first, last, on in phase_spans(rows):
+        print(f"  phase {name}: steps {first}-{last} ({last - first + 1}), "
+              f"{on} on student rollouts")
     for k, v in s.items():
         print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
     return s
@@ -43,8 +69,12 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
 # Quality: did the student approach the teacher?
 
 GAP_ROWS = (("FID ↓", "fid"), ("precision ↑", "precision"), ("recall ↑", "recall"),
-            ("class accuracy ↑", "class_acc"), ("held-out KL(T‖S) ↓", "kl_data"))
-"""(label, quality.parquet column) of the rows of `gap_table`."""
+            ("class accuracy ↑", "class_acc"), ("held-out KL(T‖S) ↓", "kl_data"),
+            ("on-policy KL(T‖S) ↓", "kl_samples"))
+"""(label, quality.parquet column) of the rows of `gap_table`: the held-out KL is teacher-forced
+on data, the on-policy KL on the student's own completions of held-out prefixes (what on-policy
+distillation trains on); both are 0 for the teacher by definition."""
+KL_KEYS = ("kl_data", "kl_samples")
 QUALITY_TABLE = "quality.md"
 
 
@@ -67,7 +97,7 @@ def _number(value: float | None) -> str:
 def gap_table(rows: list[dict]) -> str:
     """Markdown table `teacher | student before | student after | share of the gap closed` of
     quality.parquet rows: before = the first student evaluation, after = the last; the
-    teacher's KL(T‖S) is 0 by definition.  "" when there is no student row."""
+    teacher's KL(T‖S), held-out and on-policy, is 0 by definition.  "" when there is no student row."""
     students = sorted((r for r in rows if r.get("role") == "student"), key=lambda r: r["step"])
     if not students:
         return ""
@@ -77,7 +107,7 @@ def gap_table(rows: list[dict]) -> str:
              f"(step {after['step']}) | share of the gap closed |",
              "|---|---:|---:|---:|---:|"]
     for label, key in GAP_ROWS:
-        t = 0.0 if key == "kl_data" else teacher.get(key)
+        t = 0.0 if key in KL_KEYS else teacher.get(key)
         b, a = before.get(key), after.get(key)
         share = gap_share(t, b, a)
         lines.append(f"| {label} | {_number(t)} | {_number(b)} | {_number(a)} | "
@@ -95,5 +125,6 @@ def write_quality_summary(run_dir: str | Path) -> str:
         (Path(run_dir) / QUALITY_TABLE).write_text(
             "# Quality: student vs teacher\n\n" + table
             + "\nFID / precision / recall / class accuracy of eval.num_samples class-balanced "
-              "samples (fixed keys); KL per token in nats on held-out sequences.\n")
+              "samples (fixed keys); KL per token in nats: held-out = teacher-forced on held-out "
+              "sequences, on-policy = on the student's own completions of held-out prefixes.\n")
     return table

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = str(Path(args.work) / "digits")
     prepare_digits(data_dir)
     ray_tmp = tempfile.mkdtemp(prefix="opdsk", dir="/tmp")     # short: Ray's socket paths
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, _temp_dir=ray_tmp)
     reports, pids = [], set()
     try:

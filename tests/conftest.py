@@ -47,7 +47,9 @@ def ray_session(opd_cache):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local": a Ray of the suite's own, also when a `ray start` cluster (or the
+        # stale ray_current_cluster file of one) is on this machine; never that cluster
+        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
     yield ray
     ray.shutdown()

@@ -7,11 +7,11 @@ ROWS = [  # made-up quality.parquet rows, not in step order
     {"step": 0, "role": "teacher", "fid": 10.0, "precision": 0.8, "recall": 0.6,
      "class_acc": 0.9, "kl_data": 0.0},
     {"step": 50, "role": "student", "fid": 40.0, "precision": 0.5, "recall": 0.35,
-     "class_acc": 0.6, "kl_data": 0.3},
+     "class_acc": 0.6, "kl_data": 0.3, "kl_samples": 0.5},
     {"step": 0, "role": "student", "fid": 50.0, "precision": 0.4, "recall": 0.2,
-     "class_acc": 0.5, "kl_data": 0.4},
+     "class_acc": 0.5, "kl_data": 0.4, "kl_samples": 0.8},
     {"step": 100, "role": "student", "fid": 30.0, "precision": 0.7, "recall": 0.7,
-     "class_acc": 0.8, "kl_data": 0.1},
+     "class_acc": 0.8, "kl_data": 0.1, "kl_samples": 0.2},
 ]
 
 
@@ -25,6 +25,7 @@ def test_gap_table_exact_shares():
         "| recall ↑ | 0.6000 | 0.2000 | 0.7000 | 125.0% |",           # passed the teacher
         "| class accuracy ↑ | 0.9000 | 0.5000 | 0.8000 | 75.0% |",
         "| held-out KL(T‖S) ↓ | 0.0000 | 0.4000 | 0.1000 | 75.0% |",   # teacher: 0
+        "| on-policy KL(T‖S) ↓ | 0.0000 | 0.8000 | 0.2000 | 75.0% |",  # (0.8-0.2)/0.8
     ]
 
 
@@ -55,3 +56,27 @@ def test_write_quality_summary(tmp_path):
     assert table == gap_table(ROWS)
     assert table in (tmp_path / "quality.md").read_text()
     assert write_quality_summary(tmp_path / "nothing") == ""
+
+
+def _row(step, phase, source, rounds=0, ar_rounds=0, gen=0, roll=0.0):
+    return {"step": step, "phase": phase, "source": source, "loss": 1.0 + step, "rounds": rounds,
+            "ar_rounds": ar_rounds, "generated_tokens": gen, "rollout_s": roll,
+            "rollout_tokens_per_s": gen / roll if roll else 0.0, "mean_committed": 2.0 if gen else 0.0,
+            "teacher_s": 0.1, "learner_s": 0.2, "step_s": 0.5 + roll}
+
+
+def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_path):
+    from opd.artifacts import plot_training
+    from opd.summary import phase_spans, summarize
+    kd = [_row(s, "warm", "data") for s in range(3)]
+    on = [_row(3, "onpolicy", "student", 20, 64, 256, 0.5),
+          _row(4, "onpolicy", "data"),
+          _row(5, "onpolicy", "student", 30, 64, 256, 1.5)]
+    assert phase_spans(kd + on) == [("warm", 0, 2, 0), ("onpolicy", 3, 5, 2)]
+    s = summarize(kd + on)
+    assert s["student_steps"] == 2 and s["rounds_vs_ar"] == 50 / 128
+    assert s["rollout_tokens_per_s"] == 512 / 2.0 and s["rollout_s"] == 1.0
+    assert not {"student_steps", "rollout_s", "rollout_tokens_per_s", "mean_committed",
+                "rounds_vs_ar"} & set(summarize(kd))
+    assert plot_training(kd + on, tmp_path / "a.png") == tmp_path / "a.png"
+    assert plot_training(kd, tmp_path / "b.png") == tmp_path / "b.png"
