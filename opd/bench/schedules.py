@@ -76,6 +76,10 @@ class SchedulesBench:
     reuse: bool = True
     """Keep a run directory whose result.json has the same spec (config, overrides, seed,
     steps, final evaluation settings) instead of training it again."""
+    only: list[str] | None = None
+    """Run only these arms (an equal-time arm also runs its base and matched arms); null = all.
+    Splits a bench over processes: each runs some arms into the same --out, then the full
+    command reuses their runs."""
     note: str = ""
     """What the table is (printed under its title)."""
 
@@ -99,6 +103,10 @@ def check_schedules(b: SchedulesBench) -> SchedulesBench:
                 raise ConfigError(f"bench preset key equal_time.{name}.{k}={spec.get(k)!r}: must "
                                   f"name one of the arms ({', '.join(b.arms)})",
                                   f"equal_time.{name}.{k}")
+    for name in b.only or []:
+        if name not in b.arms and name not in b.equal_time:
+            raise ConfigError(f"bench preset key only: {name!r} is not an arm "
+                              f"({', '.join([*b.arms, *b.equal_time])})", "only")
     for name in [*b.arms, *b.equal_time]:
         if "/" in name or name.startswith("."):
             raise ConfigError(f"bench preset key arms.{name}: an arm name is a directory name",
@@ -218,11 +226,16 @@ def run_schedules(b: SchedulesBench, out: str | Path,
     """Every (arm, seed), then every equal-time arm per seed; returns the report that
     schedules.json holds: the preset, every run's figures, the summary per arm."""
     out = Path(out)
+    timed = [a for a in b.equal_time if b.only is None or a in b.only]
+    need = {a for a in b.arms if b.only is None or a in b.only}
+    need |= {b.equal_time[a][k] for a in timed for k in ("base", "match")}
+    arms = [a for a in b.arms if a in need]
     runs = []
     for seed in b.seeds:
-        done = {arm: run_arm(b, arm, seed, b.steps, out, log) for arm in b.arms}
+        done = {arm: run_arm(b, arm, seed, b.steps, out, log) for arm in arms}
         runs += done.values()
-        for arm, spec in b.equal_time.items():
+        for arm in timed:
+            spec = b.equal_time[arm]
             base, match = done[spec["base"]], done[spec["match"]]
             steps = equal_time_steps(match["wall_s"], base["s_per_step"])
             log(f"schedules: {arm} seed {seed}: {match['arm']} took {match['wall_s']:.1f} s, "
@@ -232,8 +245,7 @@ def run_schedules(b: SchedulesBench, out: str | Path,
                                "match_wall_s": match["wall_s"],
                                "base_s_per_step": base["s_per_step"]}
             runs.append(r)
-    return {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*b.arms,
-                                                                          *b.equal_time]),
+    return {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*arms, *timed]),
             "environment": common.environment("cpu")}
 
 

@@ -52,9 +52,13 @@ def format_markdown(report: dict) -> str:
               f"KL − held-out KL). distill s: the sum of the steps' rollout + teacher + learner "
               f"seconds (evaluations excluded). Run preset: {b['config'] or 'the default'}, "
               f"overrides: {' '.join(b['overrides']) or 'none'}.", "", "Arms:", ""]
+    shown = report["summary"]
     for arm, ov in b["arms"].items():
-        lines.append(f"- `{arm}`: `{' '.join(ov) or '(the preset)'}`")
+        if arm in shown:
+            lines.append(f"- `{arm}`: `{' '.join(ov) or '(the preset)'}`")
     for arm, et in b["equal_time"].items():
+        if arm not in shown:
+            continue
         steps = [r["steps"] for r in report["runs"] if r["arm"] == arm]
         lines.append(f"- `{arm}`: `{et['base']}`'s overrides for as many steps as "
                      f"`{et['match']}` took seconds (per seed: {steps} steps)")

@@ -98,6 +98,11 @@ def test_finished_runs_are_reused(bench_out, overrides):
     assert all("reusing" in line for line in lines if "steps in" in line or "reusing" in line)
     assert not any("steps in" in line for line in lines)
     assert again["runs"] == [r for r in report["runs"] if r["seed"] == 1]
+    # only: the named arms; an equal-time arm brings its base and matched arms
+    for only, arms in ((["gkd"], ["gkd"]), (["kd_equal_time"], ["kd", "gkd", "kd_equal_time"])):
+        b.only = only
+        part = run_schedules(b, out, log=lambda *_: None)
+        assert [r["arm"] for r in part["runs"]] == arms and list(part["summary"]) == arms
 
 
 @pytest.mark.parametrize("override,word", [
@@ -108,6 +113,7 @@ def test_finished_runs_are_reused(bench_out, overrides):
     (dict(arms={"kd": ["distill.objectiv=kd"], "gkd": []}), "arm kd: .*distill.objectiv"),
     (dict(stepz=3), "unknown bench preset key 'stepz'"),
     (dict(final_samples=2), "final_samples"),
+    (dict(only=["kd", "gdk"]), "only: 'gdk'"),
 ])
 def test_bad_presets_name_the_key(override, word):
     with pytest.raises(ConfigError, match=word):
