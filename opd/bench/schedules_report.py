@@ -19,10 +19,11 @@ COLUMNS = [("FID ↓", "fid", 1), ("precision ↑", "precision", 3), ("recall �
 
 
 def cell(stat: dict, decimals: int) -> str:
-    """'m ± sd' (just 'm' for one seed or a constant), '—' when nothing was measured."""
+    """'m ± sd' (just 'm' for one seed or an sd that rounds to 0), '—' when nothing was
+    measured."""
     if stat["mean"] is None:
         return "—"
-    if stat["n"] < 2 or stat["sd"] == 0:
+    if stat["n"] < 2 or round(stat["sd"], decimals) == 0:
         return f"{stat['mean']:.{decimals}f}"
     return f"{stat['mean']:.{decimals}f} ± {stat['sd']:.{decimals}f}"
 
@@ -93,7 +94,7 @@ def save_curves(report: dict, out: str | Path) -> Path:
             ax.axhline(teacher[key], color="grey", ls="--", lw=1, label="teacher")
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="lower right")
     n = report["bench"]["seeds"]
     fig.suptitle(f"tracked during training: one line per seed ({len(n)}), one colour per arm",
                  fontsize=9)

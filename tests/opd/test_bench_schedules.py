@@ -77,7 +77,8 @@ def test_table_is_numpy_mean_and_sd_over_seeds(bench_out):
             assert stats[key]["mean"] == pytest.approx(v.mean(), rel=1e-12, abs=1e-15)
             assert stats[key]["sd"] == pytest.approx(v.std(ddof=1), rel=1e-12, abs=1e-15)
         fid = stats["fid"]
-        cell = (f"{fid['mean']:.1f} ± {fid['sd']:.1f}" if fid["sd"] else f"{fid['mean']:.1f}")
+        cell = (f"{fid['mean']:.1f} ± {fid['sd']:.1f}" if round(fid["sd"], 1)
+                else f"{fid['mean']:.1f}")
         row = next(line for line in md.splitlines() if line.startswith(f"| {arm}"))
         assert row.split(" | ")[1] == cell
     assert md == format_markdown(report)
