@@ -5,6 +5,7 @@
     opd bench table1 --config table1_gpu [--out DIR] [key=value ...]
     opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [--synthetic]
                    [key=value ...]
+    opd bench schedules --config schedules_digits8 [--out DIR] [key=value ...]
 """
 from __future__ import annotations
 
@@ -92,7 +93,25 @@ def add_step(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_step)
 
 
-BENCHES = [add_rollout, add_paper, add_table1, add_step]
+def add_schedules(which: argparse._SubParsersAction) -> None:
+    r = which.add_parser(
+        "schedules", help="distillation schedules over seeds: equal steps and equal time",
+        description="Trains every arm of the preset (a name and run overrides, e.g. KD-only, "
+                    "on-policy GKD, warm-start-then-on-policy phases) for every seed in the "
+                    "reference loop, plus KD-only arms given the steps that fit in another "
+                    "arm's time; evaluates each final student on many samples; writes "
+                    "schedules.json (every run), schedules.md (mean ± sd per arm) and "
+                    "schedules.png (the seeds' curves). A finished run is reused.")
+    r.add_argument("--config", default="schedules_digits8", metavar="PRESET",
+                   help="bench preset: a name in configs/bench/ or a YAML path "
+                        "(default schedules_digits8)")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="preset overrides, values parsed as YAML (e.g. seeds=[0] steps=300)")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    r.set_defaults(bench_run=run_schedules)
+
+
+BENCHES = [add_rollout, add_paper, add_table1, add_step, add_schedules]
 """Adders of `opd bench` sub-commands; each sets `bench_run` on its parser."""
 
 
@@ -224,5 +243,23 @@ def run_step(args: argparse.Namespace) -> int:
     (out / "step.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "step.md").write_text(text)
     for path in [out / "step.json", out / "step.md", save_step_plot(report, out)]:
+        print(f"wrote {path}")
+    return 0
+
+
+def run_schedules(args: argparse.Namespace) -> int:
+    from opd.bench.common import resolve_bench_preset
+    from opd.bench.schedules import load_schedules_bench, run_schedules as run
+    from opd.bench.schedules_report import format_markdown, save_curves
+
+    bench = load_schedules_bench(args.config, _overrides(args.overrides))
+    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+    report = run(bench, out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = format_markdown(report)
+    print(text)
+    (out / "schedules.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "schedules.md").write_text(text)
+    for path in [out / "schedules.json", out / "schedules.md", save_curves(report, out)]:
         print(f"wrote {path}")
     return 0
