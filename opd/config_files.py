@@ -48,9 +48,10 @@ def resolve_preset(name: str | Path) -> Path:
 
 
 def read_preset(path: Path, resolve: Callable[[str], Path] = resolve_preset,
-                of: str = "sections", seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Parse a preset file, merging it over the preset named by its `extends:` key (a file
-    beside it, or a name `resolve` finds)."""
+                of: str = "sections", seen: tuple[Path, ...] = (),
+                merge: Callable[[dict, dict], dict] = deep_merge) -> dict[str, Any]:
+    """Parse a preset file, merging it (`merge(base, top)`) over the preset named by its
+    `extends:` key (a file beside it, or a name `resolve` finds)."""
     if path.resolve() in seen:
         raise ConfigError(f"{path}: '{EXTENDS_KEY}' cycle: "
                           + " -> ".join(str(s) for s in (*seen, path.resolve())))
@@ -67,7 +68,7 @@ def read_preset(path: Path, resolve: Callable[[str], Path] = resolve_preset,
         return tree
     base = path.parent / str(base_name)
     base = base if base.is_file() else resolve(str(base_name))
-    return deep_merge(read_preset(base, resolve, of, (*seen, path.resolve())), tree)
+    return merge(read_preset(base, resolve, of, (*seen, path.resolve()), merge), tree)
 
 
 def config_to_dict(obj: Any) -> Any:

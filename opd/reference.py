@@ -151,6 +151,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
                              batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
             seconds = {}
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
                            policy_version=step)
@@ -164,7 +165,9 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
                             check=cfg)         # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
-            steps.record(step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name))
+            row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
+            row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
+            steps.record(row)                                  # other processes put on the machine
             track_quality(evaluator, quality, student, step + 1, run_dir)
             if steps.checkpoint_due(step + 1):
                 save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)

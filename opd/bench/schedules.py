@@ -25,9 +25,11 @@ on `final_samples` samples; held-out KL(T‖S) `kl_data` and on-policy KL `kl_sa
 OUT/<arm>/seed<k>/final/, and OUT/<arm>/seed<k>/result.json holds the run's figures.
 
 Equal wall-clock, per seed: steps = round(W / s) where W is the matched arm's distillation time
-(the sum of metrics.parquet's `step_s`: rollout + teacher + learner, evaluations excluded) and s
-the base arm's seconds per step (its `step_s` sum over its steps) in the same bench run.  The
-learning-rate schedule scales with distill.steps.
+and s the base arm's seconds per step, both in CPU seconds of the run's one process (the sum of
+metrics.parquet's `step_cpu_s`: rollout + teacher + learner, evaluations excluded).  With one
+torch thread a step's CPU time is its wall time on an idle machine, and unlike wall time it does
+not grow with what other processes run beside it (on a shared 2-core machine the wall time of
+the same run varied by up to 2x).  The learning-rate schedule scales with distill.steps.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ from opd.config_loader import bounded, strict_schema
 RESULT_FILE = "result.json"
 FINAL_DIR = "final"
 METRICS = ("fid", "precision", "recall", "isc", "class_acc", "kl_data", "kl_samples",
-           "exposure_gap", "steps", "wall_s", "s_per_step", "student_share")
+           "exposure_gap", "steps", "wall_s", "cpu_s", "s_per_step", "student_share")
 """Per-run figures that the summary takes mean and sd of."""
 
 
@@ -152,13 +154,15 @@ def run_spec(b: SchedulesBench, arm: str, seed: int, steps: int, cfg: RunConfig)
 
 
 def run_figures(run_dir: Path) -> dict:
-    """From metrics.parquet: steps, distillation seconds (sum of step_s), seconds per step and
-    the share of steps whose batch was a student rollout."""
+    """From metrics.parquet: steps, distillation seconds (sum of step_s, wall; sum of
+    step_cpu_s, the process's CPU), CPU seconds per step and the share of steps whose batch was
+    a student rollout."""
     from opd.metrics import read_metrics
     rows = read_metrics(run_dir)
     wall = float(sum(r["step_s"] for r in rows))
+    cpu = float(sum(r["step_cpu_s"] for r in rows))
     student = sum(r.get("source") == "student" for r in rows)
-    return {"steps": len(rows), "wall_s": wall, "s_per_step": wall / len(rows),
+    return {"steps": len(rows), "wall_s": wall, "cpu_s": cpu, "s_per_step": cpu / len(rows),
             "student_share": student / len(rows)}
 
 
@@ -237,12 +241,12 @@ def run_schedules(b: SchedulesBench, out: str | Path,
         for arm in timed:
             spec = b.equal_time[arm]
             base, match = done[spec["base"]], done[spec["match"]]
-            steps = equal_time_steps(match["wall_s"], base["s_per_step"])
-            log(f"schedules: {arm} seed {seed}: {match['arm']} took {match['wall_s']:.1f} s, "
+            steps = equal_time_steps(match["cpu_s"], base["s_per_step"])
+            log(f"schedules: {arm} seed {seed}: {match['arm']} took {match['cpu_s']:.1f} CPU s, "
                 f"{base['arm']} {base['s_per_step']:.4f} s/step -> {steps} steps")
             r = run_arm(b, arm, seed, steps, out, log)
             r["equal_time"] = {"base": base["arm"], "match": match["arm"],
-                               "match_wall_s": match["wall_s"],
+                               "match_cpu_s": match["cpu_s"],
                                "base_s_per_step": base["s_per_step"]}
             runs.append(r)
     return {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*arms, *timed]),

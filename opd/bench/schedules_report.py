@@ -13,7 +13,7 @@ from opd.bench.common import markdown_table, pyplot
 COLUMNS = [("FID ↓", "fid", 1), ("precision ↑", "precision", 3), ("recall ↑", "recall", 3),
            ("class acc ↑", "class_acc", 3), ("KL(T‖S) held-out ↓", "kl_data", 4),
            ("on-policy KL ↓", "kl_samples", 4), ("exposure gap", "exposure_gap", 4),
-           ("steps", "steps", 0), ("distill s", "wall_s", 1),
+           ("steps", "steps", 0), ("distill CPU s", "cpu_s", 1),
            ("student-rollout steps", "student_share", 2)]
 """(header, METRICS key, decimals) of the table, after the arm's name."""
 
@@ -50,8 +50,9 @@ def format_markdown(report: dict) -> str:
               f"images, digits-CNN features; class accuracy: the digits CNN's agreement with the "
               f"sampled class); KL per token in nats on the held-out split (on-policy KL: on "
               f"the student's own completions of held-out prefixes; exposure gap = on-policy "
-              f"KL − held-out KL). distill s: the sum of the steps' rollout + teacher + learner "
-              f"seconds (evaluations excluded). Run preset: {b['config'] or 'the default'}, "
+              f"KL − held-out KL). distill CPU s: the CPU seconds of the run's process over its "
+              f"steps' rollout + teacher + learner (evaluations excluded; with one torch thread "
+              f"the wall time on an idle machine, and what equal time is matched on). Run preset: {b['config'] or 'the default'}, "
               f"overrides: {' '.join(b['overrides']) or 'none'}.", "", "Arms:", ""]
     shown = report["summary"]
     for arm, ov in b["arms"].items():

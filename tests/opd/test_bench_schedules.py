@@ -44,6 +44,7 @@ def test_runs_and_files(bench_out):
         assert r["student_share"] == (1.0 if r["arm"] == "gkd" else 0.0)
         assert r["student_share"] == np.mean([x["source"] == "student" for x in rows])
         assert r["wall_s"] == pytest.approx(sum(x["step_s"] for x in rows), rel=1e-12)
+        assert r["cpu_s"] == pytest.approx(sum(x["step_cpu_s"] for x in rows), rel=1e-12)
         assert r["exposure_gap"] == pytest.approx(r["kl_samples"] - r["kl_data"], abs=1e-15)
         final = json.loads((out / r["arm"] / f"seed{r['seed']}" / "final" / "eval.json")
                            .read_text())
@@ -57,9 +58,9 @@ def test_equal_time_steps_follow_the_matched_arm(bench_out):
     for seed in (0, 1):
         by = {r["arm"]: r for r in report["runs"] if r["seed"] == seed}
         gkd, kd = run_figures(by["gkd"]["run_dir"]), run_figures(by["kd"]["run_dir"])
-        want = max(1, round(gkd["wall_s"] / (kd["wall_s"] / kd["steps"])))
+        want = max(1, round(gkd["cpu_s"] / (kd["cpu_s"] / kd["steps"])))
         assert by["kd_equal_time"]["steps"] == want
-        assert by["kd_equal_time"]["equal_time"]["match_wall_s"] == gkd["wall_s"]
+        assert by["kd_equal_time"]["equal_time"]["match_cpu_s"] == gkd["cpu_s"]
         cfg = load_config(f"{by['kd_equal_time']['run_dir']}/config.yaml")
         assert cfg.distill.steps == want and cfg.distill.objective == "kd"
         assert len(read_metrics(by["kd_equal_time"]["run_dir"])) == want
@@ -71,7 +72,7 @@ def test_table_is_numpy_mean_and_sd_over_seeds(bench_out):
     md = (out / "schedules.md").read_text()
     for arm, stats in report["summary"].items():
         for key in ("fid", "precision", "class_acc", "kl_data", "kl_samples", "exposure_gap",
-                    "wall_s", "steps"):
+                    "wall_s", "cpu_s", "steps"):
             v = np.array([r[key] for r in report["runs"] if r["arm"] == arm], dtype=float)
             assert stats[key]["n"] == 2
             assert stats[key]["mean"] == pytest.approx(v.mean(), rel=1e-12, abs=1e-15)

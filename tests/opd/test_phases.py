@@ -65,6 +65,19 @@ def test_objective_on_the_command_line_replaces_the_presets_phases(tmp_path):
     assert [(p.objective, p.lam) for p in phases(kept)] == [("kd", 1.0), ("gkd", 0.5)]
 
 
+def test_a_preset_that_sets_its_objective_trains_with_it_for_the_whole_run(tmp_path):
+    """tiny.yaml (objective gkd) extends the default (KD warm start, then GKD): it runs GKD for
+    every step; a preset extending it with its own phases has those."""
+    assert [p.name for p in phases(load_config("default"))] == ["warm", "onpolicy"]
+    assert [(p.objective, p.start, p.end) for p in phases(load_config("tiny"))] == [("gkd", 0, 3)]
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: tiny\ndistill:\n  steps: 4\n  phases: [{steps: 1, objective: kd}, {}]\n")
+    assert [(p.objective, p.end) for p in phases(load_config(child))] == [("kd", 1), ("gkd", 4)]
+    grandchild = tmp_path / "grandchild.yaml"
+    grandchild.write_text(f"extends: {child}\nrollout:\n  window: 8\n")
+    assert len(phases(load_config(grandchild))) == 2
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["distill.phases=[{steps: 2, lamb: 1}]"],
      r"^unknown config key 'distill.phases\[0\].lamb'; did you mean 'distill.phases\[0\].lam'\?$"),
