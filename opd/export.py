@@ -1,6 +1,6 @@
 """`opd export`: the student of a training checkpoint as a LlamaGen checkpoint file.
 
-    info = export_student("runs/digits-gkd-…", "student.pt")   # newest complete checkpoint
+    info = export_student("runs/digits-kd-gkd-…", "student.pt")   # newest complete checkpoint
     info = export_student("runs/x/checkpoints/step_000200", "c2i_S_opd.pt", force=True)
 
 The file holds {"model": state dict} in LlamaGen's key layout, fp32 (like LlamaGen's

@@ -1,6 +1,6 @@
 """`opd eval`: sample quality of a student (FID, IS, precision, recall), or runs side by side.
 
-    opd eval --ckpt runs/digits-gkd-…                    # latest checkpoint of a run
+    opd eval --ckpt runs/digits-kd-gkd-…                    # latest checkpoint of a run
     opd eval --ckpt runs/x/checkpoints/step_000100 --engine cached_ar --num-samples 200
     opd eval --ckpt c2i_B_256.pt --config llamagen.yaml eval.inception_weights=pt_inception.pth
     opd eval --compare runs/a runs/b runs/c --engine cached_ar --out eval-out/table

@@ -1,6 +1,6 @@
 """`opd export`: write a run's student as a LlamaGen checkpoint ({"model": state dict}).
 
-    opd export --ckpt runs/digits-gkd-… --out student.pt            # newest complete checkpoint
+    opd export --ckpt runs/digits-kd-gkd-… --out student.pt            # newest complete checkpoint
     opd export --ckpt runs/x/checkpoints/step_000200 --out c2i_S.pt --force
 """
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """`opd train`: on-policy distillation, distributed on Ray (mode=ray) or in one process
-(mode=reference).
+(mode=reference), in the phases of `distill.phases` (the digits default: KD on data, then
+on-policy GKD on HB-SJD student rollouts).
 
     opd train                                   # the embedded digits default
+    opd train distill.objective=kd              # plain KD on data for the whole run
     opd train --config tiny run.mode=reference
-    opd train --resume runs/digits-gkd-20261130-101500
+    opd train --resume runs/digits-kd-gkd-20261130-101500
 
 With eval.track (on by default) the student is evaluated at step 0, every eval.every steps
 and at the end (quality.parquet, samples/student_step_N.png); the closing table compares it
@@ -28,9 +30,12 @@ from launch.commands import add_config_args
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="on-policy distillation (Ray, or reference loop)",
-                              description="Distill the teacher into the student on-policy: "
-                                          "student rollouts (HB-SJD), teacher scores, student "
-                                          "updates. Writes a run directory.")
+                              description="Distill the teacher into the student in the phases "
+                                          "of distill.phases; the default: KD on data for 420 "
+                                          "steps, then on-policy GKD, where 3/4 of the batches "
+                                          "are the current student's HB-SJD rollouts scored by "
+                                          "the teacher. distill.objective=kd alone: plain KD on "
+                                          "data for the whole run. Writes a run directory.")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its latest checkpoint")
     add_config_args(p)

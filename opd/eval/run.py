@@ -1,6 +1,6 @@
 """Evaluate a student: samples → images → FID / IS / precision / recall; and runs side by side.
 
-    ck = resolve_checkpoint("runs/digits-gkd-…")            # run dir, checkpoint dir or c2i_*.pt
+    ck = resolve_checkpoint("runs/digits-kd-gkd-…")            # run dir, checkpoint dir or c2i_*.pt
     report = evaluate_checkpoint(ck)                         # writes eval.json + samples.png
     rows = compare(["runs/a", "runs/b"])                     # the paper's Table 1 analogue
     print(format_table(rows))
