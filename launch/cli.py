@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None, commands: list[ModuleType] | None = None
     try:
         if getattr(args, "takes_config", False):
             from opd.config import config_to_yaml, load_config
-            args.cfg = load_config(args.config, args.overrides)
-            if args.print_config:
+            # `opd train --resume RUN`: the run's own config.yaml is the base (the command loads
+            # it); the default preset with the overrides may not even be valid on its own
+            resuming = getattr(args, "resume", None) is not None
+            args.cfg = None if resuming else load_config(args.config, args.overrides)
+            if args.print_config and not resuming:
                 sys.stdout.write(config_to_yaml(args.cfg))
                 return 0
         return args.command_module.run(args) or 0

@@ -447,7 +447,8 @@ def _phases(cfg: RunConfig) -> None:
     if phases and phases[-1].steps is None and fixed >= d.steps:
         raise ConfigError(f"distill.phases: the phases before the last take {fixed} steps, "
                           f"leaving none of distill.steps={d.steps} for the last; raise "
-                          f"distill.steps", "distill.phases")
+                          f"distill.steps, shorten them (distill.phases.0.steps=N) or set "
+                          f"distill.objective alone for one objective throughout", "distill.phases")
 
 
 @cross_check
@@ -496,6 +497,14 @@ def check_resume_overrides(overrides: list[str] | tuple[str, ...]) -> None:
                               f"and eval.* change on resume (start a new run for the rest)", key)
 
 
+def check_retired_keys(overrides: list[str] | tuple[str, ...]) -> None:
+    """ConfigError naming the first override of a key that was removed, and what to do instead."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"config key '{key}' was removed: {RETIRED_KEYS[key]}", key)
+
+
 def _drop_retired(tree: dict[str, Any]) -> None:
     for key in RETIRED_KEYS:
         section, name = key.split(".")
@@ -506,10 +515,7 @@ def _drop_retired(tree: dict[str, Any]) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML preset `path` (a name in configs/ or a file), then `key=value`
     overrides; validated. Raises ConfigError on any problem."""
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if key in RETIRED_KEYS:
-            raise ConfigError(f"config key '{key}' was removed: {RETIRED_KEYS[key]}", key)
+    check_retired_keys(overrides)
     tree: dict[str, Any] = {}
     if path is not None:
         preset = resolve_preset(path)

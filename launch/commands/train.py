@@ -43,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.config import ConfigError, check_resume_overrides, load_config, save_config
+    from opd.config import (ConfigError, check_resume_overrides, check_retired_keys, load_config,
+                            save_config)
     from opd.preflight import check_inputs
     from opd.rundir import CONFIG_FILE, RunDirError, prepare_run_dir, release_lock
 
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if args.config is not None:
             raise ConfigError(f"--resume takes the run's own {CONFIG_FILE}, not --config "
                               f"{args.config}; pass only key=value overrides of what may change")
+        check_retired_keys(args.overrides)
         check_resume_overrides(args.overrides)
         cfg = load_config(f"{args.resume}/{CONFIG_FILE}",
                           [*args.overrides, f"run.dir={args.resume}"])
