@@ -30,6 +30,15 @@ def add_rollout(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_rollout)
 
 
+def _preset_args(r: argparse.ArgumentParser, default: str, example: str) -> None:
+    """--config PRESET (a bench preset), key=value overrides and --out DIR."""
+    r.add_argument("--config", default=default, metavar="PRESET",
+                   help=f"bench preset: a name in configs/bench/ or a YAML path (default {default})")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help=f"preset overrides, values parsed as YAML (e.g. {example})")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+
+
 def add_paper(which: argparse._SubParsersAction) -> None:
     r = which.add_parser(
         "paper", help="the paper's ablations side by side: tables, JSON and plots",
@@ -38,13 +47,7 @@ def add_paper(which: argparse._SubParsersAction) -> None:
                     "its variants measured interleaved in this process; writes paper.json, "
                     "paper.md (a table per ablation with the paper's figure beside ours) and "
                     "one PNG per ablation.")
-    r.add_argument("--config", default="digits_paper", metavar="PRESET",
-                   help="bench preset: a name in configs/bench/ or a YAML path "
-                        "(default digits_paper)")
-    r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="preset overrides, values parsed as YAML (e.g. repeats=1 "
-                        "ablations=[engines,window] device=cpu)")
-    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    _preset_args(r, "digits_paper", "repeats=1 ablations=[engines,window] device=cpu")
     r.set_defaults(bench_run=run_paper)
 
 
@@ -56,13 +59,7 @@ def add_table1(which: argparse._SubParsersAction) -> None:
                     "time mean and P95, speedup, rounds, tokens and operators per round; "
                     "placeholders where the preset wants a GPU and none is present. Writes "
                     "table1.md and table1.json.")
-    r.add_argument("--config", default="table1_gpu", metavar="PRESET",
-                   help="bench preset: a name in configs/bench/ or a YAML path "
-                        "(default table1_gpu)")
-    r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="preset overrides, values parsed as YAML (e.g. repeats=3 "
-                        "modes=[eager])")
-    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    _preset_args(r, "table1_gpu", "repeats=3 modes=[eager]")
     r.set_defaults(bench_run=run_table1)
 
 
@@ -102,12 +99,7 @@ def add_schedules(which: argparse._SubParsersAction) -> None:
                     "arm's time; evaluates each final student on many samples; writes "
                     "schedules.json (every run), schedules.md (mean ± sd per arm) and "
                     "schedules.png (the seeds' curves). A finished run is reused.")
-    r.add_argument("--config", default="schedules_digits8", metavar="PRESET",
-                   help="bench preset: a name in configs/bench/ or a YAML path "
-                        "(default schedules_digits8)")
-    r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="preset overrides, values parsed as YAML (e.g. seeds=[0] steps=300)")
-    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/<preset>)")
+    _preset_args(r, "schedules_digits8", "seeds=[0] steps=300")
     r.set_defaults(bench_run=run_schedules)
 
 
