@@ -13,8 +13,9 @@ also `nonzero` the active mask); everything per image is vectorised.
 
 With option compile a round -- verifier forward and verification -- is one compiled function
 (`full_round`, `compact_round`) with static shapes: a Compact round runs a bucket of rows, the
-active count rounded up to a power of two (`bucket`), padded with finished rows, whose round
-changes nothing they keep (`compact_round`); so a call compiles at most log2(R) + 2 graphs.
+active count rounded up to a power of two between R / 8 and R (`bucket`), padded with finished
+rows, whose round changes nothing they keep (`compact_round`); so a call compiles a handful
+of graphs (R = 32: Full, then Compact at 4, 8, 16 and 32 rows), not one per active count.
 The round state lives in buffers the engine keeps across calls (`StaticStates`), so on CUDA
 ("reduce-overhead") every replay of a round's graph sees the same addresses.
 """
@@ -139,8 +140,9 @@ def compact_round(model, st: JacobiState, idx: Tensor, req: Request, plan: Plan)
 
 
 def bucket(active: int, rows: int) -> int:
-    """Rows of a compiled Compact round: `active` rounded up to a power of two, at most R."""
-    return min(rows, 1 << (active - 1).bit_length())
+    """Rows of a compiled Compact round: `active` rounded up to a power of two, at least
+    R // 8 (a few padded rows cost less than a graph per small count), at most R."""
+    return min(rows, max(1 << (active - 1).bit_length(), rows // 8))
 
 
 def bucket_rows(live: Tensor, size: int) -> Tensor:

@@ -90,8 +90,9 @@ def test_compact_rounds_compile_one_graph_per_bucket(tiny, batch):
     assert counters["stats"]["unique_graphs"] == len(buckets)
 
 
-def test_buckets_are_powers_of_two_capped_at_the_rows():
+def test_buckets_are_powers_of_two_between_an_eighth_of_the_rows_and_the_rows():
     assert [bucket(a, 12) for a in range(1, 13)] == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+    assert sorted({bucket(a, 32) for a in range(1, 33)}) == [4, 8, 16, 32]
     live = torch.tensor([False, True, False, True, True, False])
     assert bucket_rows(live, 4).tolist() == [1, 3, 4, 0]
     assert bucket_rows(live, 3).tolist() == [1, 3, 4]
