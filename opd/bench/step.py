@@ -9,7 +9,8 @@ A runner is `fn(cfg, run_dir) -> per-step rows`: opd.reference.run_reference, or
 actors.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
 (mode, compile, engine) runs warmup_steps + steps OPD steps per repeat, the runs interleaved
 round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are dropped (gamma
-calibration, first-call allocations, the compile).  `compiles` are values of rollout.compile
+calibration, first-call allocations, the compile; the first one's rollout time is kept as
+`first_rollout_s`).  `compiles` are values of rollout.compile
 (False = eager; compiled runs turn candidate drafting off, which compile excludes); speedups
 compare engines of the same mode and compile.  A row has rollout_s, teacher_s, learner_s and step_s;
 Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
@@ -104,15 +105,17 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
         rows = runners[mode](run_cfg, run_dir)
         # the run's final checkpoint is not the bench's output (2 GB at the scale preset)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        return 0.0, [dict(r) for r in rows[warmup_steps:]]
+        return 0.0, ([float(r.get("rollout_s", 0.0)) for r in rows[:warmup_steps]],
+                     [dict(r) for r in rows[warmup_steps:]])
 
     samples = common.interleave([lambda m=m, c=c, e=e: call(m, c, e) for m, c, e in combos],
                                 repeats, 0)
     results = []
     for (mode, compile, engine), runs in zip(combos, samples):
-        rows = [r for _, run in runs for r in run]
+        rows = [r for _, (_, run) in runs for r in run]
+        first = [w[0] for _, (w, _) in runs if w]      # each run's first rollout (the compile)
         results.append({"mode": mode, "compile": compile, "engine": engine, **summarize(rows),
-                        "rows": rows})
+                        "first_rollout_s": first, "rows": rows})
     for r in results:                       # the first engine of a (mode, compile) is the base
         base = next(x for x in results
                     if x["mode"] == r["mode"] and x["compile"] == r["compile"])
@@ -150,8 +153,8 @@ def _plain(cfg: RunConfig) -> dict:
 def format_step_markdown(report: dict) -> str:
     """One table per mode: the mean split of a step (ms), shares and speedups."""
     heads = ["engine", "compile", "rollout ms", "teacher ms", "learner ms", "weight sync ms",
-             "other ms", "step ms", "rollout share", "rounds", "tok/rnd", "rollout time / base",
-             "rollout speedup", "step speedup"]
+             "other ms", "step ms", "rollout share", "rounds", "tok/rnd", "ms/round",
+             "1st rollout s", "rollout time / base", "rollout speedup", "step speedup"]
     c = report["config"]
     out = ["# One OPD step: rollout, teacher, learner, weight sync", "",
            f"Run config: students {c['model']['student']} / teacher {c['model']['teacher']}, "
@@ -161,8 +164,9 @@ def format_step_markdown(report: dict) -> str:
            f"{report['warmup_steps']} warm-up step(s) per run, {report['repeats']} run(s) per "
            f"(mode, compile, engine), interleaved; mean ± std over measured steps; base = the "
            f"first engine of the same compile; speedup = ratio of means [min–max of per-step "
-           f"ratios]; compiled = rollout.compile (one graph per round, compiled in the warm-up "
-           f"step). Paper (H200): rollout 1.46–1.65× faster with "
+           f"ratios]; compiled = rollout.compile (one graph per round); 1st rollout = the first "
+           f"warm-up step's rollout of each run (compiled: the compile, in the first run of the "
+           f"process). Paper (H200): rollout 1.46–1.65× faster with "
            f"HB-SJD; rollout is the bottleneck of a step.", ""]
     for mode in report["modes"]:
         body = []
@@ -174,7 +178,10 @@ def format_step_markdown(report: dict) -> str:
             body.append([r["engine"], _compile_name(r.get("compile", False)), ms("rollout_s"),
                          ms("teacher_s"), ms("learner_s"), sync,
                          str(round(1e3 * r["other_s"]) or 0), ms("step_s"), f"{100 * share:.0f}%",
-                         f"{r['rounds']:.1f}", f"{r['mean_committed']:.3f}", _time_ratio(r),
+                         f"{r['rounds']:.1f}", f"{r['mean_committed']:.3f}",
+                         f"{1e3 * r['rollout_s']['mean'] / max(r['rounds'], 1):.2f}",
+                         " / ".join(f"{x:.1f}" for x in r.get("first_rollout_s", [])) or "-",
+                         _time_ratio(r),
                          _speedup(r, "rollout_speedup"), _speedup(r, "step_speedup")])
         note = ("" if mode == "reference" else
                 " On Ray the parts overlap (scoring and sync run beside other work), so "

@@ -266,6 +266,7 @@ def test_bench_step_reference(tiny_overrides, tmp_path):
         assert res[c, "hbsjd"]["rounds"] <= N and res[c, "hbsjd"]["rollout_speedup"]["speedup"] > 0
         assert res[c, "cached_ar"]["rollout_speedup"] is None
         assert res[c, "hbsjd"]["baseline"] == "cached_ar"
+    assert all(len(r["first_rollout_s"]) == 1 for r in res.values())   # one run each
     for key in ("rounds", "mean_committed", "generated_tokens"):     # same rollouts compiled
         assert res[False, "hbsjd"][key] == res["eager", "hbsjd"][key]
     text = (out / "step.md").read_text()
