@@ -409,10 +409,6 @@ def _rollout_top_k(cfg: RunConfig) -> None:
 @cross_check
 def _candidates(cfg: RunConfig) -> None:
     r = cfg.rollout
-    if r.candidates and r.decoding != "greedy":
-        raise ConfigError(f"rollout.candidates={r.candidates}: candidate drafting needs "
-                          f"rollout.decoding=greedy (got {r.decoding!r}); set "
-                          f"rollout.candidates=0", "rollout.candidates")
     if r.candidates and r.compile:
         raise ConfigError(f"rollout.candidates={r.candidates}: cannot be combined with "
                           f"rollout.compile=true (the compiled verifier has no token tree)",

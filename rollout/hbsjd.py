@@ -155,7 +155,7 @@ class JacobiEngine(Engine):
     "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
     also take candidates (K >= 2: after a correction the next window also verifies K - 1
     alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
-    only; 0 = off) and branch (columns of each alternative branch; None = 1)."""
+    or sampled; 0 = off) and branch (columns of each alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 

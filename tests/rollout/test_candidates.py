@@ -28,22 +28,24 @@ def test_candidates_are_draft_above_then_likeliest():
     logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0, 1.0]] * 3)   # ranking 1, 2, 3, 4, 5, 0
     draft = torch.tensor([1, 1, 1])
     above = torch.tensor([0, 3, 5])
-    assert candidates(logits, draft, above, 4).tolist() == [[1, 0, 2, 3], [1, 2, 3, 4],
+    assert candidates(logits, draft, above, 4).tolist() == [[1, 0, 2, 3], [1, 3, 2, 4],
                                                             [1, 5, 2, 3]]
     assert candidates(logits, draft, above, 2).tolist() == [[1, 0], [1, 3], [1, 5]]
     assert candidates(logits[:1], torch.tensor([1]), torch.tensor([1]), 2).tolist() == [[1, 2]]
+    # sampled: the draft need not be the argmax; every candidate stays distinct
+    assert candidates(logits, torch.tensor([4, 0, 0]), torch.tensor([1, 0, 2]), 4).tolist() == [
+        [4, 1, 2, 3], [0, 1, 2, 3], [0, 2, 1, 3]]
+    assert candidates(logits[:1, :3], torch.tensor([0]), torch.tensor([2]), 3).tolist() == [
+        [0, 2, 1]]                                                      # K = V
 
 
 def test_choose_path_and_moves():
     t = make_tree(4, 3, torch.device("cpu"), L=1)
-    V = 5
-    guided = torch.zeros(4, 6, V)
-    root = torch.tensor([2, 3, 4, 1])                     # argmax of each row's root column
+    root = torch.tensor([2, 3, 4, 1])                     # token chosen by each root column
     offset = torch.tensor([0, 0, 1, 0])                   # row 2: clipped window, root at 1
-    guided[torch.arange(4), offset, root] = 1.0
     cand = torch.tensor([[2, 0, 1], [1, 3, 3], [0, 1, 4], [0, 1, 2]])
     on = torch.tensor([True, True, True, False])
-    branch, path, valid = choose_path(guided, offset, cand, on, t)
+    branch, path, valid = choose_path(root, offset, cand, on, t)
     assert branch.tolist() == [0, 1, 2, 0]                # first match; row 3 has no tree
     assert path.tolist() == [[0, 1, 2, 3], [0, 4, 2, 3], [1, 5, 3, 3], [0, 1, 2, 3]]
     assert valid.tolist() == [4, 2, 2, 4]
@@ -110,7 +112,6 @@ def test_candidates_save_rounds_where_the_window_stalls(tiny, batch):
 @pytest.mark.parametrize("options,word", [
     (dict(candidates=-1), "option candidates must be an int >= 0"),
     (dict(candidates=2.0), "option candidates must be an int >= 0"),
-    (dict(candidates=3, decoding="sample"), "option candidates needs decoding='greedy'"),
     (dict(candidates=3, compile="eager"), "cannot be combined with compile"),
     (dict(candidates=3, branch=0), "option branch must be None or an int >= 1"),
 ])

@@ -10,6 +10,10 @@ distributed as the q it records.
 Every Jacobi engine refreshes sampled drafts by maximal coupling by default (refresh="coupled");
 the cases cover both refresh rules.  A second, longer model (vocabulary 2, grid 3: 9 tokens,
 512 sequences) gives coupling room to act: stale drafts several tokens past a rejection.
+Sampled candidate drafting (recursive rejection over K candidates at the correction point,
+rollout/candidates.py) runs on models with vocabularies of 3 to 5 (up to 625 sequences), with
+a count of the branches that won, and a candidate accepted without the residual draw is
+rejected by the same statistics.
 """
 import itertools
 
@@ -242,3 +246,83 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
     engine = make_engine("hbsjd", W=8, decoding="sample", refresh="coupled", execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
     assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8
+
+
+# ---- candidate drafting at the correction point (rollout/candidates.py) --------------------
+
+@pytest.fixture
+def branch_wins(monkeypatch):
+    """Counts the rows whose window was a tree and those a branch j > 0 won, so every case
+    shows that its candidates were drafted and chosen."""
+    import rollout.jacobi
+    real, seen = rollout.jacobi.choose_path, {"tree": 0, "won": 0}
+
+    def spy(root, offset, cand, on, tree):
+        branch, path, valid = real(root, offset, cand, on, tree)
+        seen["tree"] += int(on.sum())
+        seen["won"] += int((branch > 0).sum())
+        return branch, path, valid
+    monkeypatch.setattr(rollout.jacobi, "choose_path", spy)
+    return seen
+
+
+def candidate_counts(model, engine, prefix, cfg, **warps):
+    """-> counts over the V ** N generated sequences and their exact probabilities."""
+    V, P, N = model.vocab_size, prefix.shape[1], model.block_size - prefix.shape[1]
+    res = engine.generate(model, torch.full((SAMPLES,), 1), prefix.expand(SAMPLES, -1), N,
+                          cfg_scale=cfg, seed=11, **warps)
+    code = (res.tokens[:, P:] * V ** torch.arange(N - 1, -1, -1)).sum(1)
+    counts = torch.bincount(code, minlength=V ** N).double()
+    return counts, exact_distribution(model, 1, prefix, N, cfg, **warps)
+
+
+CANDIDATE_CASES = [  # model (seed, V, grid), P, engine, options, cfg, warps
+    ((7, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="full"), None, {}),
+    ((1, 4, 2), 0, "sjd_independent", dict(W=3, candidates=2), 2.0, dict(temperature=0.8)),
+    ((5, 5, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="compact"), 1.5, dict(top_k=3)),
+    ((5, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, branch=2, execution="hybrid",
+                                 gamma=SAMPLES // 2), None, dict(temperature=1.3, top_p=0.9)),
+    ((3, 3, 3), 3, "hbsjd", dict(W=6, candidates=2, branch=2, refresh="resample"), 2.0,
+     dict(temperature=0.8)),
+    ((3, 3, 3), 4, "hbsjd", dict(W=5, candidates=3, branch=2), None, {}),
+]
+
+
+@pytest.mark.parametrize("spec,P,name,opts,cfg,warps", CANDIDATE_CASES)
+def test_sampled_candidates_follow_the_exact_distribution(branch_wins, spec, P, name, opts, cfg,
+                                                          warps):
+    """Recursive rejection at the correction point over K = 2..4 candidates, branches of 1 or
+    2 columns, CFG, temperature, top-k / top-p, both refresh rules and every execution."""
+    seed, V, grid = spec
+    model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
+    engine = make_engine(name, decoding="sample", **opts)
+    counts, probs = candidate_counts(model, engine, torch.tensor([[1, 0, 2, 1]])[:, :P], cfg,
+                                     **warps)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert branch_wins["tree"] > SAMPLES // 4 and branch_wins["won"] > SAMPLES // 20
+
+
+def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins, monkeypatch):
+    """After c_0's rejection a fixed candidate may only win when the residual's draw is it;
+    accepting c_1 with its probability under p instead (the plain rule for a draft that was
+    not drawn from q) biases the tokens, and the same statistics must reject it."""
+    import rollout.jacobi
+    real = rollout.jacobi.root_token
+
+    def accept_c1_by_p(st, guided, p, offset, u, plan):
+        root = real(st, guided, p, offset, u, plan)
+        B, V = guided.shape[0], guided.shape[-1]
+        col = offset.clamp(max=plan.W - 1).view(B, 1, 1)
+        p0 = p.gather(1, col.expand(B, 1, V)).view(B, V)
+        c0, c1 = st.seq.gather(1, st.cur[:, None]).view(B), st.cand[:, 1]
+        take = (root != c0) & (u[2].gather(1, col).view(B) < p0.gather(1, c1[:, None]).view(B))
+        return torch.where(take & st.on_tree, c1, root)
+    model = peaked_model(3, 3, 3, 0.5)
+    prefix = torch.tensor([[1, 0, 2, 1]])
+    engine = make_engine("hbsjd", W=5, decoding="sample", candidates=3, branch=2)
+    counts, probs = candidate_counts(model, engine, prefix, None)
+    assert chi2_pvalue(counts, probs) > 1e-3                 # the real rule, same samples
+    monkeypatch.setattr(rollout.jacobi, "root_token", accept_c1_by_p)
+    counts, probs = candidate_counts(model, engine, prefix, None)
+    assert chi2_pvalue(counts, probs) < 1e-8
+    assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
