@@ -9,8 +9,12 @@ K - 1 alternatives for token cur, as branches of a token tree appended to the W 
                          the W - 1 drafts (its first, c_0, is the stale prediction's draft)
     branch j = 1..K-1    L columns: [c_j, drafts cur + 1 ..] at positions cur + 1 ..
 
-Candidates (`candidates`): c_0, then c_1 = the token one history offset H above (one grid row:
-HB-SJD's history draft), then the most likely tokens of the stale prediction, without repeats.
+Candidates (`candidates`): c_0, then committed tokens before token cur -- the one a history
+offset H above (one grid row: HB-SJD's history draft), and with sampled decoding first token
+cur - 1, the corrected token itself (a residual draw lands where the new distribution exceeds
+the stale one, rarely among the stale top tokens, while image tokens often repeat their left
+neighbour; greedy windows gained more with H's token alone) -- then the most likely tokens of
+the stale prediction, without repeats.
 A branch sees the committed tokens, the root and its own earlier columns (`make_tree`'s mask;
 in a clipped tail window every column up to the root).  The model caches column s in slot
 start + s (rollout/protocol.py); a winning branch j > 0 is moved to slots cur + 1 .. .
@@ -29,6 +33,9 @@ cur is distributed as p whatever the candidates are; the drafts along the path w
 from their recorded proposals with uniforms of earlier rounds, independent of this round's,
 so ordinary speculative sampling against the path's p (computed after c_j) and the coupled
 refresh after its first rejection stay exact (invariant 2; tests/rollout/test_distribution.py).
+Past a branch's L columns the path's tokens still hold drafts: the coupled refresh keeps them
+too, and a bonus token at the branch's last column keeps its draft with probability
+min(1, p / q) (else the residual draw), distributed as p all the same.
 Each round costs (K - 1) L more query columns for every row.
 """
 from __future__ import annotations
@@ -81,17 +88,16 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
                 mask.to(device))
 
 
-def candidates(logits: Tensor, draft: Tensor, above: Tensor, K: int) -> Tensor:
+def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     """The K candidates for the token after a correction: (B, V) logits of its (stale)
     prediction, draft (B,) the window's draft for it (its argmax when greedy, a sample when
-    sampled), above (B,) the token one history offset H earlier -> (B, K) int64 distinct
-    tokens: [draft, above, the most likely tokens of the prediction], each first occurrence
-    kept (K <= V)."""
+    sampled), known (B, h) committed tokens before it (`Plan.known`: the one a history offset
+    H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
+    [draft, known, the most likely tokens of the prediction], each first occurrence kept
+    (K <= V)."""
     top = logits.topk(K, dim=-1).indices
-    pool = torch.cat([draft[:, None], above[:, None], top], 1)            # (B, K + 2)
-    n = pool.shape[1]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=pool.device).tril_(-1)
-    repeat = ((pool[:, :, None] == pool[:, None, :]) & earlier).any(2)     # (B, K + 2)
+    pool = torch.cat([draft[:, None], known, top], 1)                   # (B, K + h + 1)
+    repeat = (pool[:, :, None] == pool[:, None, :]).tril(-1).any(2)   # equals an earlier one
     order = torch.sort(repeat.to(torch.uint8), dim=1, stable=True).indices[:, :K]
     return pool.gather(1, order)
 

@@ -184,7 +184,7 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size)
+                         model.vocab_size, req.sampled)
 
     def run(self, model, req: Request) -> RolloutResult:
         plain = getattr(model, "_model", model)    # gamma is measured on the eager model

@@ -65,13 +65,17 @@ class Plan:
     #                      token, draft
     vocab: Tensor | None = None  # (V,) 0..V-1 (one-hot proposals of filled tokens)
     tree: Tree | None = None  # candidate drafting's window layout (rollout/candidates.py)
+    known: Tensor | None = None  # (h,) candidate drafting: the committed tokens this far
+    #                              before token cur join its candidates, (H,) greedy, (1, H)
+    #                              sampled (`candidates.candidates`)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None) -> Plan:
+              vocab_size: int | None = None, sampled: bool = False) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
-    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None)."""
+    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None);
+    sampled: the decoding (which committed tokens join the candidates)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -80,7 +84,8 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
     vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
     return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
-                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1))
+                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
+                known=torch.tensor([1, H] if sampled else [H], device=device))
 
 
 @dataclass
@@ -224,8 +229,8 @@ def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, 
     logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
     nxt = st.cur[:, None] + m.view(B, 1)
     draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
-    above = st.seq.gather(1, (nxt - plan.H).clamp(min=0)).squeeze(1)
-    st.cand = candidates(logits, draft, above, plan.tree.K)
+    known = st.seq.gather(1, (nxt - plan.known).clamp(min=0))        # (B, h) tokens before it
+    st.cand = candidates(logits, draft, known, plan.tree.K)
     stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
     live, nxt = offset < W, nxt.view(B)
     st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)

@@ -78,8 +78,8 @@ def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, done: Tensor, checked: T
     usable = res.sum(-1, keepdim=True) > 0                 # else p (rounding left nothing)
     kept = col < a                                                     # accepted drafts
     from_res = at & checked                                # a rejection (else the bonus: p)
-    if coupled:
-        stale = (col > a) & drafted                                    # never verified
+    if coupled:     # never verified: after `a`, or a bonus token at `a` that holds a draft
+        stale = ((col > a) | (at & ~checked)) & drafted
         from_res = from_res | stale
         kept = kept | (stale & keeps(u_couple, q_x, p_x))
     new = inverse_cdf(torch.where(from_res & usable, res, p), torch.where(at, u_token, u_draft))

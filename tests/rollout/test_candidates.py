@@ -24,18 +24,19 @@ def test_tree_layout():
     assert make_tree(8, 1, torch.device("cpu")) is None and make_tree(1, 4, torch.device("cpu")) is None
 
 
-def test_candidates_are_draft_above_then_likeliest():
+def test_candidates_are_draft_known_then_likeliest():
     logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0, 1.0]] * 3)   # ranking 1, 2, 3, 4, 5, 0
     draft = torch.tensor([1, 1, 1])
-    above = torch.tensor([0, 3, 5])
+    above = torch.tensor([[0], [3], [5]])
     assert candidates(logits, draft, above, 4).tolist() == [[1, 0, 2, 3], [1, 3, 2, 4],
                                                             [1, 5, 2, 3]]
     assert candidates(logits, draft, above, 2).tolist() == [[1, 0], [1, 3], [1, 5]]
-    assert candidates(logits[:1], torch.tensor([1]), torch.tensor([1]), 2).tolist() == [[1, 2]]
-    # sampled: the draft need not be the argmax; every candidate stays distinct
-    assert candidates(logits, torch.tensor([4, 0, 0]), torch.tensor([1, 0, 2]), 4).tolist() == [
-        [4, 1, 2, 3], [0, 1, 2, 3], [0, 2, 1, 3]]
-    assert candidates(logits[:1, :3], torch.tensor([0]), torch.tensor([2]), 3).tolist() == [
+    assert candidates(logits[:1], torch.tensor([1]), torch.tensor([[1]]), 2).tolist() == [[1, 2]]
+    # sampled: the draft need not be the argmax, two known tokens; every candidate distinct
+    known = torch.tensor([[1, 3], [0, 0], [2, 0]])
+    assert candidates(logits, torch.tensor([4, 0, 0]), known, 4).tolist() == [
+        [4, 1, 3, 2], [0, 1, 2, 3], [0, 2, 1, 3]]
+    assert candidates(logits[:1, :3], torch.tensor([0]), torch.tensor([[2, 2]]), 3).tolist() == [
         [0, 2, 1]]                                                      # K = V
 
 

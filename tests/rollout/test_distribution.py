@@ -231,6 +231,32 @@ def test_refresh_keeps_a_stale_draft_with_probability_min_1_p_over_q():
     assert int(a) == 0 and new.view(4).tolist() == [1, 1, 0, 1]  # resample: inverse CDF of p
 
 
+def test_a_tree_path_couples_its_bonus_token_and_the_drafts_past_it():
+    """On a candidate branch of one column only the root column is checked, but columns 1 and
+    2 still hold drafts: the token at `a` = 1 (no draft checked there) keeps its stale draft
+    with probability min(1, p / q), else comes from the residual, as the stale draft after it
+    does; the column with no draft is drawn from p."""
+    from rollout.verify import verify_sample
+    col = torch.arange(4)[:, None]
+    checked, drafted = col < 1, col < 3
+    held = col == 0                                   # the root: chosen by the root column
+    p = torch.tensor([[0.3, 0.7]]).repeat(4, 1)[None].double()          # (1, W=4, V=2)
+    q = torch.tensor([[0.6, 0.4]]).repeat(4, 1)[None].double()
+    drafts = torch.zeros(1, 4, 1, dtype=torch.long)
+    u_accept = torch.full((1, 4, 1), 0.9, dtype=torch.float64)
+    u_token = u_draft = torch.full((1, 4, 1), 0.1, dtype=torch.float64)  # p-sample: token 0
+    got = []
+    for keep_1, keep_2 in ((0.49, 0.51), (0.51, 0.49)):           # keep iff u < p/q = 0.5
+        u_couple = torch.tensor([0.0, keep_1, keep_2, 0.0], dtype=torch.float64).view(1, 4, 1)
+        a, new = verify_sample(p, drafts, q, held[None], checked, torch.stack(
+            [u_accept, u_couple, u_token, u_draft]), col, True, drafted)
+        got.append((int(a), new.view(4).tolist()))
+    assert got == [(1, [0, 0, 1, 0]), (1, [0, 1, 0, 0])]   # residual [0, 0.3]: token 1
+    a, new = verify_sample(p, drafts, q, held[None], checked, torch.stack(
+        [u_accept, u_couple, u_token, u_draft]), col, True)         # drafted = checked
+    assert (int(a), new.view(4).tolist()) == (1, [0, 0, 0, 0])     # all from p
+
+
 def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
     """Keeping every stale draft (no min(1, p/q) test) leaves drafts distributed as their old
     proposal while the verifier is told q = p: the statistics reject it."""
