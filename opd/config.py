@@ -116,7 +116,7 @@ class RolloutConfig:
     compile: bool = False
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (README, Rollouts)."""
     candidates: int = bounded(0, ge=0)
-    """Greedy decoding: after a correction, the next window also verifies candidates - 1 alternatives for the following token (the token a grid row above, then the likeliest) as token-tree branches (rollout/candidates.py); 0 = off. Cuts rounds at W 16, costs time at W 4 on a CPU (README, Rollouts)."""
+    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (README, Rollouts)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)
@@ -409,10 +409,6 @@ def _rollout_top_k(cfg: RunConfig) -> None:
 @cross_check
 def _candidates(cfg: RunConfig) -> None:
     r = cfg.rollout
-    if r.candidates and r.decoding != "greedy":
-        raise ConfigError(f"rollout.candidates={r.candidates}: candidate drafting needs "
-                          f"rollout.decoding=greedy (got {r.decoding!r}); set "
-                          f"rollout.candidates=0", "rollout.candidates")
     if r.candidates and r.compile:
         raise ConfigError(f"rollout.candidates={r.candidates}: cannot be combined with "
                           f"rollout.compile=true (the compiled verifier has no token tree)",

@@ -81,9 +81,6 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
     k = o.get("candidates", 0)
     if "candidates" in o and not (_is_int(k) and k >= 0):
         raise ValueError(f"option candidates must be an int >= 0 (0 = off), got {k!r}")
-    if k and o.get("decoding") == "sample":
-        raise ValueError("option candidates needs decoding='greedy' (candidate drafting is "
-                         "not built for sampled verification); set candidates=0")
     if k and o.get("compile"):
         raise ValueError("option candidates cannot be combined with compile (the compiled "
                          "verifier has no tree window); turn one of them off")

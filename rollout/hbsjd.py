@@ -235,7 +235,7 @@ class JacobiEngine(Engine):
     "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
     also take candidates (K >= 2: after a correction the next window also verifies K - 1
     alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
-    only; 0 = off) and branch (columns of each alternative branch; None = 1)."""
+    or sampled; 0 = off) and branch (columns of each alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -268,7 +268,7 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size)
+                         model.vocab_size, req.sampled)
 
     def run(self, model, req: Request) -> RolloutResult:
         plan, gamma, dev = self.plan(model, req), self.gamma(model, req), req.labels.device
