@@ -276,7 +276,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     drafts = seq.gather(1, pos)                                       # (B, W, 1)
     if req.sampled:     # on a tree path the drafts past its valid predictions are coupled too
         a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
-                                  plan.checked)
+                                  None if plan.tree is None else plan.checked)
     else:
         tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
         a = verify_greedy(tokens, drafts, held, checked)

@@ -70,7 +70,6 @@ def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, done: Tensor, checked: T
     Returns a (B, 1, 1) int64 and the round's tokens (B, W, 1) int64: the accepted drafts
     before `a`, the replacement or bonus token at `a`, the next drafts after it."""
     u_accept, u_couple, u_token, u_draft = u
-    drafted = checked if drafted is None else drafted
     p_x, q_x = p.gather(2, drafts), q.gather(2, drafts)                # (B, W, 1)
     a = leading_true(done | (checked & keeps(u_accept, q_x, p_x)))     # (B, 1, 1)
     at = col == a                                                      # (B, W, 1) token at a
@@ -79,7 +78,10 @@ def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, done: Tensor, checked: T
     kept = col < a                                                     # accepted drafts
     from_res = at & checked                                # a rejection (else the bonus: p)
     if coupled:     # never verified: after `a`, or a bonus token at `a` that holds a draft
-        stale = ((col > a) | (at & ~checked)) & drafted
+        if drafted is None:                                # a plain window: drafted = checked
+            stale = (col > a) & checked
+        else:
+            stale = ((col > a) | (at & ~checked)) & drafted
         from_res = from_res | stale
         kept = kept | (stale & keeps(u_couple, q_x, p_x))
     new = inverse_cdf(torch.where(from_res & usable, res, p), torch.where(at, u_token, u_draft))
