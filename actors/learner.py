@@ -11,9 +11,10 @@ queue and fetches only its rows, `shard_rows(B, R)[rank]` (the workers cut each 
 ranks' pieces when they deliver it: actors/delivery.py), merged in row order.
 The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
 scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
-the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the pipeline forms from
-the ranks' results.  (Exact for token-mean objectives — KD, SeqKD, GKD; VarKD's
-confidence-weighted mean is combined with the same token weights, an approximation for R > 1.)
+the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the driver forms from
+the ranks' results (`actors.core.combine_rank_metrics`).  (Exact for token-mean objectives —
+KD, SeqKD, GKD; VarKD's confidence-weighted mean is combined with the same token weights, an
+approximation for R > 1.)
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, sta
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig, config_from_dict
-from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
+from opd.onpolicy import KEYS as ONPOLICY_KEYS
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -265,25 +266,3 @@ class StudentLearner:
         self.engine.eval()
         self.steps = step
         return step
-
-
-def combine_rank_metrics(results: list[dict]) -> dict:
-    """One step's metrics from the ranks' results: loss and the objective's other float metrics
-    weighted by each rank's tokens (= the global token mean), tokens summed, the group's
-    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
-    skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
-    if len(results) == 1:
-        return {k: v for k, v in results[0].items() if k not in skip}
-    tokens = [r["tokens"] for r in results]
-    total = sum(tokens)
-    out = {}
-    for key, value in results[0].items():
-        if key in skip or key in ONPOLICY_KEYS:
-            continue
-        if key == "tokens":
-            out[key] = total
-        elif key != "grad_norm" and isinstance(value, float):
-            out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
-        else:
-            out[key] = value
-    return {**out, **combine_gaps(results)}

@@ -21,10 +21,12 @@ Per step k, the reference's order of work:
                                                      its size counted by the learner)
 
 The driver only orchestrates: it receives reports (rows, tokens, rollout stats, bytes) and
-metrics, never a trajectory or a weight payload.  Its parts: actors/planner.py (plans, data
-cursor), actors/dispatch.py (tasks, workers, faults), actors/publisher.py (weights),
-actors/records.py (checkpoints, consumed ids, rows); opd/loop.py (progress, checkpoint cadence,
-Ctrl-C) is shared with the reference loop.
+metrics, never a trajectory or a weight payload.  What it decides (which parts to submit,
+which steps to seal and train, what to publish, what to record) is actors/core.py: plain
+functions over its typed state, tested without Ray; `Pipeline` executes them.  Its parts:
+actors/planner.py (plans, data cursor), actors/dispatch.py (tasks, workers, faults),
+actors/publisher.py (weights), actors/records.py (checkpoints, consumed ids); opd/loop.py
+(progress, rows, checkpoint cadence, Ctrl-C) is shared with the reference loop.
 
 Parts of a step are generated and scored side by side on different workers.  Steps whose
 sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
@@ -53,14 +55,15 @@ checkpoint.  Every prefix batch id is consumed exactly once: counted, written to
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
+from actors import core
 from actors.cluster import ActorGroups, check_distributed, connect
+from actors.core import DriverState, PartNext, PoolCounts, Retry
 from actors.delivery import PartTag, deliver, part_cuts, put_payload
 from actors.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
 from actors.elastic import ElasticRollout
@@ -77,32 +80,56 @@ from actors.tasks import StepPlan, Task, TaskKind, Training
 from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
-from opd.loop import StepLog
+from opd.loop import StepLog, check_objectives
 from opd.pretrain import open_dataset
-from opd.reference import check_objectives
-from opd.steps import rollout
+from opd.steps import rollout as roll_out
 
 WAIT_S = 30.0
 
 
-class Pipeline(RunRecords):
-    """One distributed run: the step loop and what it does with each answer.  Its parts:
-    `planner` (actors/planner.py), `dispatch` (actors/dispatch.py), `publisher`
-    (actors/publisher.py); checkpoints, consumed ids and rows in actors/records.py."""
+class Pipeline:
+    """One distributed run on started actor `groups`: the step loop, which executes the
+    decisions of actors/core.py.  Its parts: `planner` (actors/planner.py), `dispatch`
+    (actors/dispatch.py), `publisher` (actors/publisher.py), `records` (actors/records.py),
+    `elastic` (actors/elastic.py, None for a fixed pool), `quality` (actors/evaluation.py, None
+    without eval.track); `state` is the `core.DriverState`.  Hooks (tests) see the pipeline:
+    its worker lists `rollout`, `teacher`, `learners`, the `pools` and `reissued`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, groups: ActorGroups, *,
+                 resume: bool = False, stop_after: int | None = None, progress: bool = True,
                  hooks: dict[str, Callable] | None = None, interrupt=None):
-        check_distributed(cfg)
-        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.cfg, self.run_dir, self.groups = cfg, Path(run_dir), groups
         self.hooks = hooks or {}
         self.interrupt = interrupt or NoInterrupt()
-        self.elastic: ElasticRollout | None = None
-        check_objectives(cfg)
-        self.started_ray = False
-        self.groups = ActorGroups()
-        self.quality: QualityTracking | None = None
+        self.dispatch = Dispatcher(groups, cfg.cluster.max_restarts)
+        self.metrics = RoleMetrics("driver", 0)
+        self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
+        self.records = RunRecords(cfg, self.run_dir, groups.learners)
+        self.publisher = WeightPublisher(cfg, groups, self.dispatch, self.metrics, self.records)
+        if self.publisher.collective and groups.rollout:
+            groups.join_broadcast(cfg)
+        wait_hook = self.hooks.get("rollout_wait")
+        self.elastic = ElasticRollout.for_run(
+            cfg, groups, self.dispatch, self.publisher,
+            None if wait_hook is None else lambda step, row: wait_hook(self, step=step, row=row))
+        train = open_dataset(cfg, "train")
+        batcher = PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed)
+        state = {"step": 0, "consumed": []}
+        if resume and (path := latest_checkpoint(self.run_dir)) is not None:
+            state = self.records.load_checkpoint(path)
+            batcher.load_state_dict(state["data"])
+        start = int(state["step"])
+        self.steps = StepLog(cfg, self.run_dir, start=start, stop_after=stop_after,
+                             resume=resume, desc="opd ray", progress=progress)
+        self.state = DriverState(start, self.steps.end)
+        self.state.consumed.update(state.get("consumed", []))
+        self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
+        self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
+        self.quality = (None if groups.evaluator is None else
+                        QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
+                                        start=start))
 
-    # -- actors and parts as the hooks and the elastic pool see them ------------------------------
+    # -- what the hooks see ---------------------------------------------------------------------
 
     @property
     def rollout(self) -> list:
@@ -120,53 +147,19 @@ class Pipeline(RunRecords):
     def pools(self) -> dict:
         return self.dispatch.pools
 
-    def track(self, ref: ray.ObjectRef, kind: str) -> None:
-        """Wait on `ref` in the event loop (an elastic worker's placement group: "place")."""
-        self.dispatch.track(ref, Task(TaskKind(kind)))
-
-    def load_into(self, i: int) -> ray.ObjectRef:
-        """Send rollout worker i the published weights (before any job it gets)."""
-        return self.publisher.load(i)
+    @property
+    def reissued(self) -> int:
+        return self.state.reissued
 
     # -- the run ----------------------------------------------------------------------------------
 
-    def run(self, *, resume: bool = False, stop_after: int | None = None) -> list[dict]:
-        cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.started_ray = connect(cfg)
-        self.groups = ActorGroups.start(cfg, self.run_dir, progress=self.progress)
-        self.dispatch = Dispatcher(cfg, self.groups, self._hook)
-        self.metrics = RoleMetrics("driver", 0)
-        self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
-        self.publisher = WeightPublisher(cfg, self.groups, self.dispatch, self.metrics,
-                                         self._learner_failure)
-        if self.publisher.collective and self.groups.rollout:
-            self.groups.join_broadcast(cfg)
-        self.elastic = ElasticRollout.for_run(self)
-        train = open_dataset(cfg, "train")
-        batcher = PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed)
-        self.consumed: Counter[int] = Counter()
-        self.last_checkpoint: str | None = None
-        start = 0
-        if resume and (ckpt := latest_checkpoint(self.run_dir)) is not None:
-            start = self._load_checkpoint(ckpt, batcher)
-        self.steps = StepLog(cfg, self.run_dir, start=start, stop_after=stop_after,
-                             resume=resume, desc="opd ray", progress=self.progress)
-        self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
-        self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
-        self.version = start               # learner steps done = the current policy version
-        self.training: Training | None = None
-        self.reissued = 0
-        self.last_step_end = time.perf_counter()
-        self.publisher.publish(self.version)
-        if self.groups.evaluator is not None:
-            self.quality = QualityTracking(cfg, self.run_dir, self.groups.evaluator,
-                                           resume=resume, start=start)
-            self._evaluate()
+    def run(self) -> list[dict]:
+        self.publisher.publish(self.state.version)
+        self._evaluate()
         with self.steps:                       # a failure ends the progress bar's line
             try:
                 with self.interrupt.armed():
-                    while self.version < self.steps.end:
+                    while not self.state.done:
                         if self.interrupt.pending():
                             raise KeyboardInterrupt
                         self._issue()
@@ -186,23 +179,15 @@ class Pipeline(RunRecords):
         self._write_consumed()
         return self.steps.close()
 
-    def shutdown(self) -> None:
-        if self.elastic is not None:
-            self.elastic.close()
-        self.groups.shutdown()
-        if self.started_ray:
-            ray.shutdown()
-            self.started_ray = False
-
     # -- issuing work -------------------------------------------------------------------------------
 
     def _issue(self) -> None:
         """Plan the next steps that the queue bound and the staleness bound allow."""
         pool = self.pools["rollout"]               # workers still starting take no part yet
-        parts = self.cfg.rollout.sub_batches or max(len(pool.alive()) - len(pool.starting()),
-                                                    len(self.teacher))
-        while (plan := self.planner.plan(self.version, self.publisher.published.version,
-                                         self.steps.end, parts)) is not None:
+        parts = core.parts_per_step(self.cfg.rollout.sub_batches,
+                                    len(pool.alive()) - len(pool.starting()), len(self.teacher))
+        while (plan := self.planner.plan(self.state.version, self.publisher.published.version,
+                                         self.state.end, parts)) is not None:
             self._submit_parts(plan)
 
     def _submit_parts(self, plan: StepPlan) -> None:
@@ -214,24 +199,28 @@ class Pipeline(RunRecords):
         b = a + int(plan.jobs[part].labels.shape[0])
         return PartTag(plan.step, plan.gen, part, part_cuts((a, b), self.shards))
 
+    def _submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
+        worker = self.dispatch.submit(kind, plan, part, call)
+        if worker is not None:
+            self._hook("after_submit", kind=kind.value, step=plan.step, part=part, worker=worker)
+
     def _submit_generate(self, plan: StepPlan, part: int) -> None:
         """Generate a part: delivered straight into the queue, or whole for a teacher to score."""
         tag = None if plan.scored else self._tag(plan, part)
         job, queue, version = plan.jobs[part], self.groups.queue, plan.version
         if plan.source == "data":               # no model: the suffix comes from the data
-            traj = rollout(None, None, job, self.cfg, policy_version=plan.version)
+            traj = roll_out(None, None, job, self.cfg, policy_version=plan.version)
             made = put_payload(traj, 0.0) if tag is None else deliver(traj, tag, queue, 0.0)
             self._generated(plan, part, made)
             return
         kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
-        self.dispatch.submit(kind, plan, part,
-                             lambda actor: actor.generate.remote(job, version, tag, queue))
+        self._submit(kind, plan, part, lambda actor: actor.generate.remote(job, version, tag, queue))
 
     def _submit_score(self, plan: StepPlan, part: int) -> None:
         plan.score_started = plan.score_started or time.perf_counter()
         payload, tag, queue = plan.generated[part].payload, self._tag(plan, part), self.groups.queue
-        self.dispatch.submit(TaskKind.SCORE, plan, part,
-                             lambda actor: actor.score.remote(payload, tag, queue))
+        self._submit(TaskKind.SCORE, plan, part,
+                     lambda actor: actor.score.remote(payload, tag, queue))
 
     def _dispatch(self) -> None:
         """Hand waiting parts to workers that are up (failed workers are probed when due)."""
@@ -248,104 +237,130 @@ class Pipeline(RunRecords):
 
     def _generated(self, plan: StepPlan, part: int, report, busy: float = 0.0,
                    worker: int = -1) -> None:
-        if part in plan.generated:
-            return                                   # first answer wins
-        plan.generated[part] = report
+        nxt = core.part_generated(plan, part, report, busy, time.perf_counter())
+        if nxt is PartNext.DUPLICATE:
+            return
         self._hook("after_part", step=plan.step, part=part, worker=worker)
-        plan.rollout_busy += busy
-        if len(plan.generated) == plan.parts:
-            plan.rollout_done = time.perf_counter()
-        if plan.scored:
+        if nxt is PartNext.SCORE:
             self._submit_score(plan, part)
-        else:
-            plan.delivered[part] = report
-            plan.score_done = plan.rollout_done
 
     def _seal(self) -> None:
         """Steps whose parts are all delivered become queue items, in step order, while the
         queue has room (backpressure: try again later)."""
-        for s in sorted(self.planner.plans):
-            plan = self.planner.plans[s]
-            if plan.complete and not plan.sealed:
-                item = QueueItem(s, plan.batch_id, plan.version, samples=plan.samples,
-                                 generated_tokens=sum(r.generated_tokens
-                                                      for r in plan.delivered.values()))
-                if not ray.get(self.groups.queue.seal.remote(item, plan.gen, plan.parts)):
-                    return
-                plan.sealed = True
-                self._hook("after_seal", step=s)
+        for plan in core.sealable(self.planner.plans):
+            item = QueueItem(plan.step, plan.batch_id, plan.version, samples=plan.samples,
+                             generated_tokens=sum(r.generated_tokens
+                                                  for r in plan.delivered.values()))
+            if not ray.get(self.groups.queue.seal.remote(item, plan.gen, plan.parts)):
+                return
+            plan.sealed = True
+            self._hook("after_seal", step=plan.step)
 
     def _replan(self, plan: StepPlan) -> None:
-        """Generate every part of `plan` again (a new generation): student rollouts at the
-        published version, other sources at their step's own."""
+        """Generate every part of `plan` again (a new generation)."""
         self.dispatch.forget_step(plan.step)
-        self.planner.replan(plan, self.publisher.published.version if plan.source == "student"
-                            else plan.version)
-        self.reissued += plan.parts
+        self.planner.replan(plan, core.replan_version(plan, self.publisher.published.version))
+        self.state.reissued += plan.parts
         self._submit_parts(plan)
 
     # -- learning -----------------------------------------------------------------------------------
 
     def _train(self) -> None:
-        if self.training is not None or self.version >= self.steps.end:
+        plan = core.trainable(self.state, self.planner.plans)
+        if plan is None:
             return
-        plan = self.planner.plans.get(self.version)
-        if plan is None or not plan.sealed:
-            return
-        if self.consumed[plan.batch_id]:
-            raise RuntimeError(f"batch {plan.batch_id} would be consumed twice (step {plan.step})")
-        self.training = Training(plan.step)
+        self.state.training = Training(plan.step)
         for r, a in enumerate(self.learners):
-            self.dispatch.track(a.train_step.remote(plan.step, self.version),
+            self.dispatch.track(a.train_step.remote(plan.step, self.state.version),
                                 Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
 
     def _trained(self, task: Task, value: dict) -> None:
-        t = self.training
+        t = self.state.training
         t.results[task.worker] = value
         if len(t.results) < len(self.learners):
             return
-        self.training = None
-        results = [t.results[r] for r in range(len(self.learners))]
         plan = self.planner.plans[t.step]
-        if any(r.get("lost") for r in results):      # a worker that owned its rows died
+        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
+                                 self.cfg)
+        if done is None:                             # a worker that owned its rows died
             self.metrics.inc("opd_reissued_jobs")
             self._replan(plan)
             return
-        self.consumed[plan.batch_id] += 1
-        now = time.perf_counter()
-        free, self.last_step_end = self.last_step_end, now
-        self.version += 1
-        self.planner.finish(plan.step, self.version)
-        row = self._row(plan, results, t.start, now, now - free)
+        self.planner.finish(plan.step, self.state.version)
+        row = self._row(plan, done)
         self.steps.record(row)
         self._hook("after_step", step=plan.step, row=row)
         if self.elastic is not None:
             self.elastic.after_step(plan.step, row)
-        if self.steps.checkpoint_due(self.version):
+        if done.checkpoint:
             self._save_checkpoint()
-        if self.version < self.steps.end and self.version % self.cfg.distill.broadcast_every == 0:
-            self.publisher.publish(self.version)
+        if done.publish:
+            self.publisher.publish(self.state.version)
         self._evaluate()
+
+    def _row(self, plan: StepPlan, done: core.StepDone) -> dict:
+        pools, sync = self.dispatch.pools, self.publisher.last_sync
+        row = core.step_metrics(plan, done, PoolCounts(len(pools["rollout"].alive()),
+                                                       len(pools["rollout"].up()),
+                                                       len(pools["teacher"].alive())),
+                                sync_seconds=sync.seconds, sync_bytes=sync.bytes,
+                                reissued=self.state.reissued)
+        self.metrics.report(step_seconds=done.wall, queue_depth=row["queue_depth"],
+                            policy_lag=row["policy_lag"])
+        for role in ("rollout", "teacher", "learner"):
+            self.idle[role].set("opd_idle_ratio", row[f"{role}_idle"])
+        return row
 
     def _evaluate(self) -> None:
         """Hand the current version to the evaluation worker when it is an evaluation step:
         the published weights object when it holds this version, else one taken from the
         learners now (before they get the next step; every rank, ZeRO-3 gathers)."""
-        if self.quality is None or not self.quality.due(self.version):
+        v = self.state.version
+        if self.quality is None or not self.quality.due(v):
             return
         p = self.publisher.published
-        if p.version == self.version and p.ref is not None:
+        if p.version == v and p.ref is not None:
             ref = p.ref
         else:
-            ref = [a.get_weights.remote(self.version) for a in self.learners][0]
-        self.quality.submit(self.version, self.version, ref)
+            ref = [a.get_weights.remote(v) for a in self.learners][0]
+        self.quality.submit(v, v, ref)
+
+    # -- records ------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self) -> None:
+        v = self.state.version
+        self.records.save_checkpoint(v, self.planner.cursor[v], self.state.consumed)
+
+    def _write_consumed(self) -> None:
+        pools = self.dispatch.pools
+        n = len(self.rollout)
+        self.records.write_consumed(
+            self.state.consumed, reissued=self.state.reissued, queue=self.groups.queue,
+            worker_failures={r: p.failures for r, p in pools.items()},
+            rollout_workers=(self.elastic.summary() if self.elastic is not None
+                             else {"min": n, "max": n}),
+            weight_sync="collective" if self.publisher.collective else "object_store")
+
+    def _interrupted(self):
+        """Ctrl-C: the step in training finishes, the current step is checkpointed; returns
+        the `RunInterrupted` to raise."""
+        if self.state.training is not None:
+            for ref, task in list(self.dispatch.tasks.items()):
+                if task.step == self.state.training.step and task.kind is TaskKind.TRAIN:
+                    del self.dispatch.tasks[ref]
+                    self._trained(task, ray.get(ref))
+        if not self.records.has_checkpoint(self.state.version):
+            self._save_checkpoint()
+        self._write_consumed()
+        return self.steps.interrupted(self.state.version, self.records.last_checkpoint)
 
     # -- answers and faults -------------------------------------------------------------------------
 
     def _wait(self) -> None:
         probe = self.dispatch.idle_for()
-        if not self.dispatch.tasks and probe is None and self.training is None:
-            raise RuntimeError(f"the pipeline stalled at step {self.version}: nothing in flight")
+        if not self.dispatch.tasks and probe is None and self.state.training is None:
+            raise RuntimeError(f"the pipeline stalled at step {self.state.version}: "
+                               f"nothing in flight")
         for answer in self.dispatch.wait(min(WAIT_S, probe or WAIT_S), self.interrupt):
             task, e = answer.task, answer.error
             if e is None:
@@ -356,10 +371,7 @@ class Pipeline(RunRecords):
             elif answer.lost_input:                   # the part it scored died with its worker
                 plan = self.planner.current(task.step, task.gen)
                 if plan is not None:
-                    plan.generated.pop(task.part, None)
-                    self._again(Task(TaskKind.ROLLOUT if plan.source == "student" else
-                                     TaskKind.TEACHER_ROLLOUT, step=task.step, part=task.part,
-                                     version=task.version, gen=task.gen))
+                    self._again(core.regenerate(task, plan))
             elif isinstance(e, RayActorError):
                 self._on_actor_error(task, answer.ref, e)
             else:
@@ -372,11 +384,7 @@ class Pipeline(RunRecords):
             if plan is None:
                 return                               # a part of a plan since re-planned
             if task.kind is TaskKind.SCORE:
-                if task.part not in plan.delivered:
-                    plan.delivered[task.part] = value
-                    plan.teacher_busy += now - task.submitted
-                    if plan.complete:
-                        plan.score_done = now
+                core.part_scored(plan, task.part, value, now - task.submitted, now)
             else:
                 self._generated(plan, task.part, value, now - task.submitted, task.worker)
         elif task.kind is TaskKind.PROBE:
@@ -393,7 +401,7 @@ class Pipeline(RunRecords):
 
     def _on_actor_error(self, task: Task, ref, error: RayActorError) -> None:
         if task.kind is TaskKind.TRAIN:
-            raise self._learner_failure("train", task.step, error) from error
+            raise self.records.learner_failure("train", task.step, error) from error
         pool = self.pools[task.role]
         if task.kind is TaskKind.PROBE:
             pool.probe_failed(task.worker, died=isinstance(error, ActorDiedError))
@@ -408,22 +416,17 @@ class Pipeline(RunRecords):
         self._again(task)
 
     def _again(self, task: Task) -> None:
-        """Issue a failed part again (same job, so the same tokens).  A student rollout whose
-        plan is older than the published weights cannot be generated again (workers hold only
-        the published version, and would answer StaleWeightsError for ever): the whole plan is
-        re-planned at the published version, as for a batch that expired in the queue."""
+        """Issue a failed part again, or re-plan its step (`core.retry`)."""
         plan = self.planner.current(task.step, task.gen)
-        if plan is None:
-            return                               # gone, or re-planned since it was submitted
-        if (task.kind is TaskKind.ROLLOUT and plan.source == "student"
-                and plan.version != self.publisher.published.version):
+        what = core.retry(task, plan, self.publisher.published.version)
+        if what is Retry.REPLAN:
             self._replan(plan)
-            return
-        self.reissued += 1
-        if task.kind is TaskKind.SCORE:
-            self._submit_score(plan, task.part)
-        else:
-            self._submit_generate(plan, task.part)
+        elif what is Retry.AGAIN:
+            self.state.reissued += 1
+            if task.kind is TaskKind.SCORE:
+                self._submit_score(plan, task.part)
+            else:
+                self._submit_generate(plan, task.part)
 
     def _hook(self, name: str, **info) -> None:
         fn = self.hooks.get(name)
@@ -443,8 +446,20 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     policy uses instead of the measured row["rollout_wait"] (tests: actors/elastic.py);
     `interrupt` (actors.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
     raises opd.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
-    pipeline = Pipeline(cfg, run_dir, progress=progress, hooks=hooks, interrupt=interrupt)
+    check_distributed(cfg)
+    check_objectives(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started_ray = connect(cfg)
+    groups, pipeline = ActorGroups(), None
     try:
-        return pipeline.run(resume=resume, stop_after=stop_after)
+        groups = ActorGroups.start(cfg, run_dir, progress=progress)
+        pipeline = Pipeline(cfg, run_dir, groups, resume=resume, stop_after=stop_after,
+                            progress=progress, hooks=hooks, interrupt=interrupt)
+        return pipeline.run()
     finally:
-        pipeline.shutdown()
+        if pipeline is not None and pipeline.elastic is not None:
+            pipeline.elastic.close()
+        groups.shutdown()
+        if started_ray:
+            ray.shutdown()

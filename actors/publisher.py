@@ -32,10 +32,10 @@ class Sync:
 
 
 class WeightPublisher:
-    def __init__(self, cfg, groups, dispatch, metrics, learner_failure):
-        """`learner_failure(what, step, error)` -> the exception to raise (actors/records.py)."""
-        self.groups, self.dispatch, self.metrics = groups, dispatch, metrics
-        self.learner_failure = learner_failure
+    def __init__(self, cfg, groups, dispatch, metrics, records):
+        """Loads are tracked by `dispatch`; a learner call that fails raises
+        `records.learner_failure(...)` (actors/records.py)."""
+        self.groups, self.dispatch, self.metrics, self.records = groups, dispatch, metrics, records
         self.pool = dispatch.pools["rollout"]
         self.collective = cfg.learner.weight_sync == "collective"
         self.published: PublishedWeights | None = None
@@ -95,7 +95,7 @@ class WeightPublisher:
         try:
             nbytes = ray.get([size for _, size in calls])[0]
         except RayActorError as e:
-            raise self.learner_failure("weights", version, e) from e
+            raise self.records.learner_failure("weights", version, e) from e
         return calls[0][0], int(nbytes)
 
     def _broadcast(self, version: int) -> bool:
@@ -109,7 +109,7 @@ class WeightPublisher:
             self.sync.bytes = ray.get(sends)[0]
             ok = True
         except RayActorError as e:
-            raise self.learner_failure("weight broadcast", version, e) from e
+            raise self.records.learner_failure("weight broadcast", version, e) from e
         except ray.exceptions.RayTaskError:
             ok = False                           # a receiver died: the send failed
         done, _ = ray.wait(list(receives.values()), num_returns=len(receives),
