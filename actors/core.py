@@ -62,13 +62,12 @@ def part_generated(plan: StepPlan, part: int, report: PartReport, busy: float,
     if part in plan.generated:
         return PartNext.DUPLICATE                    # first answer wins
     plan.generated[part] = report
-    plan.rollout_busy += busy
+    plan.times.busy["rollout"] += busy
     if len(plan.generated) == plan.parts:
-        plan.rollout_done = now
+        plan.times.end("rollout", now)
     if plan.scored:
         return PartNext.SCORE
     plan.delivered[part] = report
-    plan.score_done = plan.rollout_done
     return PartNext.DELIVERED
 
 
@@ -77,9 +76,9 @@ def part_scored(plan: StepPlan, part: int, report: PartReport, busy: float, now:
     if part in plan.delivered:
         return
     plan.delivered[part] = report
-    plan.teacher_busy += busy
+    plan.times.busy["teacher"] += busy
     if plan.complete:
-        plan.score_done = now
+        plan.times.end("teacher", now)
 
 
 class Retry(enum.Enum):
@@ -230,8 +229,9 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
     the learner's wait on rollouts)."""
     wall, results = done.wall, done.results
     traj = BatchSummary.of(plan)
-    seconds = {"rollout": max(0.0, plan.rollout_done - plan.issued),
-               "teacher": max(0.0, plan.score_done - plan.score_started) if plan.scored else 0.0,
+    t = plan.times
+    seconds = {"rollout": t.seconds("rollout"),
+               "teacher": t.seconds("teacher") if plan.scored else 0.0,
                "learner": done.now - done.learner_start}
     row = step_row(plan.step, traj, combine_rank_metrics(results), seconds, phase=plan.phase)
     R, M = pools.rollout_alive, pools.teacher_alive
@@ -241,12 +241,13 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
         "policy_lag": plan.step - plan.version, "samples_per_s": plan.samples / wall,
         "teacher_tokens_per_s": (traj.batch_size * traj.seq_len / seconds["teacher"]
                                  if seconds["teacher"] > 0 else 0.0),
-        "rollout_idle": max(0.0, 1 - plan.rollout_busy / (R * wall)) if R else 1.0,
-        "teacher_idle": max(0.0, 1 - plan.teacher_busy / (M * wall)) if M else 1.0,
+        "rollout_idle": max(0.0, 1 - t.busy["rollout"] / (R * wall)) if R else 1.0,
+        "teacher_idle": max(0.0, 1 - t.busy["teacher"] / (M * wall)) if M else 1.0,
         "learner_idle": max(0.0, 1 - seconds["learner"] / wall), "reissued": reissued,
         "rollout_workers": pools.rollout_up,
         "delivered_bytes": sum(r.nbytes for r in plan.delivered.values()),
         "learner_received_bytes": [int(r["received_bytes"]) for r in results],
-        "rollout_wait": rollout_wait_fraction(plan.source, plan.issued, plan.rollout_done,
-                                              done.now - wall, done.learner_start, wall)})
+        "rollout_wait": rollout_wait_fraction(plan.source, t.began["rollout"],
+                                              t.ended.get("rollout", 0.0), done.now - wall,
+                                              done.learner_start, wall)})
     return row

@@ -26,15 +26,14 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.iostats import IOCounter, payload_nbytes
-from actors.metrics import RoleMetrics
-from actors.rollout_worker import role_device, worker_info
+from actors.iostats import payload_nbytes
 from actors.shards import merge_batches
 from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
                             tag_weights, weights_nbytes)
+from actors.worker import Worker
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
-from opd.config import RunConfig, config_from_dict
+from opd.config import RunConfig
 from opd.onpolicy import KEYS as ONPOLICY_KEYS
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
@@ -65,27 +64,25 @@ def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return p == "bf16"
 
 
-class StudentLearner:
-    """One learner rank (wrapped by `ray.remote` in the pipeline)."""
+class StudentLearner(Worker):
+    """One learner rank (`info`, `io_stats`: actors/worker.py); its `version` is the policy
+    version its weights are (= learner steps done)."""
+    role = "learner"
 
     def __init__(self, cfg: RunConfig | dict, rank: int = 0):
-        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        super().__init__(cfg, rank)
         self.rank, self.world_size = rank, self.cfg.learner.world_size
-        self.device = role_device(self.cfg.learner.num_gpus)
         self.engine = None
-        self.metrics = RoleMetrics("learner", rank)
-        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
 
-    def info(self) -> dict:
-        return {**worker_info("learner", self.rank, self.device), "steps": self.steps,
-                "repr": repr(self)}
+    @property
+    def version(self) -> int:
+        return self.steps
 
-    def __repr__(self) -> str:
-        """Rank and the policy version its weights are (= learner steps done)."""
-        return f"StudentLearner(opd/learner/{self.rank}, version={self.steps})"
+    def info(self) -> dict:
+        return {**super().info(), "steps": self.steps}
 
     def master_address(self, loopback: bool) -> tuple[str, int]:
         """(host, free port) for the group's rendezvous, chosen on this (rank 0's) node."""
@@ -101,8 +98,8 @@ class StudentLearner:
             torch.cuda.set_device(self.device)
         else:
             # gloo does the CPU all-reduce; DeepSpeed's optional shared-memory op would be
-            # JIT-compiled first (40-250 s on 2 cores, again whenever another environment
-            # built it last into ~/.cache/torch_extensions)
+            # JIT-compiled first, again whenever another environment built it last into
+            # ~/.cache/torch_extensions (docs/FACTS.md §4)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
@@ -184,9 +181,6 @@ class StudentLearner:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def io_stats(self) -> dict:
-        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
-        return self.io.stats()
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -1,56 +1,31 @@
 """The driver: `run_distributed(cfg, run_dir)` runs OPD on Ray and returns the per-step metric
-rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5;
-the invariants, roles and one step's data flow are in docs/ARCHITECTURE.md).
+rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5).
+The roles, one step's data flow, faults and the invariants are in docs/ARCHITECTURE.md; per
+step k, the reference's order of work:
 
-Per step k, the reference's order of work:
+    plan      next prefix batch, its source and prefix length, cut into parts  (planner.py)
+    generate  RolloutWorker.generate(job, k)  ("teacher": TeacherWorker; "data": no model)
+    score     TeacherWorker.score(part) -> queue.put_part  (each part as soon as it is made)
+    seal      queue.seal(k, batch id, version)  (every part reported; strict: version k only)
+    train     StudentLearner.train_step(k, version)  (rank r fetches only its rows)
+    publish   weights k + 1  (one object-store object, or a broadcast: publisher.py)
 
-    pb     = next prefix batch                      (the driver owns the data cursor)
-    source = objective.choose_source(k, seed)       (the step's phase's objective:
-                                                     opd/phases.py)
-    jobs   = RolloutJob(pb, ...) cut into row ranges (rows keep their image ids)
-    part   = RolloutWorker.generate(job, k)         (student version k; "teacher": TeacherWorker;
-                                                     "data": the dataset suffix, no model)
-    TeacherWorker.score(part) -> queue.put_part     (each part as soon as it is generated; the
-                                                     worker cuts it into one piece per learner
-                                                     rank: actors/delivery.py)
-    queue.seal(k, batch id, version)                (every part reported; bounded; strict: only
-                                                     version k leaves it)
-    StudentLearner.train_step(k, version)           (rank r takes its refs from the queue and
-                                                     fetches only its rows)
-    publish weights k + 1                           (one object-store object, or a broadcast;
-                                                     its size counted by the learner)
+The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
+payload.  What it decides (which parts to submit, which steps to seal and train, what to publish
+and record) is actors/core.py, plain functions over its typed state tested without Ray;
+`Pipeline` executes them with its parts: planner.py (plans, data cursor), dispatch.py (tasks,
+workers, probes), publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py
+(an elastic rollout pool), evaluation.py (quality at evaluation steps); opd/loop.py (progress,
+rows, checkpoint cadence) is shared with the reference loop.  Steps not sampled from the
+student are prepared ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0
+student rollouts run up to k versions ahead.  Ctrl-C (actors/interrupt.py): the step in
+training finishes, its checkpoint is written, and the run raises `RunInterrupted`.  Faults:
+failed workers are probed and their parts issued again (`core.retry`); a learner failure stops
+the run and names the last checkpoint.  Every prefix batch id is consumed exactly once
+(consumed.json).
 
-The driver only orchestrates: it receives reports (rows, tokens, rollout stats, bytes) and
-metrics, never a trajectory or a weight payload.  What it decides (which parts to submit,
-which steps to seal and train, what to publish, what to record) is actors/core.py: plain
-functions over its typed state, tested without Ray; `Pipeline` executes them.  Its parts:
-actors/planner.py (plans, data cursor), actors/dispatch.py (tasks, workers, faults),
-actors/publisher.py (weights), actors/records.py (checkpoints, consumed ids); opd/loop.py
-(progress, rows, checkpoint cadence, Ctrl-C) is shared with the reference loop.
-
-Parts of a step are generated and scored side by side on different workers.  Steps whose
-sequences do not come from the student are prepared ahead (up to `distill.queue_capacity`
-batches); with `distill.staleness` k > 0 student rollouts run up to k versions ahead.
-
-Quality (eval.track): at step 0, every `eval.every` steps and at the last step the weights of
-that version go to the evaluation worker (actors/evaluation.py) with the same object-store
-payload the rollout workers load; the loop does not wait for it, and the run collects every
-evaluation before it ends (quality.parquet).
-
-Elastic rollout workers (`rollout.num_workers = "min..max"`): actors/elastic.py adds workers
-while the learner waits on rollouts and retires idle ones.  Ctrl-C (`interrupt`, see
-actors/interrupt.py): the step in training finishes, its checkpoint is written, and the run
-raises `RunInterrupted` naming it.
-
-Faults: rollout and teacher workers restart (`cluster.max_restarts`); the driver probes a
-failed worker until it answers, a rollout worker reloads the current weights before it
-generates again, and work in flight on a dead worker is issued again (the driver keeps every
-job).  Parts lost with the worker that owned them are made again: a scoring whose input part
-died, or a step whose pieces a learner rank could not fetch (the step is re-planned).  A part of a plan older than the published weights is not generated again at its old
-version (no worker holds it): the whole plan is re-planned at the published version and late
-answers for the old plan are dropped.  A learner failure stops the run and names the last
-checkpoint.  Every prefix batch id is consumed exactly once: counted, written to
-`consumed.json` in the run directory, and checked.
+Over 400 lines: the executor of every decision (the loop, each kind of answer, each fault) is
+kept in one class so the order in which the driver acts reads top to bottom in one file.
 """
 from __future__ import annotations
 
@@ -68,6 +43,7 @@ from actors.delivery import PartTag, deliver, part_cuts, put_payload
 from actors.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
 from actors.elastic import ElasticRollout
 from actors.evaluation import QualityTracking
+from actors.group import fan_out
 from actors.interrupt import NoInterrupt
 from actors.metrics import RoleMetrics
 from actors.planner import StepPlanner
@@ -217,7 +193,7 @@ class Pipeline:
         self._submit(kind, plan, part, lambda actor: actor.generate.remote(job, version, tag, queue))
 
     def _submit_score(self, plan: StepPlan, part: int) -> None:
-        plan.score_started = plan.score_started or time.perf_counter()
+        plan.times.begin("teacher", time.perf_counter())
         payload, tag, queue = plan.generated[part].payload, self._tag(plan, part), self.groups.queue
         self._submit(TaskKind.SCORE, plan, part,
                      lambda actor: actor.score.remote(payload, tag, queue))
@@ -270,9 +246,9 @@ class Pipeline:
         if plan is None:
             return
         self.state.training = Training(plan.step)
-        for r, a in enumerate(self.learners):
-            self.dispatch.track(a.train_step.remote(plan.step, self.state.version),
-                                Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
+        for r, ref in enumerate(fan_out(self.learners, "train_step", plan.step,
+                                        self.state.version)):
+            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
 
     def _trained(self, task: Task, value: dict) -> None:
         t = self.state.training
@@ -322,7 +298,7 @@ class Pipeline:
         if p.version == v and p.ref is not None:
             ref = p.ref
         else:
-            ref = [a.get_weights.remote(v) for a in self.learners][0]
+            ref = fan_out(self.learners, "get_weights", v)[0]
         self.quality.submit(v, v, ref)
 
     # -- records ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError
 
+from actors.group import fan_out
 from actors.tasks import Task, TaskKind
 from actors.weights import PublishedWeights
 
@@ -91,7 +92,7 @@ class WeightPublisher:
     def _weights_from_learners(self, version: int) -> tuple[ray.ObjectRef, int]:
         """The ref of `version`'s weights payload (made by learner rank 0; every rank takes part,
         ZeRO-3 gathers) and its size in bytes, counted by the learner."""
-        calls = [a.publish_weights.remote(version) for a in self.groups.learners]   # [payload, nbytes]
+        calls = fan_out(self.groups.learners, "publish_weights", version)   # [payload, nbytes]
         try:
             nbytes = ray.get([size for _, size in calls])[0]
         except RayActorError as e:
@@ -103,7 +104,7 @@ class WeightPublisher:
         is then given up: receivers that did not finish are restarted, the weights go through
         the object store from now on)."""
         rollout = self.groups.rollout
-        sends = [a.send_weights.remote(version) for a in self.groups.learners]
+        sends = fan_out(self.groups.learners, "send_weights", version)
         receives = {i: rollout[i].receive_weights.remote(version) for i in self.pool.up()}
         try:
             self.sync.bytes = ray.get(sends)[0]

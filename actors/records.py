@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
+from actors.group import call_all
 from opd import checkpoints as ckpt
 from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.pipeline)
 from opd.config import RunConfig
@@ -68,7 +69,7 @@ class RunRecords:
         the directory into place (opd.checkpoints.commit)."""
         with ckpt.writing(self.run_dir, step) as tmp:   # an OSError of a rank: CheckpointWriteError
             try:
-                ray.get([a.save_checkpoint.remote(str(tmp)) for a in self.learners])
+                call_all(self.learners, "save_checkpoint", str(tmp))
             except RayActorError as e:
                 raise self.learner_failure("checkpoint", step, e) from e
             state = ckpt.checkpoint_state(self.cfg, step, cursor, "ray",
@@ -79,7 +80,7 @@ class RunRecords:
         """Restore every learner rank from checkpoint `path`; returns its state.json (step, data
         cursor, consumed batch ids) for the driver."""
         state = ckpt.read_state(path, mode="ray")
-        ray.get([a.load_checkpoint.remote(str(path), int(state["step"])) for a in self.learners])
+        call_all(self.learners, "load_checkpoint", str(path), int(state["step"]))
         self.last_checkpoint = str(path)
         return state
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from opd.steps import RolloutJob
@@ -68,6 +69,35 @@ class Training:
 
 
 @dataclass
+class StageTimer:
+    """When each stage of a step began and ended (`time.perf_counter()` seconds) and the seconds
+    each role's workers were busy on it.  Stages: "rollout" (from the plan to its last part
+    generated) and "teacher" (from its first scoring submitted to its last part delivered)."""
+    began: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)
+    busy: Counter[str] = field(default_factory=Counter)
+
+    def begin(self, stage: str, now: float) -> None:
+        """The stage begins at `now`, unless it began before (a re-issued part)."""
+        self.began.setdefault(stage, now)
+
+    def end(self, stage: str, now: float) -> None:
+        self.ended[stage] = now
+
+    def seconds(self, stage: str) -> float:
+        """How long the stage ran; 0 if it has not begun and ended."""
+        if stage not in self.began or stage not in self.ended:
+            return 0.0
+        return max(0.0, self.ended[stage] - self.began[stage])
+
+
+def rollout_started() -> StageTimer:
+    timer = StageTimer()
+    timer.begin("rollout", time.perf_counter())
+    return timer
+
+
+@dataclass
 class StepPlan:
     """One step's prefix batch, cut into parts, and what is known of each part."""
     step: int
@@ -78,12 +108,7 @@ class StepPlan:
     gen: int = 0
     generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
     delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
-    issued: float = field(default_factory=time.perf_counter)
-    rollout_done: float = 0.0
-    score_started: float = 0.0
-    score_done: float = 0.0
-    rollout_busy: float = 0.0
-    teacher_busy: float = 0.0
+    times: StageTimer = field(default_factory=rollout_started)   # rollout and teacher stages
     sealed: bool = False               # the queue holds it as one item
     scored: bool = True                # its objective needs teacher scores (else no scoring)
     phase: str = ""                    # the name of its distill.phases entry

@@ -1,11 +1,13 @@
 """The driver's decisions (actors/core.py) on made-up plans and answers: no Ray, no actors."""
+from collections import Counter
+
 import pytest
 import torch
 
 from actors import core
 from actors.core import DriverState, PartNext, PoolCounts
 from actors.shards import split_job
-from actors.tasks import PartReport, StepPlan, Task, TaskKind, Training
+from actors.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
 from opd.config import load_config
 from opd.steps import RolloutJob
 
@@ -15,7 +17,8 @@ def plan_of(step: int, parts: int = 2, *, source: str = "student", scored: bool 
     job = RolloutJob(step if batch_id is None else batch_id, torch.arange(4),
                      torch.zeros(4, 6, dtype=torch.int64), 3, source, 0)
     return StepPlan(step, job.batch_id, source, step if version is None else version,
-                    split_job(job, parts), scored=scored, issued=10.0)
+                    split_job(job, parts), scored=scored,
+                    times=StageTimer(began={"rollout": 10.0}))
 
 
 def report(rows=2, tokens=6, nbytes=100, stats=None) -> PartReport:
@@ -32,21 +35,24 @@ def test_a_generated_part_is_scored_once_and_delivered_by_its_scoring():
     plan = plan_of(0)
     assert core.part_generated(plan, 1, report(), busy=2.0, now=11.0) is PartNext.SCORE
     assert core.part_generated(plan, 1, report(), busy=5.0, now=12.0) is PartNext.DUPLICATE
-    assert plan.rollout_busy == 2.0 and plan.rollout_done == 0.0      # one of two parts
+    assert plan.times.busy["rollout"] == 2.0 and plan.times.seconds("rollout") == 0.0
     assert core.part_generated(plan, 0, report(), busy=1.0, now=13.0) is PartNext.SCORE
-    assert plan.rollout_done == 13.0 and not plan.complete
+    assert plan.times.seconds("rollout") == 3.0 and not plan.complete    # from 10.0
+    plan.times.begin("teacher", 12.5)
+    plan.times.begin("teacher", 13.5)                                # a re-issue: began before
     core.part_scored(plan, 0, report(), busy=0.5, now=14.0)
     core.part_scored(plan, 0, report(), busy=9.0, now=15.0)          # issued twice: first wins
-    assert plan.teacher_busy == 0.5 and plan.score_done == 0.0
+    assert plan.times.busy["teacher"] == 0.5 and plan.times.seconds("teacher") == 0.0
     core.part_scored(plan, 1, report(), busy=0.25, now=16.0)
-    assert plan.complete and plan.score_done == 16.0 and plan.teacher_busy == 0.75
+    assert plan.complete and plan.times.seconds("teacher") == 3.5
+    assert plan.times.busy["teacher"] == 0.75
 
 
 def test_an_unscored_part_is_delivered_when_generated():
     plan = plan_of(0, scored=False)
     assert core.part_generated(plan, 0, report(), 1.0, 11.0) is PartNext.DELIVERED
     assert core.part_generated(plan, 1, report(), 1.0, 12.0) is PartNext.DELIVERED
-    assert plan.complete and plan.score_done == plan.rollout_done == 12.0
+    assert plan.complete and plan.times.ended == {"rollout": 12.0}
 
 
 def test_a_lost_input_regenerates_its_part():
@@ -126,8 +132,8 @@ def test_rank_metrics_are_the_global_token_mean():
 
 def test_step_metrics_row():
     plan = plan_of(5, version=4)
-    plan.rollout_done, plan.score_started, plan.score_done = 12.0, 11.0, 13.0
-    plan.rollout_busy, plan.teacher_busy = 4.0, 1.0
+    plan.times = StageTimer({"rollout": 10.0, "teacher": 11.0}, {"rollout": 12.0, "teacher": 13.0},
+                            Counter(rollout=4.0, teacher=1.0))
     for p in range(2):
         plan.delivered[p] = report(nbytes=100 + p)
     done = core.StepDone([rank(1.0, 6.0)], learner_start=14.0, now=16.0, wall=8.0,
