@@ -17,7 +17,6 @@ from __future__ import annotations
 import difflib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -341,8 +340,3 @@ class Engine:
     def run(self, model, req: Request) -> RolloutResult:
         raise NotImplementedError
 
-
-def calibration_path(options: dict) -> Path:
-    """The engine option `calibration`, else the one calibration file (rollout.calibrate)."""
-    from rollout.calibrate import calibration_file     # rollout.calibrate imports this module
-    return Path(options.get("calibration") or calibration_file())
