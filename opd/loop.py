@@ -1,5 +1,5 @@
 """What every run's step loop shares, reference (opd/reference.py) and distributed
-(actors/pipeline.py): the metrics log and progress bar, a step's metrics.parquet row
+(actors/driver/pipeline.py): the metrics log and progress bar, a step's metrics.parquet row
 (`step_row`), the checkpoint cadence (`checkpoint_due`), the stop after Ctrl-C, and the check
 of the teacher transport against every phase's objective (`check_objectives`).
 

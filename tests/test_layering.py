@@ -123,7 +123,7 @@ def test_checker_sees_forbidden_imports(tmp_path):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"rollout.engine", "opd.steps", "actors.pipeline", "launch.cli"} <= set(graph)
+    assert {"rollout.engine", "opd.steps", "actors.driver.pipeline", "launch.cli"} <= set(graph)
     assert cycles(graph) == []
 
 
@@ -133,6 +133,19 @@ def test_cycle_finder_sees_a_cycle_and_measures_depth():
     assert depth(graph) == 3                         # e -> {a, b, c} -> d
     assert depth({"a": {"b"}, "b": {"c"}, "c": set()}) == 3
 
+
+
+ROLES = {"actors.transport": ("actors.workers", "actors.driver", "actors.bench"),
+         "actors.workers": ("actors.driver", "actors.bench"),
+         "actors.driver": ("actors.bench",)}
+
+
+def test_actors_roles_import_one_way():
+    """actors/: driver -> workers -> transport (bench helpers on top)."""
+    bad = {m: sorted(t for t in targets if t.startswith(ROLES[role]))
+           for m, targets in import_graph().items()
+           for role in ROLES if m.startswith(role + ".")}
+    assert {m: t for m, t in bad.items() if t} == {}
 
 if __name__ == "__main__":
     g = import_graph()

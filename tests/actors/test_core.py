@@ -1,13 +1,13 @@
-"""The driver's decisions (actors/core.py) on made-up plans and answers: no Ray, no actors."""
+"""The driver's decisions (actors/driver/core.py) on made-up plans and answers: no Ray."""
 from collections import Counter
 
 import pytest
 import torch
 
-from actors import core
-from actors.core import DriverState, PartNext, PoolCounts
-from actors.shards import split_job
-from actors.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
+from actors.driver import core
+from actors.driver.core import DriverState, PartNext, PoolCounts
+from actors.driver.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
+from actors.transport.shards import split_job
 from opd.config import load_config
 from opd.steps import RolloutJob
 

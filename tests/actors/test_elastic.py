@@ -12,7 +12,7 @@ The runs do not depend on how fast the machine is: the policy's wait comes from 
 hook "rollout_wait" (1.0 = the learner waited all step, 0.0 = not at all) instead of the
 measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
 and its weights, so the pool grows within a bounded number of steps however slowly workers
-start.  The measurement (`actors.core.rollout_wait_fraction`) and the decisions (`after_step`
+start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the decisions (`after_step`
 on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
 
 The file is also the subprocess's script: `python test_elastic.py ARGS_JSON`.
@@ -68,7 +68,7 @@ def drive(args: dict) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from actors.pipeline import run_distributed
+    from actors.driver.pipeline import run_distributed
     from opd.config import load_config
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -148,7 +148,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
     """Grow to 2 on the session's local Ray (the wait hook says 1.0), then every step is idle
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
-    from actors.pipeline import run_distributed
+    from actors.driver.pipeline import run_distributed
     from opd.config import load_config
     seen = {}
 
@@ -188,7 +188,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
 
 
 def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
-    from actors.cluster import check_distributed, pool_size
+    from actors.driver.cluster import check_distributed, pool_size
     from opd.config import ConfigError, load_config
     cfg = load_config("tiny", [*tiny_overrides, "rollout.num_workers=2..5"])
     assert pool_size(cfg.rollout.num_workers) == 2
@@ -206,7 +206,7 @@ def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
 
 
 def test_rollout_wait_fraction_from_made_up_timestamps():
-    from actors.core import rollout_wait_fraction as f
+    from actors.driver.core import rollout_wait_fraction as f
     # learner free at 11, rollouts issued at 10 and done at 13, training from 14, step wall 4
     assert f("student", issued=10.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
              wall=4.0) == 0.5
@@ -253,10 +253,10 @@ class FakeGroups:
 
 
 class FakeDispatch:
-    """What ElasticRollout uses of actors.dispatch.Dispatcher: the rollout pool, `track`."""
+    """What ElasticRollout uses of actors.driver.dispatch.Dispatcher: the rollout pool, `track`."""
 
     def __init__(self, workers: int):
-        from actors.pool import WorkerPool
+        from actors.driver.pool import WorkerPool
         self.pools = {"rollout": WorkerPool("rollout", [f"rollout-{i}" for i in range(workers)])}
         self.tracked: dict = {}
 
@@ -265,7 +265,7 @@ class FakeDispatch:
 
 
 class FakePublisher:
-    """What ElasticRollout uses of actors.publisher.WeightPublisher: `load` (a new worker's
+    """What ElasticRollout uses of actors.driver.publisher.WeightPublisher: `load` (a new worker's
     weights)."""
 
     def __init__(self):
@@ -280,7 +280,7 @@ def policy(tiny_overrides, monkeypatch):
     """`policy(lo, hi, *overrides)`: an ElasticRollout on fake groups, dispatcher and publisher
     with `lo` workers up;
     the cluster has room (`room["free"]`) and `ray.kill` only records."""
-    import actors.elastic as elastic
+    import actors.driver.elastic as elastic
     from opd.config import load_config
     room, killed = {"free": True}, []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)          # not joining a cluster

@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from actors.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
-from actors.records import RunRecords, lag_histogram
+from actors.driver.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
+from actors.driver.records import RunRecords, lag_histogram
 from opd import checkpoints as ckpt
 from opd.config import load_config
 from opd.metrics import read_metrics

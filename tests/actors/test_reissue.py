@@ -1,4 +1,4 @@
-"""The driver's re-issue of a failed rollout part, as the pure decisions of actors/core.py (no
+"""The driver's re-issue of a failed rollout part, as the pure decisions of actors/driver/core.py (no
 Ray, no pipeline).
 
 With distill.staleness k > 0 a step's plan may be generated at an older version than the one
@@ -9,11 +9,11 @@ version as a new generation, and answers still in flight for the old generation 
 """
 import torch
 
-from actors import core
-from actors.core import Retry
-from actors.planner import StepPlanner
-from actors.shards import split_job
-from actors.tasks import PartReport, StepPlan, Task, TaskKind
+from actors.driver import core
+from actors.driver.core import Retry
+from actors.driver.planner import StepPlanner
+from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind
+from actors.transport.shards import split_job
 from opd.steps import RolloutJob
 
 ROLLOUT = TaskKind.ROLLOUT

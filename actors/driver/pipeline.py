@@ -12,13 +12,13 @@ step k, the reference's order of work:
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
 payload.  What it decides (which parts to submit, which steps to seal and train, what to publish
-and record) is actors/core.py, plain functions over its typed state tested without Ray;
+and record) is actors/driver/core.py, plain functions over its typed state tested without Ray;
 `Pipeline` executes them with its parts: planner.py (plans, data cursor), dispatch.py (tasks,
 workers, probes), publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py
 (an elastic rollout pool), evaluation.py (quality at evaluation steps); opd/loop.py (progress,
 rows, checkpoint cadence) is shared with the reference loop.  Steps not sampled from the
 student are prepared ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0
-student rollouts run up to k versions ahead.  Ctrl-C (actors/interrupt.py): the step in
+student rollouts run up to k versions ahead.  Ctrl-C (actors/driver/interrupt.py): the step in
 training finishes, its checkpoint is written, and the run raises `RunInterrupted`.  Faults:
 failed workers are probed and their parts issued again (`core.retry`); a learner failure stops
 the run and names the last checkpoint.  Every prefix batch id is consumed exactly once
@@ -36,23 +36,23 @@ from typing import Callable
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
-from actors import core
-from actors.cluster import ActorGroups, check_distributed, connect
-from actors.core import DriverState, PartNext, PoolCounts, Retry
-from actors.delivery import PartTag, deliver, part_cuts, put_payload
-from actors.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
-from actors.elastic import ElasticRollout
-from actors.evaluation import QualityTracking
-from actors.group import fan_out
-from actors.interrupt import NoInterrupt
+from actors.driver import core
+from actors.driver.cluster import ActorGroups, check_distributed, connect
+from actors.driver.core import DriverState, PartNext, PoolCounts, Retry
+from actors.driver.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
+from actors.driver.elastic import ElasticRollout
+from actors.driver.group import fan_out
+from actors.driver.interrupt import NoInterrupt
+from actors.driver.planner import StepPlanner
+from actors.driver.publisher import WeightPublisher
+from actors.driver.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
+from actors.driver.tasks import StepPlan, Task, TaskKind, Training
 from actors.metrics import RoleMetrics
-from actors.planner import StepPlanner
-from actors.publisher import WeightPublisher
-from actors.queue import QueueItem
-from actors.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
-from actors.rollout_worker import StaleWeightsError
-from actors.shards import shard_rows
-from actors.tasks import StepPlan, Task, TaskKind, Training
+from actors.transport.delivery import PartTag, deliver, part_cuts, put_payload
+from actors.transport.shards import shard_rows
+from actors.workers.evaluation import QualityTracking
+from actors.workers.queue import QueueItem
+from actors.workers.rollout import StaleWeightsError
 from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
@@ -65,9 +65,9 @@ WAIT_S = 30.0
 
 class Pipeline:
     """One distributed run on started actor `groups`: the step loop, which executes the
-    decisions of actors/core.py.  Its parts: `planner` (actors/planner.py), `dispatch`
-    (actors/dispatch.py), `publisher` (actors/publisher.py), `records` (actors/records.py),
-    `elastic` (actors/elastic.py, None for a fixed pool), `quality` (actors/evaluation.py, None
+    decisions of actors/driver/core.py.  Its parts: `planner` (actors/driver/planner.py), `dispatch`
+    (actors/driver/dispatch.py), `publisher` (actors/driver/publisher.py), `records` (actors/driver/records.py),
+    `elastic` (actors/driver/elastic.py, None for a fixed pool), `quality` (actors/workers/evaluation.py, None
     without eval.track); `state` is the `core.DriverState`.  Hooks (tests) see the pipeline:
     its worker lists `rollout`, `teacher`, `learners`, the `pools` and `reissued`."""
 
@@ -419,8 +419,8 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     ("after_submit", "after_part" (a part generated), "after_seal" (a step's parts all in the
     queue), "after_step") to callables(pipeline, **info) (tests inject faults there),
     and "rollout_wait" to a callable(pipeline, step=, row=) -> float that an elastic pool's
-    policy uses instead of the measured row["rollout_wait"] (tests: actors/elastic.py);
-    `interrupt` (actors.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
+    policy uses instead of the measured row["rollout_wait"] (tests: actors/driver/elastic.py);
+    `interrupt` (actors.driver.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
     raises opd.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
     check_distributed(cfg)
     check_objectives(cfg)

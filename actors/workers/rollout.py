@@ -4,7 +4,7 @@ Strict about versions: `generate(job, version)` runs only if the worker holds ex
 policy version (loaded by `load_weights` or received by `receive_weights`), else it raises
 `StaleWeightsError`.  A generated part goes into the object store from here (this worker owns
 it): cut into the learner ranks' pieces and handed to the trajectory queue, or whole for a
-teacher worker to score (actors/delivery.py); the driver gets a `PartReport` only.  If this
+teacher worker to score (actors/transport/delivery.py); the driver gets a `PartReport` only.  If this
 worker dies, what it owns is lost and the driver makes those parts again.
 """
 from __future__ import annotations
@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from actors.delivery import PartTag, hand_over
-from actors.tasks import PartReport
-from actors.weights import BroadcastGroup, Bucket
-from actors.worker import Worker
+from actors.transport.delivery import PartReport, PartTag, hand_over
+from actors.transport.weights import BroadcastGroup, Bucket
+from actors.workers.base import Worker
 from opd.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config import RunConfig
 from opd.models import create_model
@@ -33,7 +32,7 @@ def job_tokens(job: RolloutJob) -> int:
 
 
 class RolloutWorker(Worker):
-    """One rollout worker (`load_weights`, `info`, `io_stats`: actors/worker.py)."""
+    """One rollout worker (`load_weights`, `info`, `io_stats`: actors/workers/base.py)."""
     role = "rollout"
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0):
@@ -67,7 +66,7 @@ class RolloutWorker(Worker):
                  queue=None) -> PartReport:
         """The trajectory of `job` by the student of `version`: delivered into `queue` as the
         learner ranks' pieces (`tag`), or, without a tag, put whole for a teacher to score; the
-        report says which (actors/delivery.py)."""
+        report says which (actors/transport/delivery.py)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")

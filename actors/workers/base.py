@@ -9,7 +9,7 @@ evaluation workers; the broadcast group's receiving side is the rollout worker's
             self.model = ...                              # the student copy load_weights fills
 
 Every actor is named by role and index (`actor_name`: `opd/rollout/0`, `opd/queue`,
-`opd/eval`) in the run's Ray namespace (actors/cluster.py); its repr says its role and the
+`opd/eval`) in the run's Ray namespace (actors/driver/cluster.py); its repr says its role and the
 policy version it holds, which the Ray dashboard shows (docs/ARCHITECTURE.md).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 import ray
 import torch
 
-from actors.iostats import IOCounter
 from actors.metrics import RoleMetrics
-from actors.weights import load_numpy_weights, untag_weights
+from actors.transport.iostats import IOCounter
+from actors.transport.weights import load_numpy_weights, untag_weights
 from opd.config import RunConfig, config_from_dict
 
 ROLE_NAMES = {"learner": "learner", "rollout": "rollout", "teacher": "teacher",
@@ -44,7 +44,7 @@ def role_device(num_gpus: float) -> torch.device:
 
 class Worker:
     """The base of the role actors (plain classes, wrapped by `ray.remote` in
-    actors/cluster.py).  `version` is the policy version it holds (None: none yet)."""
+    actors/driver/cluster.py).  `version` is the policy version it holds (None: none yet)."""
     role = ""
     version: int | None = None
 
@@ -74,7 +74,7 @@ class Worker:
         return f"{type(self).__name__}({self.name}, version={self.version})"
 
     def io_stats(self) -> dict:
-        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
+        """Payload bytes received and sent, peak RSS (actors/transport/iostats.py)."""
         return self.io.stats()
 
     # -- weights of a student copy (`self.model`) ------------------------------------------------

@@ -1,8 +1,8 @@
 """Elastic rollout workers: `rollout.num_workers = "min..max"`.
 
-The run starts `min` rollout workers (actors/cluster.py).  Every step row says how long the
+The run starts `min` rollout workers (actors/driver/cluster.py).  Every step row says how long the
 learner waited on that step's student rollouts (`rollout_wait`, a fraction of the step's wall
-time; `actors.core.rollout_wait_fraction`).  After each learner step:
+time; `actors.driver.core.rollout_wait_fraction`).  After each learner step:
 
     rollout_wait >= rollout.elastic_grow_wait  for rollout.elastic_patience steps in a row
         -> add one worker if fewer than max are alive, none is being added, and the cluster
@@ -36,9 +36,9 @@ from typing import Callable
 
 import ray
 
-from actors.cluster import fits, joins_cluster, role_bundle, run_bundles
-from actors.pool import DEAD, UP
-from actors.tasks import Task, TaskKind
+from actors.driver.cluster import fits, joins_cluster, role_bundle, run_bundles
+from actors.driver.pool import DEAD, UP
+from actors.driver.tasks import Task, TaskKind
 from opd.config import RunConfig
 from opd.phases import rolls_out
 

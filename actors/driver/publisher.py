@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError
 
-from actors.group import fan_out
-from actors.tasks import Task, TaskKind
-from actors.weights import PublishedWeights
+from actors.driver.group import fan_out
+from actors.driver.tasks import Task, TaskKind
+from actors.transport.weights import PublishedWeights
 
 BROADCAST_GRACE_S = 60.0
 
@@ -35,7 +35,7 @@ class Sync:
 class WeightPublisher:
     def __init__(self, cfg, groups, dispatch, metrics, records):
         """Loads are tracked by `dispatch`; a learner call that fails raises
-        `records.learner_failure(...)` (actors/records.py)."""
+        `records.learner_failure(...)` (actors/driver/records.py)."""
         self.groups, self.dispatch, self.metrics, self.records = groups, dispatch, metrics, records
         self.pool = dispatch.pools["rollout"]
         self.collective = cfg.learner.weight_sync == "collective"

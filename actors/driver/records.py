@@ -8,7 +8,7 @@
                               rollout pool events
 
 `RunRecords` gets everything it writes as arguments; the metrics.parquet row of a step is
-`actors.core.step_metrics`.  A learner group that fails stops the run with `LearnerFailure`
+`actors.driver.core.step_metrics`.  A learner group that fails stops the run with `LearnerFailure`
 naming the last checkpoint written here.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
-from actors.group import call_all
+from actors.driver.group import call_all
 from opd import checkpoints as ckpt
-from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.pipeline)
+from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.driver.pipeline)
 from opd.config import RunConfig
 
 CONSUMED_FILE = "consumed.json"

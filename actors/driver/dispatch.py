@@ -16,9 +16,9 @@ from typing import Callable
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
-from actors.pool import WorkerPool
-from actors.rollout_worker import StaleWeightsError
-from actors.tasks import ROLE_OF, StepPlan, Task, TaskKind
+from actors.driver.pool import WorkerPool
+from actors.driver.tasks import ROLE_OF, StepPlan, Task, TaskKind
+from actors.workers.rollout import StaleWeightsError
 
 
 class WorkerPoolExhausted(RuntimeError):

@@ -8,11 +8,11 @@ torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
 
 `train_step(step, version)` takes this rank's refs of the step's batch from the trajectory
 queue and fetches only its rows, `shard_rows(B, R)[rank]` (the workers cut each part into the
-ranks' pieces when they deliver it: actors/delivery.py), merged in row order.
+ranks' pieces when they deliver it: actors/transport/delivery.py), merged in row order.
 The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
 scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
 the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the driver forms from
-the ranks' results (`actors.core.combine_rank_metrics`).  (Exact for token-mean objectives —
+the ranks' results (`actors.driver.core.combine_rank_metrics`).  (Exact for token-mean objectives —
 KD, SeqKD, GKD; VarKD's confidence-weighted mean is combined with the same token weights, an
 approximation for R > 1.)
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.iostats import payload_nbytes
-from actors.shards import merge_batches
-from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
-                            tag_weights, weights_nbytes)
-from actors.worker import Worker
+from actors.transport.iostats import payload_nbytes
+from actors.transport.shards import merge_batches
+from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_buckets,
+                                      state_dict_to_numpy, tag_weights, weights_nbytes)
+from actors.workers.base import Worker
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
@@ -65,7 +65,7 @@ def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
 
 
 class StudentLearner(Worker):
-    """One learner rank (`info`, `io_stats`: actors/worker.py); its `version` is the policy
+    """One learner rank (`info`, `io_stats`: actors/workers/base.py); its `version` is the policy
     version its weights are (= learner steps done)."""
     role = "learner"
 
@@ -128,7 +128,7 @@ class StudentLearner(Worker):
 
     def train_step(self, step: int, version: int) -> dict:
         """One optimizer step on this rank's rows of `step`'s batch at policy `version`: takes
-        its refs from the trajectory queue and fetches only its own pieces (actors/delivery.py).
+        its refs from the trajectory queue and fetches only its own pieces (actors/transport/delivery.py).
         Returns this rank's metrics: loss (its shard's), tokens, grad_norm (global), seconds,
         rows and bytes received, the on-policy check of its shard with the weights before this
         update (`opd.onpolicy.KEYS`).  If a rank cannot fetch its pieces (the worker that owned them

@@ -1,16 +1,15 @@
 """`TeacherWorker`: the frozen teacher; scores student-visited states, or (SeqKD) generates
 teacher rollouts with the configured engine.  Parts go to the learner ranks through the
-trajectory queue (actors/delivery.py); the driver gets reports only."""
+trajectory queue (actors/transport/delivery.py); the driver gets reports only."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from actors.delivery import PartTag, deliver, hand_over
-from actors.rollout_worker import job_tokens
-from actors.tasks import PartReport
-from actors.worker import Worker
+from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
+from actors.workers.base import Worker
+from actors.workers.rollout import job_tokens
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
 from opd.pretrain import load_role_model
@@ -18,7 +17,7 @@ from opd.steps import RolloutJob, build_engine, rollout, score
 
 
 class TeacherWorker(Worker):
-    """One teacher worker (`info`, `io_stats`: actors/worker.py); `version` is the policy
+    """One teacher worker (`info`, `io_stats`: actors/workers/base.py); `version` is the policy
     version of the last trajectory it handled."""
     role = "teacher"
 

@@ -1,7 +1,7 @@
 """The driver's decisions as plain functions over its typed state: no Ray, no actors.
 
-`actors/pipeline.py` executes them (submits calls, seals queue items, publishes weights,
-writes rows); every function here only reads and updates the records of `actors/tasks.py`
+`actors/driver/pipeline.py` executes them (submits calls, seals queue items, publishes weights,
+writes rows); every function here only reads and updates the records of `actors/driver/tasks.py`
 (`StepPlan`, `Task`, `PartReport`, `Training`) and the `DriverState` below, so each decision is
 unit-tested on its own (tests/actors/test_core.py):
 
@@ -22,8 +22,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.shards import merge_stats
-from actors.tasks import PartReport, StepPlan, Task, TaskKind, Training
+from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind, Training
+from actors.transport.shards import merge_stats
 from opd.config import RunConfig
 from opd.loop import checkpoint_due, step_row
 from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
@@ -31,7 +31,7 @@ from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
 
 @dataclass
 class DriverState:
-    """What the driver's step loop knows besides its plans (actors/planner.py)."""
+    """What the driver's step loop knows besides its plans (actors/driver/planner.py)."""
     version: int                          # learner steps done = the current policy version
     end: int                              # the step the run stops before
     consumed: Counter[int] = field(default_factory=Counter)   # prefix batch id -> times trained

@@ -3,10 +3,11 @@
 A `StepPlan` is one prefix batch cut into parts (row ranges, one rollout job each).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
-trajectory queue, cut into one piece per learner rank (actors/delivery.py).  The driver only
-sees each part's `PartReport` (a few numbers).  `gen` numbers the plan's generations: a plan
-re-planned at a newer policy version gets a new one, and answers of an older generation are
-dropped (by the driver and by the queue).
+trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
+driver only sees each part's `PartReport` (a few numbers, defined there).  `gen` numbers the
+plan's generations: a plan re-planned at a newer policy version gets a new one, and answers of
+an older generation are dropped (by the driver and by the queue).  `StageTimer` times a step's
+stages.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from actors.transport.delivery import PartReport  # noqa: F401  (re-exported)
 from opd.steps import RolloutJob
 
 
@@ -47,17 +49,6 @@ class Task:
     version: int = -1   # the plan's policy version when it was submitted (parts)
     gen: int = -1       # the plan's generation when it was submitted (parts)
     submitted: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class PartReport:
-    """What a worker tells the driver about a part it delivered (no payload)."""
-    rows: int
-    generated_tokens: int
-    stats: dict                       # rollout statistics (opd.batch rollout_stats) of the part
-    nbytes: int                       # bytes of the pieces it put into the queue
-    seconds: float = 0.0              # the worker's busy time
-    payload: object = None            # ref of the whole part, owned by the worker (to score)
 
 
 @dataclass

@@ -24,15 +24,15 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.evaluation import EvaluationWorker
-from actors.group import call_all
-from actors.learner import StudentLearner
-from actors.queue import TrajectoryQueue
-from actors.rollout_worker import RolloutWorker
-from actors.teacher_worker import TeacherWorker
-from actors.worker import actor_name  # noqa: F401  (re-exported)
-from opd.config import ConfigError, RunConfig, config_to_dict
+from actors.driver.group import call_all
+from actors.workers.base import actor_name  # noqa: F401  (re-exported)
+from actors.workers.evaluation import EvaluationWorker
+from actors.workers.learner import StudentLearner
+from actors.workers.queue import TrajectoryQueue
+from actors.workers.rollout import RolloutWorker
+from actors.workers.teacher import TeacherWorker
 from opd.cache import cache_dir
+from opd.config import ConfigError, RunConfig, config_to_dict
 from opd.phases import rolls_out
 from opd.pretrain import load_role_model
 
@@ -112,7 +112,7 @@ def run_namespace(run_dir: str | Path | None = None) -> str:
 
 def pool_size(n: int | tuple[int, int]) -> int:
     """Workers to start: the count, or the lower end of an elastic "min..max" range (the
-    driver adds the others while rollouts hold the run up: actors/elastic.py)."""
+    driver adds the others while rollouts hold the run up: actors/driver/elastic.py)."""
     return n[0] if isinstance(n, tuple) else n
 
 

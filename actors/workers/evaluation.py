@@ -1,13 +1,13 @@
 """Quality over training on Ray: an evaluation worker, and the driver's side of it.
 
-    EvaluationWorker     (wrapped by `ray.remote` in actors/cluster.py) the teacher, a student
+    EvaluationWorker     (wrapped by `ray.remote` in actors/driver/cluster.py) the teacher, a student
                          copy, the reference set: `opd.eval.tracking.Evaluator` in a worker
     QualityTracking      the driver's record: submits an evaluation of version k with the
                          published weights object of version k, collects rows as they finish
                          (quality.parquet), waits for the rest when the run ends
 
 The driver never loads a model for this: an evaluation is one actor call that takes the same
-object-store weights payload the rollout workers load (actors/weights.py), and the training
+object-store weights payload the rollout workers load (actors/transport/weights.py), and the training
 loop goes on while it runs.  The actor runs its calls in order, so the teacher's row comes
 first and the student's rows follow in step order.  A failed evaluation is reported and
 dropped: quality tracking never stops a run.
@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.worker import Worker
+from actors.workers.base import Worker
 from opd.config import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.pretrain import load_role_model
