@@ -197,10 +197,11 @@ def test_cross_field_checks():
     assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
     assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
                                                     "sequence length model.grid_size ** 2 (64)")
-    assert error(["rollout.candidates=4"]).startswith(
-        "rollout.candidates=4: candidate drafting needs rollout.decoding=greedy (got 'sample')")
+    assert error(["rollout.candidates=4"]).startswith(          # the engine's rule, keyed
+        "rollout.candidates=4: option candidates needs decoding='greedy'")
     assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.compile=true"]
-                 ).startswith("rollout.candidates=4: cannot be combined with rollout.compile")
+                 ).startswith("rollout.candidates=4: option candidates cannot be combined with "
+                              "compile")
     assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.engine=sjd_sync"]
                  ).startswith("rollout.candidates=4: only the hbsjd and sjd_independent")
     assert error(["rollout.candidates=-1"]) == "rollout.candidates=-1: must be >= 0"
