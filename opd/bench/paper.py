@@ -24,6 +24,9 @@ Every ablation also takes batch, repeats, warmup and workloads.  Variants run in
 latency mean, std, min, max and P95 over repeats x workloads, and the speedup over the row's
 baseline: the ratio of means, with the min / max of the per-round paired ratios.  Rounds and
 commit lengths do not depend on timing: two runs agree on them exactly (`committed_digest`).
+
+Over 400 lines: it holds the paper's whole table of ablations, one short builder each, beside
+the preset schema they read; measuring is in paper_measure.py, the report in paper_report.py.
 """
 from __future__ import annotations
 
