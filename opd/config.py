@@ -122,9 +122,9 @@ class RolloutConfig:
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = False
-    """torch.compile the Full-execution verifier forward (CUDA graphs on a GPU); what it gains per engine and device: README, Rollouts."""
+    """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (README, Rollouts)."""
     candidates: int = bounded(0, ge=0)
-    """Greedy decoding: after a correction, the next window also verifies candidates - 1 alternatives for the following token (the token a grid row above, then the likeliest) as token-tree branches (rollout/candidates.py); 0 = off. Its rounds and time against plain windows: README, Rollouts."""
+    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (README, Rollouts)."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)

@@ -411,6 +411,15 @@ def apply_overrides(root: type, tree: dict[str, Any], overrides: list[str] | tup
         set_override(root, tree, key.strip(), raw.strip(), what)
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default as tree values (sections as dicts): what an override indexes into when
+    the preset leaves the field out (`distill.phases.1.lam=0.5` over the built-in schedule)."""
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if isinstance(value, (list, tuple)):
+        return [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in value]
+    return value
+
+
 def set_override(root: type, tree: dict[str, Any], key: str, raw: str, what: str = "config") -> None:
     """Set tree[a][b]... = value for key "a.b...", checking the path against the schema."""
     parts = key.split(".")
@@ -427,7 +436,7 @@ def set_override(root: type, tree: dict[str, Any], key: str, raw: str, what: str
             raise unknown_key(root, key, cls, prefix, part, parts[i + 1:], what)
         tp = hints(cls)[part]
         if section_items(tp) is not None and not last:   # distill.phases.1.lam=0.5
-            items, index = node.get(part), parts[i + 1]
+            items, index = node.get(part, _default(fields(cls)[part])), parts[i + 1]
             if not isinstance(items, list) or not index.isdigit() or int(index) >= len(items) \
                     or i + 2 >= len(parts):
                 n = len(items) if isinstance(items, list) else 0

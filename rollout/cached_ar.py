@@ -1,5 +1,6 @@
 """Cached AR: one token per forward with the static KV cache (the reference every engine must
-match in greedy mode).  Always Full execution (rows 0..R-1); with slots, batches of R images."""
+match in greedy mode).  Always Full execution (rows 0..R-1); with slots, batches of R images.
+With option compile a round (`ar_step`: forward and token choice) is one compiled graph."""
 from __future__ import annotations
 
 import torch
@@ -9,10 +10,19 @@ from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def decode_tokens(model, req: Request, first: torch.Tensor,
-                  first_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ar_step(model, x: torch.Tensor, pos: torch.Tensor, attempt: torch.Tensor,
+            req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round: x (B, 1) token j - 1 of each image at positions pos (B, 1) = j, attempt (B,)
+    zeros -> token j (B,) int64 and its behaviour log-prob (B,) float32 (`choose_token`)."""
+    logits = model.forward_cached(cfg_rows(x, req), cfg_rows(pos, req), None)[:, 0]
+    return choose_token(guide(logits, req.cfg_scale), req, pos[:, 0], attempt)
+
+
+def decode_tokens(model, req: Request, first: torch.Tensor, first_logp: torch.Tensor,
+                  step=ar_step) -> tuple[torch.Tensor, torch.Tensor]:
     """first: (B,) token P and its log-prob -> tokens (B, P + N) int64 and the behaviour
-    log-probs of tokens P .. T-1 (B, N) float32, decoding tokens P+1 .. T-1 one per forward."""
+    log-probs of tokens P .. T-1 (B, N) float32, decoding tokens P+1 .. T-1 one per forward
+    (`step`: `ar_step` or its compiled version)."""
     B, P, T = req.batch, req.prefix_len, req.total
     out = torch.empty(B, T, dtype=torch.long, device=first.device)
     logp = torch.empty(B, T - P, dtype=torch.float32, device=first.device)
@@ -22,9 +32,7 @@ def decode_tokens(model, req: Request, first: torch.Tensor,
     for j in range(P + 1, T):
         x = out[:, j - 1: j]                                     # input token j-1 ...
         pos = torch.full((B, 1), j, dtype=torch.long, device=x.device)   # ... at position j
-        logits = model.forward_cached(cfg_rows(x, req), cfg_rows(pos, req), None)[:, 0]
-        out[:, j], logp[:, j - P] = choose_token(guide(logits, req.cfg_scale), req, pos[:, 0],
-                                                 zero)
+        out[:, j], logp[:, j - P] = step(model, x, pos, zero, req)
     return out, logp
 
 
@@ -37,7 +45,8 @@ class CachedAR(Engine):
         B, N = req.batch, req.num_new
         dev = req.labels.device
         parts = req.row_batches()
-        decoded = [decode_tokens(model, req.take(i), *prefill_token(model, req.take(i)))
+        step = self.step(ar_step, dev)
+        decoded = [decode_tokens(model, req.take(i), *prefill_token(model, req.take(i)), step)
                    for i in parts]
         tokens, logprobs = (torch.cat(t) for t in zip(*decoded))
         committed = torch.zeros(N * len(parts), B, dtype=torch.long, device=dev)

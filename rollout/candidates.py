@@ -1,4 +1,4 @@
-"""Candidate drafting at the correction point (SJD-PAC's proactive drafting, greedy decoding).
+"""Candidate drafting at the correction point (SJD-PAC's proactive drafting), greedy and sampled.
 
 After a round whose verification corrected a token, the next window's first draft (token cur)
 was predicted from the rejected draft: the Jacobi "single-token stall" (each round commits the
@@ -6,21 +6,37 @@ corrected token and little more).  With K candidates such a row's next window al
 K - 1 alternatives for token cur, as branches of a token tree appended to the W columns:
 
     columns 0..W-1       the plain window: root (token cur - 1 at position cur), branch 0 =
-                         the W - 1 drafts (its first, c_0, is the stale prediction's argmax)
+                         the W - 1 drafts (its first, c_0, is the stale prediction's draft)
     branch j = 1..K-1    L columns: [c_j, drafts cur + 1 ..] at positions cur + 1 ..
 
-Candidates (`candidates`): c_0, then c_1 = the token one history offset H above (one grid row:
-HB-SJD's history draft), then the next most likely tokens of the stale prediction.  A branch
-sees the committed tokens, the root and its own earlier columns (`make_tree`'s mask; in a
-clipped tail window every column up to the root).  The model caches column s in slot
+Candidates (`candidates`): c_0, then committed tokens before token cur -- the one a history
+offset H above (one grid row: HB-SJD's history draft), and with sampled decoding first token
+cur - 1, the corrected token itself (a residual draw lands where the new distribution exceeds
+the stale one, rarely among the stale top tokens, while image tokens often repeat their left
+neighbour; greedy windows gained more with H's token alone) -- then the most likely tokens of
+the stale prediction, without repeats.
+A branch sees the committed tokens, the root and its own earlier columns (`make_tree`'s mask;
+in a clipped tail window every column up to the root).  The model caches column s in slot
 start + s (rollout/protocol.py); a winning branch j > 0 is moved to slots cur + 1 .. .
 
-Verification: the root predicts token cur; the branch whose c_j equals that argmax (else
-branch 0, whose c_0 is then rejected) is the row's *path*; greedy verification runs along it
-as along a plain window, over its 1 + L valid predictions for j > 0 (the drafts after them are
-branch 0's, predicted after a wrong token, so the next window is a tree again).  Every
-committed token is an argmax given committed tokens only, so the output is Cached AR's
-(invariant 1).  Each round costs (K - 1) L more query columns for every row.
+Verification: the root column chooses token cur (`rollout.jacobi.root_token`) -- greedy: its
+argmax; sampled: speculative sampling of c_0 alone, i.e. c_0 kept with probability
+min(1, p(c_0) / q(c_0)), else a draw y from norm(max(0, p - q)) (rollout/verify.py).  The
+branch whose c_j equals that token (else branch 0, whose c_0 is then rejected) is the row's
+*path*; verification runs along it as along a plain window, over its 1 + L valid predictions
+for j > 0 (the drafts after them are branch 0's, predicted after a wrong token, so the next
+window is a tree again).  Greedy: every committed token is an argmax given committed tokens
+only, so the output is Cached AR's (invariant 1).  Sampled: this is recursive rejection
+sampling with one random draft c_0 ~ q and K - 1 fixed ones (a fixed draft c is accepted with
+the probability the residual gives it, i.e. exactly when the residual's draw is c), so token
+cur is distributed as p whatever the candidates are; the drafts along the path were drawn
+from their recorded proposals with uniforms of earlier rounds, independent of this round's,
+so ordinary speculative sampling against the path's p (computed after c_j) and the coupled
+refresh after its first rejection stay exact (invariant 2; tests/rollout/test_distribution.py).
+Past a branch's L columns the path's tokens still hold drafts: the coupled refresh keeps them
+too, and a bonus token at the branch's last column keeps its draft with probability
+min(1, p / q) (else the residual draw), distributed as p all the same.
+Each round costs (K - 1) L more query columns for every row.
 """
 from __future__ import annotations
 
@@ -72,16 +88,18 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
                 mask.to(device))
 
 
-def candidates(logits: Tensor, draft: Tensor, above: Tensor, K: int) -> Tensor:
+def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     """The K candidates for the token after a correction: (B, V) logits of its (stale)
-    prediction, draft (B,) the window's draft for it (its argmax), above (B,) the token one
-    history offset H earlier -> (B, K) int64: [draft, above, the next most likely tokens];
-    `above` is left out when it is already among the first K - 1 of the prediction."""
+    prediction, draft (B,) the window's draft for it (its argmax when greedy, a sample when
+    sampled), known (B, h) committed tokens before it (`Plan.known`: the one a history offset
+    H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
+    [draft, known, the most likely tokens of the prediction], each first occurrence kept
+    (K <= V)."""
     top = logits.topk(K, dim=-1).indices
-    top[:, 0] = draft
-    has = (top[:, : K - 1] == above[:, None]).any(1)
-    mixed = torch.cat([top[:, :1], above[:, None], top[:, 1: K - 1]], 1)
-    return torch.where(has[:, None], top, mixed)
+    pool = torch.cat([draft[:, None], known, top], 1)                   # (B, K + h + 1)
+    repeat = (pool[:, :, None] == pool[:, None, :]).tril(-1).any(2)   # equals an earlier one
+    order = torch.sort(repeat.to(torch.uint8), dim=1, stable=True).indices[:, :K]
+    return pool.gather(1, order)
 
 
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
@@ -101,15 +119,14 @@ def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, 
     return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1), mask
 
 
-def choose_path(guided: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
+def choose_path(root: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
                 tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
-    """guided: (B, C, V) logits, offset: (B,) the root's column, cand: (B, K), on: (B,) rows
-    with candidates.  -> branch (B,) (the first c_j equal to the root's argmax, else 0; 0 off
-    the tree), path (B, W) column of each aligned index, valid (B,) aligned predictions made
-    under committed tokens only along the path (W on branch 0)."""
+    """root: (B,) the token the root column chose for token cur (`rollout.jacobi.root_token`),
+    offset: (B,) the root's column, cand: (B, K), on: (B,) rows with candidates.  -> branch
+    (B,) (the first c_j equal to root, else 0; 0 off the tree), path (B, W) column of each
+    aligned index, valid (B,) aligned predictions made under committed tokens only along the
+    path (W on branch 0)."""
     W = tree.path.shape[1]
-    col = offset.clamp(max=W - 1)[:, None, None].expand(-1, 1, guided.shape[-1])
-    root = guided.gather(1, col).squeeze(1).argmax(-1)
     match = cand == root[:, None]
     branch = torch.where(on & match.any(1), match.long().argmax(1), 0)
     path = tree.path[branch]

@@ -97,9 +97,6 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
     k = o.get("candidates", 0)
     if "candidates" in o and not (_is_int(k) and k >= 0):
         raise ValueError(f"option candidates must be an int >= 0 (0 = off), got {k!r}")
-    if k and o.get("decoding") == "sample":
-        raise ValueError("option candidates needs decoding='greedy' (candidate drafting is "
-                         "not built for sampled verification); set candidates=0")
     if k and o.get("compile"):
         raise ValueError("option candidates cannot be combined with compile (the compiled "
                          "verifier has no tree window); turn one of them off")
@@ -260,50 +257,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class CompiledVerifier:
-    """The model with its Full-execution cached forward (rows=None, fixed (R, W) shapes)
-    replaced by a torch.compile'd one; everything else is the model's own."""
-
-    def __init__(self, model, forward):
-        self._model, self._forward = model, forward
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def forward_cached(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
-        if rows is None:
-            return self._forward(tokens, positions)
-        return self._model.forward_cached(tokens, positions, rows)
-
-
 class Engine:
     """Base class: option handling and the timed, validated `generate` wrapper.
 
     Option compile (every engine): False, or a torch.compile backend (True = "inductor";
-    "eager" traces without code generation, for tests): the Full-execution verifier forward is
-    compiled once per model (mode "reduce-overhead", CUDA graphs, on CUDA) and run on the
-    model's static cache (`static_cache`); Compact rounds and prefills stay eager."""
+    "eager" traces without code generation, for tests): each round -- its verifier forward
+    and the choice or verification of its tokens -- is one compiled function with static
+    shapes (`Engine.step`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
+    graph), run on the model's static cache (`static_cache`); prefills stay eager."""
     name = "engine"
     DEFAULTS: dict = {}
 
     def __init__(self, **options):
         self.options = check_options(self.name, options, engine_options(self.name))
-        self._compiled: dict[int, object] = {}
+        self._compiled: dict[tuple, object] = {}
 
-    def _verifier(self, model):
-        """The compiled Full-execution forward of `model` (compiled on first use)."""
-        if id(model) not in self._compiled:
-            if not hasattr(model, "static_cache"):
-                raise ValueError("option compile needs a model with static_cache(on) (a fixed-"
-                                 "length cached attention); opd.models.GPT has one")
+    @property
+    def compiles(self) -> bool:
+        return bool(self.options["compile"])
+
+    def step(self, fn, device: torch.device):
+        """`fn` (a round function of the engine's module), or with option compile its
+        torch.compile'd version (compiled per function and device type; dynamic=False: one
+        graph per input shape, which callers keep few)."""
+        if not self.compiles:
+            return fn
+        key = (fn, device.type)
+        if key not in self._compiled:
             backend = self.options["compile"]
             backend = "inductor" if backend is True else backend
-            mode = ("reduce-overhead" if backend == "inductor"
-                    and model_device(model, torch.device("cpu")).type == "cuda" else None)
-            self._compiled[id(model)] = torch.compile(
-                lambda tokens, positions: model.forward_cached(tokens, positions, None),
-                backend=backend, mode=mode, dynamic=False)
-        return self._compiled[id(model)]
+            mode = "reduce-overhead" if backend == "inductor" and device.type == "cuda" else None
+            self._compiled[key] = torch.compile(fn, backend=backend, mode=mode, dynamic=False)
+        return self._compiled[key]
 
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
@@ -328,19 +313,20 @@ class Engine:
         was_training = bool(getattr(model, "training", False))
         if was_training:
             model.eval()
-        compiled = self._verifier(model) if self.options["compile"] else None
+        if self.compiles and not hasattr(model, "static_cache"):
+            raise ValueError("option compile needs a model with static_cache(on) (a fixed-"
+                             "length cached attention); opd.models.GPT has one")
         try:
             start = time.perf_counter()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
                 model.setup_cache(req.rows * (2 if req.cfg else 1), self.cache_len(req))
-                if compiled is not None:
+                if self.compiles:
                     model.static_cache(True)
-                result = self.run(model if compiled is None else CompiledVerifier(model, compiled),
-                                  req)
+                result = self.run(model, req)
             synchronize(req.labels.device)
             result.wall_time = time.perf_counter() - start
         finally:
-            if compiled is not None:
+            if self.compiles:
                 model.static_cache(False)
             if was_training:
                 model.train()

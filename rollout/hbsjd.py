@@ -8,12 +8,21 @@ the windows of images at different positions (positions (B, W) per row).  Execut
     Hybrid    Full while the active count >= gamma, Compact below it
 
 Independent Batched SJD (`sjd_independent`) is HB-SJD with Full execution and no switching.
-The loop synchronises with the device once per round (the active count; Compact rounds also
-`nonzero` the active mask); everything per image is vectorised.
+The loop synchronises with the device once per round (the active count; eager Compact rounds
+also `nonzero` the active mask); everything per image is vectorised.
+
+With option compile a round -- verifier forward and verification -- is one compiled function
+(`full_round`, `compact_round`) with static shapes: a Compact round runs a bucket of rows, the
+active count rounded up to a power of two between R / 8 and R (`bucket`), padded with finished
+rows, whose round changes nothing they keep (`compact_round`); so a call compiles a handful
+of graphs (R = 32: Full, then Compact at 4, 8, 16 and 32 rows), not one per active count.
+The round state lives in buffers the engine keeps across calls (`StaticStates`), so on CUDA
+("reduce-overhead") every replay of a round's graph sees the same addresses.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 
 import torch
 from torch import Tensor
@@ -27,11 +36,14 @@ from rollout.sampling import guide
 from rollout.stats import RolloutResult
 
 
-def run_jacobi(model, req: Request, plan: Plan, gamma: int) -> RolloutResult:
+def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
+               hold=None) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
     plan: the call's constants (`JacobiEngine.plan`: window, history offset, sync, refresh,
     candidate drafting).  gamma: Compact execution when fewer than gamma rows are active
-    (0 = always Full, > R = always Compact).
+    (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
+    `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
+    eager rounds of exactly the active rows.
 
     With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
     are complete at the start of a round and images wait, the rows' tokens are kept and the
@@ -48,6 +60,10 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int) -> RolloutResult:
     active_log, modes, prefills = [R], ["full"], 0
     accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
     st = init_state(req, img, first, plan, model.vocab_size, first_logp)
+    compiled = full is not None
+    if compiled:
+        st = hold(st)
+    full, compact = full or full_round, compact or compact_round
     out = torch.empty(B, T, dtype=torch.long, device=dev)
     out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
     first_round = torch.zeros(B, dtype=torch.long, device=dev)
@@ -71,18 +87,15 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int) -> RolloutResult:
         times.append(time.perf_counter())
         if A == 0:
             break
-        compact = A < gamma
-        if compact:
-            idx = live.nonzero().squeeze(1)
-            sub, rows = st.select(idx), (torch.cat([idx, idx + R]) if req.cfg else idx)
+        is_compact, idx = A < gamma, None
+        if is_compact:
+            idx = bucket_rows(live, bucket(A, R)) if compiled else live.nonzero().squeeze(1)
+            counts = compact(model, st, idx, req, plan)
         else:
-            sub, rows, idx = st, None, None
-        logits, positions, offset = forward_window(model, sub, req, plan, rows)
-        counts = verify_window(model, sub, logits, positions, offset, req, plan, rows)
-        if compact:
-            st.assign(idx, sub)
+            counts = full(model, st, req, plan)
         if idx is None and R == B:       # no slots, Full: row b holds image b
-            per_image = counts
+            # (a CUDA graph's outputs are rewritten by its next replay)
+            per_image = counts.clone() if compiled else counts
         else:
             per_image = torch.zeros(3, B, dtype=torch.long, device=dev)
             per_image.index_add_(1, img if idx is None else img[idx], counts)
@@ -90,11 +103,78 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int) -> RolloutResult:
         accepted += per_image[1]
         rejected += per_image[2]
         active_log.append(A)
-        modes.append("compact" if compact else "full")
+        modes.append("compact" if is_compact else "full")
     out[img] = st.seq[:, :T]
     out_logp[img] = st.logp[:, :T]
     return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
                    first_round, out_logp[:, req.prefix_len:])
+
+
+def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
+    """A Full-execution round: the windows of every physical row (finished rows included)
+    verified and advanced in place -> counts (3, R) int64 (`verify_window`)."""
+    logits, positions, offset = forward_window(model, st, req, plan, None)
+    return verify_window(model, st, logits, positions, offset, req, plan, None)
+
+
+def full_round_in_place(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
+    """`full_round` that leaves every state tensor in its storage (the next proposals q are
+    copied into the old ones): what the compiled round runs."""
+    q = st.q
+    counts = full_round(model, st, req, plan)
+    if q is not None:
+        st.q = q.copy_(st.q)
+    return counts
+
+
+def compact_round(model, st: JacobiState, idx: Tensor, req: Request, plan: Plan) -> Tensor:
+    """A Compact round over rows idx (k,) (cache rows idx, and idx + R with CFG), in place
+    -> counts (3, k) int64.  A finished row in idx (bucket padding) changes only scratch past
+    T and its unused round counter and proposals, and counts 0 (jacobi.commit_count)."""
+    sub = st.select(idx)
+    rows = torch.cat([idx, idx + req.rows]) if req.cfg else idx
+    logits, positions, offset = forward_window(model, sub, req, plan, rows)
+    counts = verify_window(model, sub, logits, positions, offset, req, plan, rows)
+    st.assign(idx, sub)
+    return counts
+
+
+def bucket(active: int, rows: int) -> int:
+    """Rows of a compiled Compact round: `active` rounded up to a power of two, at least
+    R // 8 (a few padded rows cost less than a graph per small count), at most R."""
+    return min(rows, max(1 << (active - 1).bit_length(), rows // 8))
+
+
+def bucket_rows(live: Tensor, size: int) -> Tensor:
+    """live: (R,) bool -> (size,) int64 the active rows in ascending order, then finished rows
+    (`compact_round`'s padding); size >= the active count."""
+    return torch.sort((~live).to(torch.uint8), stable=True).indices[:size]
+
+
+class StaticStates:
+    """Round-state buffers kept across calls, one set per shape: `hold(st)` copies a fresh
+    state into them, so a compiled round sees the same addresses in every call (what CUDA
+    graphs replay; marked static for torch.compile on CUDA)."""
+
+    def __init__(self):
+        self._held: dict[tuple, JacobiState] = {}
+
+    def hold(self, st: JacobiState) -> JacobiState:
+        values = [getattr(st, f.name) for f in fields(st)]
+        key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in values)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = JacobiState(*(None if t is None else t.clone()
+                                                  for t in values))
+            for f in fields(held):
+                t = getattr(held, f.name)
+                if t is not None and t.is_cuda:
+                    torch._dynamo.mark_static_address(t)
+        else:
+            for f, t in zip(fields(held), values):
+                if t is not None:
+                    getattr(held, f.name).copy_(t)
+        return held
 
 
 def forward_window(model, st: JacobiState, req: Request, plan: Plan,
@@ -155,9 +235,13 @@ class JacobiEngine(Engine):
     "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
     also take candidates (K >= 2: after a correction the next window also verifies K - 1
     alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
-    only; 0 = off) and branch (columns of each alternative branch; None = 1)."""
+    or sampled; 0 = off) and branch (columns of each alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._states = StaticStates()    # compiled rounds' state buffers
 
     def history(self, model) -> int:
         H = self.options["H"]
@@ -184,11 +268,14 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size)
+                         model.vocab_size, req.sampled)
 
     def run(self, model, req: Request) -> RolloutResult:
-        plain = getattr(model, "_model", model)    # gamma is measured on the eager model
-        return run_jacobi(model, req, self.plan(plain, req), self.gamma(plain, req))
+        plan, gamma, dev = self.plan(model, req), self.gamma(model, req), req.labels.device
+        if not self.compiles:
+            return run_jacobi(model, req, plan, gamma)
+        return run_jacobi(model, req, plan, gamma, self.step(full_round_in_place, dev),
+                          self.step(compact_round, dev), self._states.hold)
 
 
 @register("sjd_independent")

@@ -65,13 +65,17 @@ class Plan:
     #                      token, draft
     vocab: Tensor | None = None  # (V,) 0..V-1 (one-hot proposals of filled tokens)
     tree: Tree | None = None  # candidate drafting's window layout (rollout/candidates.py)
+    known: Tensor | None = None  # (h,) candidate drafting: the committed tokens this far
+    #                              before token cur join its candidates, (H,) greedy, (1, H)
+    #                              sampled (`candidates.candidates`)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None) -> Plan:
-    """candidates: K >= 2 turns on candidate drafting (greedy, not sync), branch: columns of
-    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None)."""
+              vocab_size: int | None = None, sampled: bool = False) -> Plan:
+    """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
+    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None);
+    sampled: the decoding (which committed tokens join the candidates)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -80,7 +84,8 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
     vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
     return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
-                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1))
+                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
+                known=torch.tensor([1, H] if sampled else [H], device=device))
 
 
 @dataclass
@@ -172,14 +177,35 @@ def commit_count(a: Tensor, offset: Tensor, W: int, sync: bool) -> Tensor:
     return m
 
 
-def tree_path(st: JacobiState, guided: Tensor, offset: Tensor,
-              plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Candidate drafting: verify along the branch the root chose (rollout/candidates.py).
-    guided: (B, C, V) logits of the tree window -> the path's logits as a plain window
-    (B, W, V), checked (B, W, 1) bool, last (B, 1, 1) the first column not checked, and the
-    branch (B,) each row took.  Writes the winning candidate into seq as draft cur."""
+def root_token(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor,
+               u: Tensor | None, plan: Plan) -> Tensor:
+    """Candidate drafting: the token cur the root column chooses (rollout/candidates.py).
+    guided: (B, C, V) logits of the tree window, p: their warped probabilities (sampled; else
+    None), u: (4, B, W, 1) the round's uniforms (sampled) -> (B,) int64: the argmax (greedy),
+    or (sampled) `verify_sample` of the root column alone: its draft c_0 = seq[cur] kept with
+    probability min(1, p(c_0) / q(c_0)), else the residual draw -- the same uniforms, so the
+    same token as the whole window's verification gives that column on branch 0."""
+    B, V = guided.shape[0], guided.shape[-1]
+    col = offset.clamp(max=plan.W - 1).view(B, 1, 1)
+    if u is None:
+        return guided.gather(1, col.expand(B, 1, V)).argmax(-1).view(B)
+    c0 = st.seq.gather(1, st.cur[:, None]).view(B, 1, 1)
+    p0, q0 = (x.gather(1, col.expand(B, 1, V)) for x in (p, st.q))          # (B, 1, V)
+    u0 = u.gather(2, col.expand(4, B, 1, 1))                                 # (4, B, 1, 1)
+    no = torch.zeros(B, 1, 1, dtype=torch.bool, device=col.device)
+    _, token = verify_sample(p0, c0, q0, no, ~no, u0, plan.col[:1], False)
+    return token.view(B)
+
+
+def tree_path(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor, root: Tensor,
+              plan: Plan) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """Candidate drafting: verify along the branch whose candidate is `root` (B,), the token
+    the root column chose (rollout/candidates.py).  guided: (B, C, V) logits of the tree
+    window, p: their probabilities or None -> the path's logits and probabilities as a plain
+    window (B, W, V), checked (B, W, 1) bool, last (B, 1, 1) the first column not checked, and
+    the branch (B,) each row took.  Writes the winning candidate into seq as draft cur."""
     B, W, V = guided.shape[0], plan.W, guided.shape[-1]
-    branch, path, t_width = choose_path(guided, offset, st.cand, st.on_tree, plan.tree)
+    branch, path, t_width = choose_path(root, offset, st.cand, st.on_tree, plan.tree)
     behind = plan.ar - offset[:, None]                        # (B, W) path index of column c
     on = st.on_tree[:, None] & (behind >= 0)
     cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
@@ -188,7 +214,9 @@ def tree_path(st: JacobiState, guided: Tensor, offset: Tensor,
                                                     st.cand.gather(1, branch[:, None]), first))
     valid = torch.minimum(W - offset, t_width)               # predictions under committed
     last = (offset + valid - 1).view(B, 1, 1)
-    return guided.gather(1, cols[..., None].expand(B, W, V)), plan.col < last, last, branch
+    idx = cols[..., None].expand(B, W, V)
+    return (guided.gather(1, idx), None if p is None else p.gather(1, idx), plan.col < last,
+            last, branch)
 
 
 def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
@@ -201,8 +229,8 @@ def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, 
     logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
     nxt = st.cur[:, None] + m.view(B, 1)
     draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
-    above = st.seq.gather(1, (nxt - plan.H).clamp(min=0)).squeeze(1)
-    st.cand = candidates(logits, draft, above, plan.tree.K)
+    known = st.seq.gather(1, (nxt - plan.known).clamp(min=0))        # (B, h) tokens before it
+    st.cand = candidates(logits, draft, known, plan.tree.K)
     stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
     live, nxt = offset < W, nxt.view(B)
     st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
@@ -236,18 +264,22 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     pos = start + plan.col                                            # (B, W, 1) column's token
     seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
     done = plan.col < off                                             # committed before
-    checked, last, branch = plan.checked, W - 1, None
-    if plan.tree is not None:
-        guided, checked, last, branch = tree_path(st, guided, offset, plan)
-    drafts = seq.gather(1, pos)                                       # (B, W, 1)
-    if req.sampled or st.logp is not None:
-        p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W, V)
+    held, checked, last, branch, p, u = done, plan.checked, W - 1, None, None, None
     if req.sampled:
         u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
-        a, tokens = verify_sample(p, drafts, st.q, done, checked, u, plan.col, plan.coupled)
+    if req.sampled or st.logp is not None:
+        p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
+    if plan.tree is not None:
+        root = root_token(st, guided, p, offset, u, plan)
+        guided, p, checked, last, branch = tree_path(st, guided, p, offset, root, plan)
+        held = done | ((plan.col == off) & (branch > 0).view(B, 1, 1))   # c_j: chosen above
+    drafts = seq.gather(1, pos)                                       # (B, W, 1)
+    if req.sampled:     # on a tree path the drafts past its valid predictions are coupled too
+        a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
+                                  plan.checked)
     else:
         tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
-        a = verify_greedy(tokens, drafts, done, checked)
+        a = verify_greedy(tokens, drafts, held, checked)
     m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
     if plan.sync and req.sampled:    # accepted past the batch minimum: drafts again, from p
         again = (plan.col >= off + m) & (plan.col <= a)

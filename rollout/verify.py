@@ -56,28 +56,31 @@ def verify_greedy(pred: Tensor, drafts: Tensor, done: Tensor, checked: Tensor) -
 
 
 def verify_sample(p: Tensor, drafts: Tensor, q: Tensor, done: Tensor, checked: Tensor,
-                  u: Tensor, col: Tensor, coupled: bool) -> tuple[Tensor, Tensor]:
+                  u: Tensor, col: Tensor, coupled: bool,
+                  drafted: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Speculative sampling of every window, and the next round's drafts.
 
     p: (B, W, V) predictions, drafts: (B, W, 1) the checked tokens, q: (B, W, V) the
     distributions they were drawn from (any finite rows where nothing is checked), done /
     checked: (B, W, 1) bool, u: (4, B, W, 1) float64 uniforms of the acceptance test, the
-    coupling test, the token at `a` and the drafts after it, col: (W, 1) the column numbers.
+    coupling test, the token at `a` and the drafts after it, col: (W, 1) the column numbers,
+    drafted: (B, W, 1) bool the columns whose draft the coupled refresh may keep (default
+    `checked`; a candidate-tree path checks fewer columns than hold drafts).
 
     Returns a (B, 1, 1) int64 and the round's tokens (B, W, 1) int64: the accepted drafts
     before `a`, the replacement or bonus token at `a`, the next drafts after it."""
     u_accept, u_couple, u_token, u_draft = u
+    drafted = checked if drafted is None else drafted
     p_x, q_x = p.gather(2, drafts), q.gather(2, drafts)                # (B, W, 1)
     a = leading_true(done | (checked & keeps(u_accept, q_x, p_x)))     # (B, 1, 1)
     at = col == a                                                      # (B, W, 1) token at a
     res = residual(p, q)                                               # (B, W, V)
-    usable = checked & (res.sum(-1, keepdim=True) > 0)     # else p (rounding left nothing)
+    usable = res.sum(-1, keepdim=True) > 0                 # else p (rounding left nothing)
     kept = col < a                                                     # accepted drafts
-    if coupled:
-        stale = (col > a) & checked                                    # never verified
-        from_res = (at | stale) & usable
+    from_res = at & checked                                # a rejection (else the bonus: p)
+    if coupled:     # never verified: after `a`, or a bonus token at `a` that holds a draft
+        stale = ((col > a) | (at & ~checked)) & drafted
+        from_res = from_res | stale
         kept = kept | (stale & keeps(u_couple, q_x, p_x))
-    else:
-        from_res = at & usable
-    new = inverse_cdf(torch.where(from_res, res, p), torch.where(at, u_token, u_draft))
+    new = inverse_cdf(torch.where(from_res & usable, res, p), torch.where(at, u_token, u_draft))
     return a, torch.where(kept, drafts, new)

@@ -3,8 +3,8 @@
     opd bench rollout --config digits [--json OUT] [--out DIR] [key=value ...]
     opd bench paper --config digits_paper [--out DIR] [key=value ...]
     opd bench table1 --config table1_gpu [--out DIR] [key=value ...]
-    opd bench step [--config RUN_PRESET] [--modes reference,ray] [--out DIR] [--synthetic]
-                   [key=value ...]
+    opd bench step [--config RUN_PRESET] [--modes reference,ray] [--compile false,true]
+                   [--out DIR] [--synthetic] [key=value ...]
     opd bench schedules --config schedules_digits8 [--out DIR] [key=value ...]
 """
 from __future__ import annotations
@@ -79,7 +79,10 @@ def add_step(which: argparse._SubParsersAction) -> None:
     r.add_argument("--warmup-steps", type=int, default=1,
                    help="steps dropped at the start of each run (default 1)")
     r.add_argument("--repeats", type=int, default=1,
-                   help="runs per (mode, engine), interleaved (default 1)")
+                   help="runs per (mode, compile, engine), interleaved (default 1)")
+    r.add_argument("--compile", default="false", metavar="C1,C2",
+                   help="rollout.compile values, comma-separated: false,true runs every engine "
+                        "eager and compiled side by side (default false)")
     r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/step)")
     r.add_argument("--synthetic", action="store_true",
                    help="write random-token Parquet data and random-weight student and teacher "
@@ -210,8 +213,8 @@ def run_step(args: argparse.Namespace) -> int:
         check_step_args
     from opd.reference import run_reference
 
-    engines, modes = check_step_args(args.engines, args.modes, args.steps, args.warmup_steps,
-                                     args.repeats)
+    engines, modes, compiles = check_step_args(args.engines, args.modes, args.steps,
+                                               args.warmup_steps, args.repeats, args.compile)
     out = Path(args.out or Path("runs") / "bench" / "step")
     if args.synthetic:
         from opd.bench.synthetic import prepare_synthetic
@@ -226,7 +229,7 @@ def run_step(args: argparse.Namespace) -> int:
             closers.append(close)
         report = run_step_bench(args.cfg, out, runners, engines=engines, modes=modes,
                                 steps=args.steps, warmup_steps=args.warmup_steps,
-                                repeats=args.repeats)
+                                repeats=args.repeats, compiles=compiles)
     finally:
         for close in closers:
             close()

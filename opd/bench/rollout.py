@@ -13,8 +13,8 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
     engines: [sjd_sync, sjd_independent, hbsjd-full, hbsjd-compact, hbsjd-hybrid]
     decodings: [greedy]          gamma: measure | <int>     repeats: 3    warmup: 1
     refreshes: [coupled]         # sampled drafts: coupled and/or resample (rollout/jacobi.py)
-    candidates: [0]              # greedy: candidate drafting K (0 = off; rollout/candidates.py),
-                                 # every value a row of sjd_independent and hbsjd-* engines
+    candidates: [0]              # candidate drafting K (0 = off; rollout/candidates.py), every
+                                 # value a row of sjd_independent and hbsjd-* engines
     slots: null                  # physical rows per call (continuous batching); every engine,
                                  # Cached AR included, runs the batch's images through them
 
@@ -112,8 +112,8 @@ class RolloutBench:
     refreshes: list[str] = field(default_factory=lambda: ["coupled"])
     """Sampled drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
     candidates: list[int] = field(default_factory=lambda: [0])
-    """Greedy rows of the independent engines once per candidate count K (0 = off, >= 2 on;
-    rollout/candidates.py); sampled rows and sjd_sync run without."""
+    """Rows of the independent engines once per candidate count K (0 = off, >= 2 on;
+    rollout/candidates.py), greedy and sampled; sjd_sync runs without."""
     slots: int | None = bounded(None, ge=1)
     """Physical rows per call (continuous batching), every engine, Cached AR included; null =
     all of the batch's images at once."""
@@ -172,9 +172,8 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
     for d in b.decodings:
         for W in b.windows:
             for label in b.engines:
-                greedy_k = d == "greedy" and label != "sjd_sync"
                 for refresh in (b.refreshes if d == "sample" else ["coupled"]):
-                    for K in (b.candidates if greedy_k else [0]):
+                    for K in (b.candidates if label != "sjd_sync" else [0]):
                         name, opts = VARIANTS[label]
                         opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
                         if K:
@@ -227,7 +226,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
                 "gamma": kw.get("gamma"), "refresh": kw.get("refresh") if d == "sample" else None,
-                "candidates": (kw.get("candidates", 0) if d == "greedy" and label != "cached_ar"
+                "candidates": (kw.get("candidates", 0) if label not in ("cached_ar", "sjd_sync")
                                else None),
                 "slots": b.slots, "rounds": res.rounds,
                 "round_ratio": res.rounds / base[d][2], "prefills": res.prefills,

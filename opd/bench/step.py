@@ -2,21 +2,26 @@
 weight sync, for Cached AR vs HB-SJD rollouts, in the reference loop and on Ray.
 
     report = run_step_bench(cfg, out_dir, {"reference": run_ref, "ray": run_ray},
-                            engines=["cached_ar", "hbsjd"], modes=["reference", "ray"])
+                            engines=["cached_ar", "hbsjd"], modes=["reference", "ray"],
+                            compiles=[False, True])
 
 A runner is `fn(cfg, run_dir) -> per-step rows`: opd.reference.run_reference, or
-actors.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
-(mode, engine) runs warmup_steps + steps OPD steps per repeat, the runs interleaved
+actors.driver.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
+(mode, compile, engine) runs warmup_steps + steps OPD steps per repeat, the runs interleaved
 round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are dropped (gamma
-calibration, first-call allocations).  A row has rollout_s, teacher_s, learner_s and step_s;
+calibration, first-call allocations, the compile; the first one's rollout time is kept as
+`first_rollout_s`).  `compiles` are values of rollout.compile
+(False = eager; compiled runs turn candidate drafting off, which compile excludes); speedups
+compare engines of the same mode and compile.  A row has rollout_s, teacher_s, learner_s and step_s;
 Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
-nothing travels, 0) and, from actors.bench_io.run_with_io, the step's bytes by role, peak memory
+nothing travels, 0) and, from actors.bench.io.run_with_io, the step's bytes by role, peak memory
 and object-store use (opd/bench/step_io.py).  Steps of two engines see the same prefix batches (seeded order), so
 their per-step ratios pair up.  KD and GKD configs run as on-policy GKD here (lambda 1): a
 step without student rollouts has nothing for the engines to differ in.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -33,11 +38,20 @@ ENGINES = ("cached_ar", "sjd_sync", "sjd_independent", "hbsjd")
 Runner = Callable[[RunConfig, Path], list]
 
 
-def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int,
-                    repeats: int) -> tuple[list[str], list[str]]:
-    """Parse comma-separated engines and modes; ConfigError naming the bad option."""
+COMPILES = {"false": False, "true": True, "inductor": "inductor", "aot_eager": "aot_eager",
+            "eager": "eager"}
+
+
+def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, repeats: int,
+                    compiles: str = "false") -> tuple[list[str], list[str], list]:
+    """Parse comma-separated engines, modes and rollout.compile values; ConfigError naming
+    the bad option."""
     e = [x for x in engines.split(",") if x]
     m = [x for x in modes.split(",") if x]
+    c = [x for x in compiles.split(",") if x]
+    if not c or any(x not in COMPILES for x in c):
+        raise ConfigError(f"--compile {compiles!r}: must be comma-separated values of "
+                          f"rollout.compile from {', '.join(COMPILES)}", "compile")
     if not e or any(x not in ENGINES for x in e):
         raise ConfigError(f"--engines {engines!r}: must be comma-separated names from "
                           f"{', '.join(ENGINES)}", "engines")
@@ -48,56 +62,70 @@ def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int,
                         ("--repeats", repeats, 1)):
         if v < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {v}", name)
-    return e, m
+    return e, m, [COMPILES[x] for x in c]
 
 
 def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runner], *,
                    engines: list[str], modes: list[str], steps: int = 3, warmup_steps: int = 1,
-                   repeats: int = 1, log: Callable = print) -> dict:
-    """Per (mode, engine): the measured steps' rows and the mean split of a step."""
+                   repeats: int = 1, compiles: list | None = None,
+                   log: Callable = print) -> dict:
+    """Per (mode, compile, engine): the measured steps' rows and the mean split of a step."""
     missing = [m for m in modes if m not in runners]
     if missing:
         raise ConfigError(f"no runner for mode(s) {missing}", "modes")
     out = Path(out_dir)
-    combos = [(m, e) for m in modes for e in engines]
+    compiles = [False] if compiles is None else compiles
+    combos = [(m, c, e) for m in modes for c in compiles for e in engines]
     count = {c: 0 for c in combos}
 
-    def call(mode: str, engine: str):
-        count[mode, engine] += 1
-        run_dir = out / "runs" / f"{mode}-{engine}-{count[mode, engine]}"
+    def call(mode: str, compile, engine: str):
+        count[mode, compile, engine] += 1
+        tag = "" if compile is False else f"-compile_{compile}"
+        run_dir = out / "runs" / f"{mode}-{engine}{tag}-{count[mode, compile, engine]}"
         # On-policy GKD (lambda 1) unless the objective rolls out itself (VarKD, SeqKD): the
         # bench measures rollouts inside the step, which the digits default (KD on data) has not.
         on_policy = ([] if cfg.distill.objective in ("varkd", "seqkd")
                      else ["distill.objective=gkd", "distill.lam=1"])
         # engines that draft no candidates compare with candidate drafting off
-        plain = ([] if engine in ("hbsjd", "sjd_independent") else ["rollout.candidates=0"])
+        plain = ([] if engine in ("hbsjd", "sjd_independent") and compile is False
+                 else ["rollout.candidates=0"])
         run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}",
+                                        f"rollout.compile={str(compile is not False).lower()}",
                                         *on_policy, *plain,
                                         f"distill.steps={warmup_steps + steps}",
                                         "run.checkpoint_every=0", "eval.track=false",
                                         f"run.dir={run_dir}"])
+        if compile not in (False, True):         # a backend name (e.g. "eager" in tests)
+            run_cfg = dataclasses.replace(run_cfg, rollout=dataclasses.replace(run_cfg.rollout,
+                                                                               compile=compile))
         if run_dir.exists():                        # this bench's own output of an earlier run
             shutil.rmtree(run_dir)
-        log(f"bench step: {mode} {engine} run {count[mode, engine]} -> {run_dir}")
+        log(f"bench step: {mode} {engine} compile={compile} run "
+            f"{count[mode, compile, engine]} -> {run_dir}")
         rows = runners[mode](run_cfg, run_dir)
         # the run's final checkpoint is not the bench's output (2 GB at the scale preset)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        return 0.0, [dict(r) for r in rows[warmup_steps:]]
+        return 0.0, ([float(r.get("rollout_s", 0.0)) for r in rows[:warmup_steps]],
+                     [dict(r) for r in rows[warmup_steps:]])
 
-    samples = common.interleave([lambda m=m, e=e: call(m, e) for m, e in combos], repeats, 0)
+    samples = common.interleave([lambda m=m, c=c, e=e: call(m, c, e) for m, c, e in combos],
+                                repeats, 0)
     results = []
-    for (mode, engine), runs in zip(combos, samples):
-        rows = [r for _, run in runs for r in run]
-        results.append({"mode": mode, "engine": engine, **summarize(rows), "rows": rows})
-    for r in results:
-        base = next(x for x in results if x["mode"] == r["mode"])   # first engine is the base
+    for (mode, compile, engine), runs in zip(combos, samples):
+        rows = [r for _, (_, run) in runs for r in run]
+        first = [w[0] for _, (w, _) in runs if w]      # each run's first rollout (the compile)
+        results.append({"mode": mode, "compile": compile, "engine": engine, **summarize(rows),
+                        "first_rollout_s": first, "rows": rows})
+    for r in results:                       # the first engine of a (mode, compile) is the base
+        base = next(x for x in results
+                    if x["mode"] == r["mode"] and x["compile"] == r["compile"])
         r["baseline"] = None if base is r else base["engine"]
         for part in ("rollout_s", "step_s"):
             key = part.replace("_s", "_speedup")
             r[key] = (None if base is r else
                       common.ratio([x[part] for x in base["rows"]], [x[part] for x in r["rows"]]))
     return {"config": _plain(cfg), "environment": common.environment("cpu"),
-            "engines": engines, "modes": modes, "steps": steps, "warmup_steps": warmup_steps,
+            "engines": engines, "modes": modes, "compiles": compiles, "steps": steps, "warmup_steps": warmup_steps,
             "repeats": repeats, "results": results}
 
 
@@ -113,7 +141,7 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_committed"] = float(np.mean([r.get("mean_committed", 0.0) for r in rows]))
     out["generated_tokens"] = float(np.mean([r.get("generated_tokens", 0) for r in rows]))
     out["steps_measured"] = len(rows)
-    out["io"] = io_summary(rows)           # ray rows from actors.bench_io.run_with_io, else None
+    out["io"] = io_summary(rows)           # ray rows from actors.bench.io.run_with_io, else None
     return out
 
 
@@ -124,9 +152,9 @@ def _plain(cfg: RunConfig) -> dict:
 
 def format_step_markdown(report: dict) -> str:
     """One table per mode: the mean split of a step (ms), shares and speedups."""
-    heads = ["engine", "rollout ms", "teacher ms", "learner ms", "weight sync ms", "other ms",
-             "step ms", "rollout share", "rounds", "tok/rnd", "rollout speedup",
-             "step speedup"]
+    heads = ["engine", "compile", "rollout ms", "teacher ms", "learner ms", "weight sync ms",
+             "other ms", "step ms", "rollout share", "rounds", "tok/rnd", "ms/round",
+             "1st rollout s", "rollout time / base", "rollout speedup", "step speedup"]
     c = report["config"]
     out = ["# One OPD step: rollout, teacher, learner, weight sync", "",
            f"Run config: students {c['model']['student']} / teacher {c['model']['teacher']}, "
@@ -134,8 +162,11 @@ def format_step_markdown(report: dict) -> str:
            f"{c['rollout']['window']}, {c['rollout']['decoding']} decoding, objective "
            f"{c['distill']['objective']}; {report['steps']} measured steps after "
            f"{report['warmup_steps']} warm-up step(s) per run, {report['repeats']} run(s) per "
-           f"(mode, engine), interleaved; mean ± std over measured steps; speedup = ratio of "
-           f"means [min–max of per-step ratios]. Paper (H200): rollout 1.46–1.65× faster with "
+           f"(mode, compile, engine), interleaved; mean ± std over measured steps; base = the "
+           f"first engine of the same compile; speedup = ratio of means [min–max of per-step "
+           f"ratios]; compiled = rollout.compile (one graph per round); 1st rollout = the first "
+           f"warm-up step's rollout of each run (compiled: the compile, in the first run of the "
+           f"process). Paper (H200): rollout 1.46–1.65× faster with "
            f"HB-SJD; rollout is the bottleneck of a step.", ""]
     for mode in report["modes"]:
         body = []
@@ -144,9 +175,13 @@ def format_step_markdown(report: dict) -> str:
                 return f"{1e3 * r[k]['mean']:.0f} ± {1e3 * r[k]['std']:.0f}"
             sync = ms("weight_sync_s") if r["weight_sync_measured"] else "0 (in process)"
             share = r["rollout_s"]["mean"] / r["step_s"]["mean"] if r["step_s"]["mean"] else 0
-            body.append([r["engine"], ms("rollout_s"), ms("teacher_s"), ms("learner_s"), sync,
+            body.append([r["engine"], _compile_name(r.get("compile", False)), ms("rollout_s"),
+                         ms("teacher_s"), ms("learner_s"), sync,
                          str(round(1e3 * r["other_s"]) or 0), ms("step_s"), f"{100 * share:.0f}%",
                          f"{r['rounds']:.1f}", f"{r['mean_committed']:.3f}",
+                         f"{1e3 * r['rollout_s']['mean'] / max(r['rounds'], 1):.2f}",
+                         " / ".join(f"{x:.1f}" for x in r.get("first_rollout_s", [])) or "-",
+                         _time_ratio(r),
                          _speedup(r, "rollout_speedup"), _speedup(r, "step_speedup")])
         note = ("" if mode == "reference" else
                 " On Ray the parts overlap (scoring and sync run beside other work), so "
@@ -155,6 +190,16 @@ def format_step_markdown(report: dict) -> str:
         out += [f"## mode={mode}", "", f"Step ms = {step}.{note}", "",
                 common.markdown_table(heads, body), ""]
     return "\n".join(out) + "\n" + format_io_markdown(report)
+
+
+def _compile_name(compile) -> str:
+    return {False: "eager", True: "compiled"}.get(compile, f"compiled ({compile})")
+
+
+def _time_ratio(r: dict) -> str:
+    """Rollout time over the base engine's (same mode and compile): 1 / speedup of means."""
+    s = r.get("rollout_speedup")
+    return "1 (base)" if not s else f"{1 / s['speedup']:.3f}"
 
 
 def _speedup(r: dict, key: str) -> str:

@@ -146,7 +146,7 @@ def variants(cfg: RunConfig, mode: str, backend) -> list[tuple[str, RunConfig]]:
         c = dataclasses.replace(cfg, rollout=dataclasses.replace(r, compile=backend, candidates=0))
         return [("cached_ar", c), (r.engine, c)]
     out = [("cached_ar", eager), (r.engine, eager)]
-    if r.candidates and r.decoding == "greedy" and r.engine != "cached_ar":
+    if r.candidates and r.engine != "cached_ar":
         out.append((r.engine, no_k))
     return out
 
@@ -155,7 +155,7 @@ def engine_label(name: str, cfg: RunConfig) -> str:
     r = cfg.rollout
     if name == "cached_ar":
         return "Cached AR"
-    k = f" K={r.candidates}" if r.candidates and r.decoding == "greedy" else ""
+    k = f" K={r.candidates}" if r.candidates else ""
     return f"{name} W={r.window}{k}"
 
 

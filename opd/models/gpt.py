@@ -237,9 +237,14 @@ class GPT(nn.Module):
     def static_cache(self, on: bool) -> None:
         """Cached forwards attend over every cache position (masked past each query) instead
         of up to the batch's last position: one shape per (rows, window), what a compiled
-        verifier needs (rollout option compile).  Same values up to float summation order."""
+        verifier needs (rollout option compile).  Same values up to float summation order.
+        On CUDA the caches are marked static addresses, so CUDA graphs may update them in
+        place."""
         for layer in self.layers:
             layer.attention.static = on
+            for cache in (layer.attention.k_cache, layer.attention.v_cache):
+                if on and cache is not None and cache.is_cuda:
+                    torch._dynamo.mark_static_address(cache)
 
     def release_cache(self) -> None:
         for layer in self.layers:

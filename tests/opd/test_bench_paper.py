@@ -237,17 +237,21 @@ def test_gpu_script_runs_the_suite_on_cpu(tmp_path):
 
 
 def test_bench_step_reference(tiny_overrides, tmp_path):
-    """`opd bench step` in mode=reference: every part of a step is timed; Cached AR commits
-    one token per round; the markdown has a row per engine."""
+    """`opd bench step` in mode=reference, eager and compiled side by side (backend "eager":
+    the compiled path without code generation): every part of a step is timed; Cached AR
+    commits one token per round; compile changes no rollout statistic; the markdown has a row
+    per (compile, engine) with the rollout time over the same compile's Cached AR."""
     from launch.cli import main
     out = tmp_path / "step"
     code = main(["bench", "step", "--config", "tiny", "--modes", "reference", "--steps", "2",
-                 "--warmup-steps", "1", "--out", str(out), *tiny_overrides, "rollout.gamma=2",
-                 "data.prefix_ratios=[]"])
+                 "--warmup-steps", "1", "--compile", "false,eager", "--out", str(out),
+                 *tiny_overrides, "rollout.gamma=2", "data.prefix_ratios=[]"])
     assert code == 0
     report = json.loads((out / "step.json").read_text())
-    res = {r["engine"]: r for r in report["results"]}
-    assert set(res) == {"cached_ar", "hbsjd"}
+    assert report["compiles"] == [False, "eager"]
+    res = {(r["compile"], r["engine"]): r for r in report["results"]}
+    assert list(res) == [(False, "cached_ar"), (False, "hbsjd"), ("eager", "cached_ar"),
+                         ("eager", "hbsjd")]
     cfg = load_config("tiny", tiny_overrides)
     N = 64 - round(cfg.data.prefix_ratio * 64)
     for r in res.values():
@@ -257,17 +261,25 @@ def test_bench_step_reference(tiny_overrides, tmp_path):
             assert r[part]["mean"] > 0
         assert r["other_s"] == pytest.approx(0, abs=1e-9)     # reference: step = sum of parts
         assert not r["weight_sync_measured"]
-    assert res["cached_ar"]["rounds"] == N and res["cached_ar"]["mean_committed"] == 1.0
-    assert res["hbsjd"]["rounds"] <= N and res["hbsjd"]["rollout_speedup"]["speedup"] > 0
-    assert res["cached_ar"]["rollout_speedup"] is None
+    for c in (False, "eager"):
+        assert res[c, "cached_ar"]["rounds"] == N and res[c, "cached_ar"]["mean_committed"] == 1.0
+        assert res[c, "hbsjd"]["rounds"] <= N and res[c, "hbsjd"]["rollout_speedup"]["speedup"] > 0
+        assert res[c, "cached_ar"]["rollout_speedup"] is None
+        assert res[c, "hbsjd"]["baseline"] == "cached_ar"
+    assert all(len(r["first_rollout_s"]) == 1 for r in res.values())   # one run each
+    for key in ("rounds", "mean_committed", "generated_tokens"):     # same rollouts compiled
+        assert res[False, "hbsjd"][key] == res["eager", "hbsjd"][key]
     text = (out / "step.md").read_text()
     assert "## mode=reference" in text and "0 (in process)" in text
+    speedup = res["eager", "hbsjd"]["rollout_speedup"]["speedup"]
+    assert "| hbsjd | compiled (eager) |" in text and f"| {1 / speedup:.3f} |" in text
     assert (out / "step.png").read_bytes()[:8] == PNG
 
 
 def test_bench_step_bad_modes_name_the_option(tmp_path):
     from launch.cli import main
     assert main(["bench", "step", "--modes", "reference,gpu", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "step", "--compile", "false,fast", "--out", str(tmp_path)]) == 2
 
 
 def test_bench_step_ray(ray_session, tiny_overrides, tmp_path):

@@ -197,12 +197,10 @@ def test_cross_field_checks():
     assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
     assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
                                                     "sequence length model.grid_size ** 2 (64)")
-    assert error(["rollout.candidates=4"]).startswith(          # the engine's rule, keyed
-        "rollout.candidates=4: option candidates needs decoding='greedy'")
-    assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.compile=true"]
+    assert error(["rollout.candidates=4", "rollout.compile=true"]
                  ).startswith("rollout.candidates=4: option candidates cannot be combined with "
                               "compile")
-    assert error(["rollout.candidates=4", "rollout.decoding=greedy", "rollout.engine=sjd_sync"]
+    assert error(["rollout.candidates=4", "rollout.engine=sjd_sync"]
                  ).startswith("rollout.candidates=4: only the hbsjd and sjd_independent")
     assert error(["rollout.candidates=-1"]) == "rollout.candidates=-1: must be >= 0"
 
@@ -211,6 +209,8 @@ def test_candidates_reach_the_engine():
     from opd.steps import build_engine
     cfg = load_config(None, ["rollout.candidates=4", "rollout.decoding=greedy"])
     assert build_engine(cfg).options["candidates"] == 4
+    sampled = build_engine(load_config(None, ["rollout.candidates=2"]))   # the default: sample
+    assert sampled.options["candidates"] == 2 and sampled.options["decoding"] == "sample"
     assert build_engine(cfg, "sjd_independent").options["candidates"] == 4
     assert "candidates" not in build_engine(cfg, "cached_ar").options
     assert build_engine(load_config(None, [])).options["candidates"] == 0

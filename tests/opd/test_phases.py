@@ -65,6 +65,15 @@ def test_objective_on_the_command_line_replaces_the_presets_phases(tmp_path):
     assert [(p.objective, p.lam) for p in phases(kept)] == [("kd", 1.0), ("gkd", 0.5)]
 
 
+def test_one_phase_key_over_the_built_in_schedule():
+    """`distill.phases.N.KEY=V` with no preset indexes the built-in schedule (KD, then GKD)."""
+    cfg = load_config(None, ["distill.steps=200", "distill.phases.0.steps=140",
+                             "distill.phases.1.lam=0.5"])
+    assert [(p.objective, p.steps, p.lam) for p in cfg.distill.phases] == \
+        [("kd", 140, None), ("gkd", None, 0.5)]
+    assert load_config(None).distill.phases[0].steps == 420        # the default is untouched
+
+
 def test_a_preset_that_sets_its_objective_trains_with_it_for_the_whole_run(tmp_path):
     """tiny.yaml (objective gkd) extends the default (KD warm start, then GKD): it runs GKD for
     every step; a preset extending it with its own phases has those."""
@@ -95,7 +104,7 @@ def test_a_preset_that_sets_its_objective_trains_with_it_for_the_whole_run(tmp_p
      r"^distill.phases\[0\].lam_end=1: a lambda ramp needs objective gkd"),
     (["distill.phases=kd"], r"^distill.phases='kd': expected a list of mappings with keys name, "),
     (["distill.phases=[3]"], r"^'distill.phases\[0\]' must be a mapping of keys, got 3$"),
-    (["distill.phases.2.lam=0.5"], r"^distill.phases.2.lam: distill.phases holds 0 entries"),
+    (["distill.phases.2.lam=0.5"], r"^distill.phases.2.lam: distill.phases holds 2 entries"),
 ])
 def test_bad_phases_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -142,14 +142,15 @@ def test_slots_and_refresh_rules_side_by_side(tiny_preset, tmp_path):
 
 
 def test_candidate_rows_side_by_side(tiny_preset):
-    """Greedy rows of the independent engines come once per K; sjd_sync and sampled rows once,
+    """Greedy and sampled rows of the independent engines come once per K; sjd_sync rows once,
     without candidates; every greedy row equals Cached AR's tokens."""
     b = load_bench(tiny_preset, dict(batch_sizes=[4], windows=[4], candidates=[0, 3],
                                      engines=["sjd_sync", "hbsjd-full"]))
     rows = run_bench(b, log=lambda *_: None)["rows"]
     assert [(r["engine"], r["verification"], r["candidates"]) for r in rows] == [
         ("cached_ar", "greedy", None), ("cached_ar", "sample", None),
-        ("sjd_sync", "greedy", 0), ("hbsjd-full", "greedy", 0), ("hbsjd-full", "greedy", 3),
-        ("sjd_sync", "sample", None), ("hbsjd-full", "sample", None)]
+        ("sjd_sync", "greedy", None), ("hbsjd-full", "greedy", 0), ("hbsjd-full", "greedy", 3),
+        ("sjd_sync", "sample", None), ("hbsjd-full", "sample", 0), ("hbsjd-full", "sample", 3)]
     assert all(r["equal_ar"] for r in rows if r["verification"] == "greedy")
+    assert rows[-1]["verify_ops"] > rows[-2]["verify_ops"]          # the tree costs operators
     assert " K" in format_table(rows).splitlines()[0]

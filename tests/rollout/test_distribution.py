@@ -10,6 +10,10 @@ distributed as the q it records.
 Every Jacobi engine refreshes sampled drafts by maximal coupling by default (refresh="coupled");
 the cases cover both refresh rules.  A second, longer model (vocabulary 2, grid 3: 9 tokens,
 512 sequences) gives coupling room to act: stale drafts several tokens past a rejection.
+Sampled candidate drafting (recursive rejection over K candidates at the correction point,
+rollout/candidates.py) runs on models with vocabularies of 3 to 5 (up to 625 sequences), with
+a count of the branches that won, and a candidate accepted without the residual draw is
+rejected by the same statistics.
 """
 import itertools
 
@@ -227,6 +231,32 @@ def test_refresh_keeps_a_stale_draft_with_probability_min_1_p_over_q():
     assert int(a) == 0 and new.view(4).tolist() == [1, 1, 0, 1]  # resample: inverse CDF of p
 
 
+def test_a_tree_path_couples_its_bonus_token_and_the_drafts_past_it():
+    """On a candidate branch of one column only the root column is checked, but columns 1 and
+    2 still hold drafts: the token at `a` = 1 (no draft checked there) keeps its stale draft
+    with probability min(1, p / q), else comes from the residual, as the stale draft after it
+    does; the column with no draft is drawn from p."""
+    from rollout.verify import verify_sample
+    col = torch.arange(4)[:, None]
+    checked, drafted = col < 1, col < 3
+    held = col == 0                                   # the root: chosen by the root column
+    p = torch.tensor([[0.3, 0.7]]).repeat(4, 1)[None].double()          # (1, W=4, V=2)
+    q = torch.tensor([[0.6, 0.4]]).repeat(4, 1)[None].double()
+    drafts = torch.zeros(1, 4, 1, dtype=torch.long)
+    u_accept = torch.full((1, 4, 1), 0.9, dtype=torch.float64)
+    u_token = u_draft = torch.full((1, 4, 1), 0.1, dtype=torch.float64)  # p-sample: token 0
+    got = []
+    for keep_1, keep_2 in ((0.49, 0.51), (0.51, 0.49)):           # keep iff u < p/q = 0.5
+        u_couple = torch.tensor([0.0, keep_1, keep_2, 0.0], dtype=torch.float64).view(1, 4, 1)
+        a, new = verify_sample(p, drafts, q, held[None], checked, torch.stack(
+            [u_accept, u_couple, u_token, u_draft]), col, True, drafted)
+        got.append((int(a), new.view(4).tolist()))
+    assert got == [(1, [0, 0, 1, 0]), (1, [0, 1, 0, 0])]   # residual [0, 0.3]: token 1
+    a, new = verify_sample(p, drafts, q, held[None], checked, torch.stack(
+        [u_accept, u_couple, u_token, u_draft]), col, True)         # drafted = checked
+    assert (int(a), new.view(4).tolist()) == (1, [0, 0, 0, 0])     # all from p
+
+
 def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
     """Keeping every stale draft (no min(1, p/q) test) leaves drafts distributed as their old
     proposal while the verifier is told q = p: the statistics reject it."""
@@ -242,3 +272,83 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
     engine = make_engine("hbsjd", W=8, decoding="sample", refresh="coupled", execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
     assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8
+
+
+# ---- candidate drafting at the correction point (rollout/candidates.py) --------------------
+
+@pytest.fixture
+def branch_wins(monkeypatch):
+    """Counts the rows whose window was a tree and those a branch j > 0 won, so every case
+    shows that its candidates were drafted and chosen."""
+    import rollout.jacobi
+    real, seen = rollout.jacobi.choose_path, {"tree": 0, "won": 0}
+
+    def spy(root, offset, cand, on, tree):
+        branch, path, valid = real(root, offset, cand, on, tree)
+        seen["tree"] += int(on.sum())
+        seen["won"] += int((branch > 0).sum())
+        return branch, path, valid
+    monkeypatch.setattr(rollout.jacobi, "choose_path", spy)
+    return seen
+
+
+def candidate_counts(model, engine, prefix, cfg, **warps):
+    """-> counts over the V ** N generated sequences and their exact probabilities."""
+    V, P, N = model.vocab_size, prefix.shape[1], model.block_size - prefix.shape[1]
+    res = engine.generate(model, torch.full((SAMPLES,), 1), prefix.expand(SAMPLES, -1), N,
+                          cfg_scale=cfg, seed=11, **warps)
+    code = (res.tokens[:, P:] * V ** torch.arange(N - 1, -1, -1)).sum(1)
+    counts = torch.bincount(code, minlength=V ** N).double()
+    return counts, exact_distribution(model, 1, prefix, N, cfg, **warps)
+
+
+CANDIDATE_CASES = [  # model (seed, V, grid), P, engine, options, cfg, warps
+    ((7, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="full"), None, {}),
+    ((1, 4, 2), 0, "sjd_independent", dict(W=3, candidates=2), 2.0, dict(temperature=0.8)),
+    ((5, 5, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="compact"), 1.5, dict(top_k=3)),
+    ((5, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, branch=2, execution="hybrid",
+                                 gamma=SAMPLES // 2), None, dict(temperature=1.3, top_p=0.9)),
+    ((3, 3, 3), 3, "hbsjd", dict(W=6, candidates=2, branch=2, refresh="resample"), 2.0,
+     dict(temperature=0.8)),
+    ((3, 3, 3), 4, "hbsjd", dict(W=5, candidates=3, branch=2), None, {}),
+]
+
+
+@pytest.mark.parametrize("spec,P,name,opts,cfg,warps", CANDIDATE_CASES)
+def test_sampled_candidates_follow_the_exact_distribution(branch_wins, spec, P, name, opts, cfg,
+                                                          warps):
+    """Recursive rejection at the correction point over K = 2..4 candidates, branches of 1 or
+    2 columns, CFG, temperature, top-k / top-p, both refresh rules and every execution."""
+    seed, V, grid = spec
+    model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
+    engine = make_engine(name, decoding="sample", **opts)
+    counts, probs = candidate_counts(model, engine, torch.tensor([[1, 0, 2, 1]])[:, :P], cfg,
+                                     **warps)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert branch_wins["tree"] > SAMPLES // 4 and branch_wins["won"] > SAMPLES // 20
+
+
+def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins, monkeypatch):
+    """After c_0's rejection a fixed candidate may only win when the residual's draw is it;
+    accepting c_1 with its probability under p instead (the plain rule for a draft that was
+    not drawn from q) biases the tokens, and the same statistics must reject it."""
+    import rollout.jacobi
+    real = rollout.jacobi.root_token
+
+    def accept_c1_by_p(st, guided, p, offset, u, plan):
+        root = real(st, guided, p, offset, u, plan)
+        B, V = guided.shape[0], guided.shape[-1]
+        col = offset.clamp(max=plan.W - 1).view(B, 1, 1)
+        p0 = p.gather(1, col.expand(B, 1, V)).view(B, V)
+        c0, c1 = st.seq.gather(1, st.cur[:, None]).view(B), st.cand[:, 1]
+        take = (root != c0) & (u[2].gather(1, col).view(B) < p0.gather(1, c1[:, None]).view(B))
+        return torch.where(take & st.on_tree, c1, root)
+    model = peaked_model(3, 3, 3, 0.5)
+    prefix = torch.tensor([[1, 0, 2, 1]])
+    engine = make_engine("hbsjd", W=5, decoding="sample", candidates=3, branch=2)
+    counts, probs = candidate_counts(model, engine, prefix, None)
+    assert chi2_pvalue(counts, probs) > 1e-3                 # the real rule, same samples
+    monkeypatch.setattr(rollout.jacobi, "root_token", accept_c1_by_p)
+    counts, probs = candidate_counts(model, engine, prefix, None)
+    assert chi2_pvalue(counts, probs) < 1e-8
+    assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05

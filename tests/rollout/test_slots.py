@@ -77,23 +77,3 @@ def test_the_kv_cache_is_allocated_once_and_reused(tiny, batch):
     fresh = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1)
     assert torch.equal(first.tokens, fresh.tokens) and torch.equal(slotted.tokens, fresh.tokens)
     assert torch.equal(again.tokens, fresh.tokens[:4])
-
-
-@pytest.mark.parametrize("name,opts", [("hbsjd", dict(W=4, execution="hybrid", gamma=2)),
-                                       ("sjd_independent", dict(W=5))])
-def test_a_compiled_verifier_keeps_greedy_tokens_equal_to_cached_ar(tiny, batch, name, opts):
-    """The compile path (static full-length cache attention, the Full-execution forward through
-    torch.compile; backend "eager" traces without code generation, so the test is quick): greedy
-    tokens equal compiled and eager Cached AR's, with CFG and prefixes; the model is left in
-    its dynamic-length mode."""
-    model = tiny(4, vocab_size=5, grid_size=4)
-    labels, prefix = batch(model, 5, 3, seed=2)
-    kw = dict(cfg_scale=2.0, seed=0)
-    eager_ar = make_engine("cached_ar").generate(model, labels, prefix, 13, **kw)
-    compiled_ar = make_engine("cached_ar", compile="eager").generate(model, labels, prefix, 13,
-                                                                     **kw)
-    engine = make_engine(name, compile="eager", **opts)
-    jacobi = [engine.generate(model, labels, prefix, 13, **kw) for _ in range(2)]
-    assert torch.equal(compiled_ar.tokens, eager_ar.tokens)
-    assert all(torch.equal(r.tokens, eager_ar.tokens) for r in jacobi)
-    assert not any(layer.attention.static for layer in model.layers)
