@@ -7,7 +7,7 @@ with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e
     reference mode   data.batch_size
     ray mode         the sub-batch sizes: a step's batch is cut into `parts` row ranges
                      (`opd.steps.row_ranges`), parts = rollout.sub_batches, else one per rollout
-                     worker up and at least one per teacher worker (actors/pipeline.py), so
+                     worker up and at least one per teacher worker (actors/driver/pipeline.py), so
                      every parts count from teacher.num_workers to the largest pool
     evaluation       eval.batch_size chunks of eval.num_samples (samples) and
                      `opd.quality.KL_BATCH` chunks of eval.kl_rows (on-policy KL), when set

@@ -34,7 +34,7 @@ A write that fails (a full disk, a directory that cannot be written) raises
 `CheckpointWriteError` naming the checkpoint and the fix, after removing its step_N.tmp;
 earlier checkpoints are not touched.
 
-Used by the reference loop (opd/reference.py), the Ray run records (actors/records.py, the
+Used by the reference loop (opd/reference.py), the Ray run records (actors/driver/records.py, the
 driver commits after every learner rank has saved), `opd eval`, `opd export` and `opd bench`.
 """
 from __future__ import annotations

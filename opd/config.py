@@ -95,6 +95,14 @@ class DataConfig:
     """Sequences per training step (prefix batch size)."""
 
 
+ENGINE_OPTIONS = {"window": "W", "history_offset": "H", "decoding": "decoding",
+                  "refresh": "refresh", "compile": "compile", "candidates": "candidates",
+                  "execution": "execution", "gamma": "gamma"}
+"""The `rollout.*` keys that are rollout engine options, by the engine's name for them; each
+engine takes those it declares (rollout/engine.py: `engine_options`), checks them, and holds
+every rule between them (e.g. candidates need greedy decoding)."""
+
+
 @dataclass
 class RolloutConfig:
     """Student rollout workers and their decoding engine."""
@@ -133,6 +141,11 @@ class RolloutConfig:
     """Ray CPUs per rollout worker."""
     num_gpus: float = bounded(0.0, ge=0.0)
     """Ray GPUs per rollout worker (fractions share a device)."""
+
+    def engine_options(self, takes: dict) -> dict:
+        """The engine options these keys set, of those an engine takes (`takes`: its
+        `rollout.engine.engine_options`)."""
+        return {opt: getattr(self, key) for key, opt in ENGINE_OPTIONS.items() if opt in takes}
     sub_batches: int = bounded(0, ge=0)
     """Parts a step's prefix batch is split into across workers (Ray); 0 = one per worker of the larger pool (rollout or teacher)."""
     elastic_grow_wait: float = bounded(0.5, gt=0.0, le=1.0)
@@ -408,15 +421,21 @@ def _rollout_top_k(cfg: RunConfig) -> None:
 
 @cross_check
 def _candidates(cfg: RunConfig) -> None:
+    """Candidate drafting, checked by the engine's own rules (rollout/engine.py) when it is on
+    (rollout is imported only then: the config stays torch-free)."""
     r = cfg.rollout
-    if r.candidates and r.compile:
-        raise ConfigError(f"rollout.candidates={r.candidates}: cannot be combined with "
-                          f"rollout.compile=true (the compiled verifier has no token tree)",
-                          "rollout.candidates")
-    if r.candidates and r.engine not in ("hbsjd", "sjd_independent"):
-        raise ConfigError(f"rollout.candidates={r.candidates}: only the hbsjd and "
-                          f"sjd_independent engines draft candidates (rollout.engine="
-                          f"{r.engine!r})", "rollout.candidates")
+    if not r.candidates:
+        return
+    from rollout.engine import check_options, engine_options, engines_taking
+    takes = engine_options(r.engine)
+    if "candidates" not in takes:
+        raise ConfigError(f"rollout.candidates={r.candidates}: only the "
+                          f"{' and '.join(sorted(engines_taking('candidates')))} engines draft "
+                          f"candidates (rollout.engine={r.engine!r})", "rollout.candidates")
+    try:
+        check_options(r.engine, r.engine_options(takes), takes)
+    except ValueError as e:
+        raise ConfigError(f"rollout.candidates={r.candidates}: {e}", "rollout.candidates") from None
 
 
 @cross_check

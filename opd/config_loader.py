@@ -27,6 +27,10 @@ The schema stays stdlib dataclasses rather than pydantic dataclasses: built in c
 (`RunConfig()`, `dataclasses.replace`) a config is not validated field by field and raises no
 pydantic error, it pickles over Ray as before, and validation stays one step, on load, whose
 errors this module words.
+
+Over 400 lines: the schema walk, the spellings, the wording of every pydantic error and the
+dotted overrides are one concept (a key and its value as the user wrote them) and share their
+helpers; split, each half would import the other's internals.
 """
 from __future__ import annotations
 

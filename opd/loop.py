@@ -1,6 +1,7 @@
 """What every run's step loop shares, reference (opd/reference.py) and distributed
-(actors/pipeline.py): the metrics log and progress bar, the checkpoint cadence, and the stop
-after Ctrl-C.
+(actors/driver/pipeline.py): the metrics log and progress bar, a step's metrics.parquet row
+(`step_row`), the checkpoint cadence (`checkpoint_due`), the stop after Ctrl-C, and the check
+of the teacher transport against every phase's objective (`check_objectives`).
 
     with StepLog(cfg, run_dir, start=0, stop_after=None, resume=False, desc="opd reference") as steps:
         for step in range(steps.start, steps.end):
@@ -16,8 +17,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from opd.config import RunConfig
+from opd.config import ConfigError, RunConfig
 from opd.metrics import MetricsLog
+from opd.phases import objectives, phases
+from opd.steps import needs_teacher_scores
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -26,6 +29,13 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, step: int, checkpoint: str, run_dir: str | Path):
         super().__init__(f"interrupted at step {step}; checkpoint {checkpoint}")
         self.step, self.checkpoint, self.run_dir = step, str(checkpoint), str(run_dir)
+
+
+def checkpoint_due(cfg: RunConfig, version: int) -> bool:
+    """Is the checkpoint of `version` (= learner steps done) due: every run.checkpoint_every
+    steps and at the run's last step."""
+    every = cfg.run.checkpoint_every
+    return bool(every and version % every == 0) or version == cfg.distill.steps
 
 
 class StepLog:
@@ -68,10 +78,7 @@ class StepLog:
                              **self.rollout_figures)
 
     def checkpoint_due(self, version: int) -> bool:
-        """Is the checkpoint of `version` (= learner steps done) due: every
-        run.checkpoint_every steps and at the run's last step."""
-        every = self.cfg.run.checkpoint_every
-        return bool(every and version % every == 0) or version == self.cfg.distill.steps
+        return checkpoint_due(self.cfg, version)
 
     def close(self) -> list[dict]:
         self.bar.close()
@@ -82,3 +89,38 @@ class StepLog:
         """After Ctrl-C, once the checkpoint of `version` is written: close, and what to raise."""
         self.close()
         return RunInterrupted(version, str(checkpoint), self.run_dir)
+
+
+def check_objectives(cfg: RunConfig) -> None:
+    """The teacher transport must be one that every phase's objective supports."""
+    for phase, objective in zip(phases(cfg), objectives(cfg)):
+        if needs_teacher_scores(objective) and not objective.supports(cfg.teacher.transport):
+            key = (f"distill.phases[{phase.index}].objective" if cfg.distill.phases
+                   else "distill.objective")
+            raise ConfigError(f"teacher.transport={cfg.teacher.transport!r} is not supported by "
+                              f"{key}={objective.name!r}; use one of {objective.needs}",
+                              "teacher.transport")
+
+
+def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> dict:
+    """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry).
+    `ar_rounds` is the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is
+    what the rollout engine saved."""
+    s = traj.rollout_stats
+    gen = traj.num_generated_tokens
+    roll = seconds.get("rollout", 0.0)
+    return {"step": step, "phase": phase, "batch_id": traj.batch_id,
+            "policy_version": traj.policy_version,
+            "source": traj.source, "prefix_len": traj.prefix_len,
+            **{k: v for k, v in metrics.items()},
+            "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
+            "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
+            "rounds": s.get("rounds", 0), "ar_rounds": s.get("ar_rounds", 0),
+            "mean_committed": s.get("mean_committed", 0.0),
+            "commit_hist": s.get("commit_hist"),
+            "image_rounds_max": s.get("image_rounds_max", 0),
+            "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
+                                  else 0.0),
+            "longest_single_run": s.get("longest_single_run", 0),
+            "generated_tokens": gen,
+            "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}

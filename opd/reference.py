@@ -30,48 +30,13 @@ from opd.artifacts import plot_training
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
-from opd.loop import RunInterrupted, StepLog  # noqa: F401  (RunInterrupted re-exported)
+from opd.loop import (RunInterrupted, StepLog, check_objectives,  # noqa: F401  (RunInterrupted
+                      step_row)                                    # re-exported)
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.phases import objectives, phase_at, phases, rolls_out
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
-
-
-def check_objectives(cfg: RunConfig) -> None:
-    """The teacher transport must be one that every phase's objective supports."""
-    for phase, objective in zip(phases(cfg), objectives(cfg)):
-        if needs_teacher_scores(objective) and not objective.supports(cfg.teacher.transport):
-            from opd.config import ConfigError
-            key = (f"distill.phases[{phase.index}].objective" if cfg.distill.phases
-                   else "distill.objective")
-            raise ConfigError(f"teacher.transport={cfg.teacher.transport!r} is not supported by "
-                              f"{key}={objective.name!r}; use one of {objective.needs}",
-                              "teacher.transport")
-
-
-def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> dict:
-    """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry).
-    `ar_rounds` is the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is
-    what the rollout engine saved."""
-    s = traj.rollout_stats
-    gen = traj.num_generated_tokens
-    roll = seconds.get("rollout", 0.0)
-    return {"step": step, "phase": phase, "batch_id": traj.batch_id,
-            "policy_version": traj.policy_version,
-            "source": traj.source, "prefix_len": traj.prefix_len,
-            **{k: v for k, v in metrics.items()},
-            "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
-            "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
-            "rounds": s.get("rounds", 0), "ar_rounds": s.get("ar_rounds", 0),
-            "mean_committed": s.get("mean_committed", 0.0),
-            "commit_hist": s.get("commit_hist"),
-            "image_rounds_max": s.get("image_rounds_max", 0),
-            "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
-                                  else 0.0),
-            "longest_single_run": s.get("longest_single_run", 0),
-            "generated_tokens": gen,
-            "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}
 
 
 def _teacher_rollouts(cfg: RunConfig) -> bool:

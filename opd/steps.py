@@ -22,6 +22,7 @@ from opd.objectives import Objective
 from opd.onpolicy import logprob_gap
 from opd.phases import learning_rate, objective_at, phase_at  # noqa: F401 (learning_rate re-exported)
 from rollout import make_engine
+from rollout.engine import engine_options
 
 
 def prefix_len_for(ratio: float, seq_len: int) -> int:
@@ -65,17 +66,13 @@ counts image-rounds that committed k + 1 tokens; 16 or more land in the last ent
 
 
 def build_engine(cfg: RunConfig, engine: str | None = None):
-    """The configured rollout engine (options that the engine does not take are left out)."""
-    r = cfg.rollout
-    name = engine or r.engine
-    options = {"decoding": r.decoding, "compile": r.compile}
-    if name != "cached_ar":
-        options.update(W=r.window, H=r.history_offset, refresh=r.refresh)
-    if name in ("hbsjd", "sjd_independent") and r.candidates:
-        options.update(candidates=r.candidates)
-    if name == "hbsjd":
-        options.update(execution=r.execution, gamma=r.gamma, calibration=str(calibration_file()),
-                       calibrate_missing=True)    # measured once under the file's lock
+    """The configured rollout engine: the `rollout.*` options it takes (opd.config
+    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out."""
+    name = engine or cfg.rollout.engine
+    takes = engine_options(name)
+    options = cfg.rollout.engine_options(takes)
+    if "calibration" in takes:                      # gamma=auto: measured once, under the lock
+        options.update(calibration=str(calibration_file()), calibrate_missing=True)
     return make_engine(name, **options)
 
 

@@ -50,6 +50,11 @@ def calibration_file() -> Path:
     return cache_root() / CALIBRATION_NAME
 
 
+def calibration_path(options: dict) -> Path:
+    """The engine option `calibration`, else the one calibration file (`calibration_file`)."""
+    return Path(options.get("calibration") or calibration_file())
+
+
 def model_signature(model) -> str:
     """A key for 'this model on this hardware': parameter count, vocabulary, sequence
     length, parameter dtype and device type, e.g. 'p185600-v17-t256-float32-cpu'."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import difflib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -43,14 +42,31 @@ def register(name: str):
     return wrap
 
 
-def make_engine(name: str, **options) -> Engine:
-    """The engine registered under `name`, with its options checked (ValueError naming the
-    option on a bad one)."""
+def engine_class(name: str) -> type[Engine]:
+    """The engine class registered under `name` (ValueError naming the known ones)."""
     if name not in ENGINES:
         close = difflib.get_close_matches(str(name), ENGINES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown engine {name!r}{hint}; known engines: {', '.join(ENGINES)}")
-    return ENGINES[name](**options)
+    return ENGINES[name]
+
+
+def make_engine(name: str, **options) -> Engine:
+    """The engine registered under `name`, with its options checked (ValueError naming the
+    option on a bad one)."""
+    return engine_class(name)(**options)
+
+
+def engine_options(name: str) -> dict:
+    """The options engine `name` takes, with their defaults: its class's DEFAULTS and compile,
+    which every engine takes.  The one declaration `make_engine`'s check, opd's `build_engine`
+    and the run config's checks read."""
+    return {**engine_class(name).DEFAULTS, "compile": False}
+
+
+def engines_taking(option: str) -> list[str]:
+    """The engines that take `option`, in registration order."""
+    return [name for name in ENGINES if option in engine_options(name)]
 
 
 def _is_int(x) -> bool:
@@ -253,7 +269,7 @@ class Engine:
     DEFAULTS: dict = {}
 
     def __init__(self, **options):
-        self.options = check_options(self.name, options, {**self.DEFAULTS, "compile": False})
+        self.options = check_options(self.name, options, engine_options(self.name))
         self._compiled: dict[tuple, object] = {}
 
     @property
@@ -327,8 +343,3 @@ class Engine:
     def run(self, model, req: Request) -> RolloutResult:
         raise NotImplementedError
 
-
-def calibration_path(options: dict) -> Path:
-    """The engine option `calibration`, else the one calibration file (rollout.calibrate)."""
-    from rollout.calibrate import calibration_file     # rollout.calibrate imports this module
-    return Path(options.get("calibration") or calibration_file())

@@ -27,8 +27,8 @@ from dataclasses import fields
 import torch
 from torch import Tensor
 
-from rollout.engine import (Engine, Request, calibration_path, cfg_rows, prefill_token,
-                            register, synchronize)
+from rollout.calibrate import calibration_path
+from rollout.engine import Engine, Request, cfg_rows, prefill_token, register, synchronize
 from rollout.candidates import moves, tree_window
 from rollout.jacobi import (JacobiState, Plan, init_state, jacobi_update, make_plan,
                             window_inputs)

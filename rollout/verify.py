@@ -1,4 +1,4 @@
-"""Verification of every Jacobi window of a round at once (FACTS.md §3), in window columns.
+"""Verification of every Jacobi window of a round at once (docs/FACTS.md §3), in window columns.
 
 Column c of a row's window holds the prediction of token start + c and the token seq[start + c]
 it checks (rollout/jacobi.py):

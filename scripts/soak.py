@@ -214,7 +214,7 @@ class Chaos:
 
 def soak_run(args, data_dir: str, staleness: int, reference: list[dict] | None, log) -> dict:
     """One chaos run; returns its report."""
-    from actors.pipeline import LearnerFailure, run_distributed
+    from actors.driver.pipeline import LearnerFailure, run_distributed
     from opd.config import load_config
     from opd.metrics import read_metrics
 

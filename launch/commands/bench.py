@@ -190,11 +190,11 @@ def run_table1(args: argparse.Namespace) -> int:
 def _ray_runner(cfg):
     """run_distributed on one Ray session that this command starts (or joins) once."""
     try:
-        from actors.bench_io import run_with_io
-        from actors.cluster import connect
+        from actors.bench.io import run_with_io
+        from actors.driver.cluster import connect
     except ImportError as e:
         from opd.config import ConfigError
-        raise ConfigError(f"--modes ray needs actors.pipeline.run_distributed, which does not "
+        raise ConfigError(f"--modes ray needs actors.driver.pipeline.run_distributed, which does not "
                           f"import here ({e}); run --modes reference") from None
     started = connect(cfg)
 

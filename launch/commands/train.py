@@ -78,7 +78,7 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def train(cfg, run_dir: Path, *, resume: bool) -> int:
     """The run in `run_dir` (locked), its plots and tables; 130 after Ctrl-C."""
-    from actors.interrupt import GracefulInterrupt
+    from actors.driver.interrupt import GracefulInterrupt
     from opd.checkpoints import latest_checkpoint
     from opd.reference import RunInterrupted
     from opd.rundir import RunDirError
@@ -91,7 +91,7 @@ def train(cfg, run_dir: Path, *, resume: bool) -> int:
                 from opd.reference import run_reference
                 rows = run_reference(cfg, run_dir, resume=resume, stop=stop.check)
             else:
-                from actors.pipeline import run_distributed
+                from actors.driver.pipeline import run_distributed
                 rows = run_distributed(cfg, run_dir, resume=resume, interrupt=stop)
     except RunInterrupted as e:
         print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "

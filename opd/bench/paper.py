@@ -1,4 +1,4 @@
-"""`opd bench paper`: the paper's ablations (FACTS.md §3) on one preset, every variant of an
+"""`opd bench paper`: the paper's ablations (docs/FACTS.md §3) on one preset, every variant of an
 ablation measured side by side in one process.
 
     opd bench paper --config digits_paper --out runs/bench/paper
@@ -24,6 +24,9 @@ Every ablation also takes batch, repeats, warmup and workloads.  Variants run in
 latency mean, std, min, max and P95 over repeats x workloads, and the speedup over the row's
 baseline: the ratio of means, with the min / max of the per-round paired ratios.  Rounds and
 commit lengths do not depend on timing: two runs agree on them exactly (`committed_digest`).
+
+Over 400 lines: it holds the paper's whole table of ablations, one short builder each, beside
+the preset schema they read; measuring is in paper_measure.py, the report in paper_report.py.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ class Ablation:
     options: dict                      # its own options and their defaults
     build: Callable                    # (Context, options) -> list[Variant]
     note: str                          # what the speedup is measured against
-    paper: str                         # the paper's finding (FACTS.md §3)
+    paper: str                         # the paper's finding (docs/FACTS.md §3)
 
 
 ABLATIONS: dict[str, Ablation] = {}
@@ -240,7 +243,7 @@ def _x(v: float) -> str:
     return f"{v:.3f}×"
 
 
-# ---- the paper's ablations (FACTS.md §3) -----------------------------------------------------
+# ---- the paper's ablations (docs/FACTS.md §3) ----------------------------------------------
 
 @ablation("engines", 1, "Cached AR vs Batch-Synchronous SJD vs Independent Batched SJD",
           note="speedup over Cached AR. Batch-Synchronous SJD gets the same W and H as the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -17,8 +17,13 @@ from opd.bench import common
 from opd.bench.common import interleave, make_inputs
 from rollout import make_engine
 
-if TYPE_CHECKING:
-    from opd.bench.paper import Context
+
+class Models(Protocol):
+    """What `measure` needs of `opd.bench.paper.Context` (which imports this module): the
+    preset `b` and its models by key ("main", "pretrain:<steps>", a checkpoint)."""
+    b: Any
+
+    def model(self, key: str) -> torch.nn.Module: ...
 
 AR = "cached_ar"
 
@@ -41,7 +46,7 @@ class Variant:
 
 # ---- measuring -------------------------------------------------------------------------------
 
-def measure(c: Context, variants: list[Variant], o: dict) -> list[dict]:
+def measure(c: Models, variants: list[Variant], o: dict) -> list[dict]:
     """Every variant on every workload, interleaved; one row per variant."""
     b, nw = c.b, o["workloads"]
     engines = [make_engine(v.engine, **v.options) for v in variants]
@@ -84,7 +89,7 @@ def measure(c: Context, variants: list[Variant], o: dict) -> list[dict]:
     return rows
 
 
-def make_row(c: Context, v: Variant, times: list[float], results: list, base: list[float] | None,
+def make_row(c: Models, v: Variant, times: list[float], results: list, base: list[float] | None,
              equal_ar: bool | None) -> dict:
     committed = sum(int(r.committed.sum()) for r in results)
     image_rounds = sum(int(r.image_rounds.sum()) for r in results)

@@ -6,7 +6,7 @@ weight sync, for Cached AR vs HB-SJD rollouts, in the reference loop and on Ray.
                             compiles=[False, True])
 
 A runner is `fn(cfg, run_dir) -> per-step rows`: opd.reference.run_reference, or
-actors.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
+actors.driver.pipeline.run_distributed passed in by the caller (opd imports no actors).  Every
 (mode, compile, engine) runs warmup_steps + steps OPD steps per repeat, the runs interleaved
 round-robin (opd.bench.common.interleave); a run's first warmup_steps rows are dropped (gamma
 calibration, first-call allocations, the compile; the first one's rollout time is kept as
@@ -14,7 +14,7 @@ calibration, first-call allocations, the compile; the first one's rollout time i
 (False = eager; compiled runs turn candidate drafting off, which compile excludes); speedups
 compare engines of the same mode and compile.  A row has rollout_s, teacher_s, learner_s and step_s;
 Ray rows also weight_sync_s (the reference loop's learner updates the rollout model in place:
-nothing travels, 0) and, from actors.bench_io.run_with_io, the step's bytes by role, peak memory
+nothing travels, 0) and, from actors.bench.io.run_with_io, the step's bytes by role, peak memory
 and object-store use (opd/bench/step_io.py).  Steps of two engines see the same prefix batches (seeded order), so
 their per-step ratios pair up.  KD and GKD configs run as on-policy GKD here (lambda 1): a
 step without student rollouts has nothing for the engines to differ in.
@@ -141,7 +141,7 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_committed"] = float(np.mean([r.get("mean_committed", 0.0) for r in rows]))
     out["generated_tokens"] = float(np.mean([r.get("generated_tokens", 0) for r in rows]))
     out["steps_measured"] = len(rows)
-    out["io"] = io_summary(rows)           # ray rows from actors.bench_io.run_with_io, else None
+    out["io"] = io_summary(rows)           # ray rows from actors.bench.io.run_with_io, else None
     return out
 
 

@@ -1,12 +1,12 @@
 """The data plane of `opd bench step` in ray mode: bytes per step by role, peak memory per
-actor, object-store use and the step's time split (rows made by actors/bench_io.py).
+actor, object-store use and the step's time split (rows made by actors/bench/io.py).
 
     summary = io_summary(rows)        # None when no row carries "io" (reference mode)
     text = format_io_markdown(report) # one table per (mode, engine) that has a summary
 
 A row's "io" maps a role (driver, rollout/<i>, teacher/<j>, learner/<r>, queue) to the payload
 bytes it received and sent during that step and its peak RSS so far; "object_store" holds the
-plasma store's peak use in that step (see actors/bench_io.py for what is counted where).
+plasma store's peak use in that step (see actors/bench/io.py for what is counted where).
 """
 from __future__ import annotations
 

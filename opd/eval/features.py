@@ -151,7 +151,7 @@ def train_digits_cnn(cfg: DigitsTraining = DigitsTraining()) -> tuple[DigitsCNN,
 
 
 def digits_cnn_path(cfg: DigitsTraining = DigitsTraining(), directory: str | os.PathLike | None = None) -> Path:
-    """Path of the cached digits CNN, training and saving it first if absent (< 20 s on a CPU)."""
+    """Path of the cached digits CNN, training and saving it first if absent (once per cache)."""
     path = Path(directory or cache_dir()) / cfg.cache_name()
     if not path.is_file():
         model, accuracy = train_digits_cnn(cfg)

@@ -4,7 +4,7 @@ reference loop in its own process, the Ray pipeline in an evaluation worker).
 
     ev = Evaluator(cfg, teacher)                      # decoder, reference features, student copy
     ev.teacher_row(run_dir)                           # cached: $OPD_CACHE/quality/teacher-<hash>
-    ev.load(student.state_dict())                     # or actors.weights.load_numpy_weights
+    ev.load(student.state_dict())                     # or actors.transport.weights.load_numpy_weights
     row = ev.student_row(step, run_dir)               # + samples/student_step_<step>.png
     log = quality_log(run_dir, resume=..., start=...) # quality.parquet, one row per evaluation
 

@@ -1,8 +1,8 @@
 """Model arguments and named presets, in the mould of LlamaGen's `ModelArgs` / `GPT_models`.
 
-The LlamaGen presets (FACTS.md §1) have head_dim 64 and the VQ-16 vocabulary; the `GPT-digits-*`
-presets are the embedded default (17 grey levels on an 8×8 grid by default, 10 classes) and `GPT-tiny`
-is for tests.
+The LlamaGen presets (docs/FACTS.md §1) have head_dim 64 and the VQ-16 vocabulary; the
+`GPT-digits-*` presets are the embedded default (17 grey levels on an 8×8 grid by default,
+10 classes) and `GPT-tiny` is for tests.
 """
 from __future__ import annotations
 

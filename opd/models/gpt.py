@@ -1,7 +1,7 @@
 """LlamaGen class-conditional GPT with a per-row KV cache.
 
-Parameter names and shapes are LlamaGen's (FACTS.md §1), so official `c2i_*.pt` state dicts load
-strictly.  What differs is the cache: LlamaGen writes one position vector for the whole batch;
+Parameter names and shapes are LlamaGen's (docs/FACTS.md §1), so official `c2i_*.pt` state
+dicts load strictly.  What differs is the cache: LlamaGen writes one position vector for the whole batch;
 here every row has its own positions and every call names the physical cache rows it uses, which
 is what the rollout engines' protocol (`rollout/protocol.py`) asks for.
 

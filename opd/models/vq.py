@@ -1,7 +1,7 @@
 """Image tokenizers' decode paths: LlamaGen's VQ-16 and the embedded digits grey-level codec.
 
 `VQModel` reproduces the module tree of LlamaGen's `tokenizer/tokenizer_image/vq_model.py`
-(FACTS.md §2) so that the released `vq_ds16_c2i.pt` loads strictly: encoder, decoder,
+(docs/FACTS.md §2) so that the released `vq_ds16_c2i.pt` loads strictly: encoder, decoder,
 `quantize.embedding` (16384 × 8, L2-normalized at lookup), `quant_conv` (256→8) and
 `post_quant_conv` (8→256).  Decode: codes (B, h·w) → normalized codebook rows (B, 8, h, w)
 → `post_quant_conv` → decoder → image (B, 3, 16h, 16w) in about [−1, 1].

@@ -4,7 +4,7 @@ import time
 
 import ray
 
-from actors.cluster import ActorGroups, actor_name, run_namespace
+from actors.driver.cluster import ActorGroups, actor_name, run_namespace
 from opd.config import load_config
 
 

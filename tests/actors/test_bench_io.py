@@ -1,4 +1,4 @@
-"""The scale dry run (`opd bench step --synthetic`, actors/bench_io.py, opd/bench/step_io.py)
+"""The scale dry run (`opd bench step --synthetic`, actors/bench/io.py, opd/bench/step_io.py)
 shrunk to GPT-tiny shapes: the table's rows and columns, the learner's received bytes equal to
 the scored batch's exact payload size, and the driver receives none.  No timing is asserted."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """gamma='auto' on Ray: the calibration entries of every sub-batch size a run may split its steps
 into are in $OPD_CACHE/calibration.json once its rollout workers have started (the first worker
 measures them under the file's lock; the others, and the steps, read them)."""
-from actors.pipeline import run_distributed
+from actors.driver.pipeline import run_distributed
 from opd.config import load_config
 from rollout.calibrate import read_calibration
 

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.pipeline import run_distributed
+from actors.driver.pipeline import run_distributed
 from opd.config import load_config
 from opd.models import create_model
 from opd.pretrain import model_overrides

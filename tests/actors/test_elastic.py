@@ -12,8 +12,8 @@ The runs do not depend on how fast the machine is: the policy's wait comes from 
 hook "rollout_wait" (1.0 = the learner waited all step, 0.0 = not at all) instead of the
 measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
 and its weights, so the pool grows within a bounded number of steps however slowly workers
-start.  The measurement (`rollout_wait_fraction`) and the decisions (`after_step` on a fake
-pipeline) are tested on their own below, with made-up numbers.
+start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the decisions (`after_step`
+on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
 
 The file is also the subprocess's script: `python test_elastic.py ARGS_JSON`.
 """
@@ -68,7 +68,7 @@ def drive(args: dict) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from actors.pipeline import run_distributed
+    from actors.driver.pipeline import run_distributed
     from opd.config import load_config
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -148,7 +148,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
     """Grow to 2 on the session's local Ray (the wait hook says 1.0), then every step is idle
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
-    from actors.pipeline import run_distributed
+    from actors.driver.pipeline import run_distributed
     from opd.config import load_config
     seen = {}
 
@@ -188,7 +188,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
 
 
 def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
-    from actors.cluster import check_distributed, pool_size
+    from actors.driver.cluster import check_distributed, pool_size
     from opd.config import ConfigError, load_config
     cfg = load_config("tiny", [*tiny_overrides, "rollout.num_workers=2..5"])
     assert pool_size(cfg.rollout.num_workers) == 2
@@ -206,7 +206,7 @@ def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
 
 
 def test_rollout_wait_fraction_from_made_up_timestamps():
-    from actors.elastic import rollout_wait_fraction as f
+    from actors.driver.core import rollout_wait_fraction as f
     # learner free at 11, rollouts issued at 10 and done at 13, training from 14, step wall 4
     assert f("student", issued=10.0, rollout_done=13.0, learner_free=11.0, train_start=14.0,
              wall=4.0) == 0.5
@@ -252,30 +252,35 @@ class FakeGroups:
         self.removed.append(pg)
 
 
-class FakePipeline:
-    """What ElasticRollout uses of actors.pipeline.Pipeline: cfg, hooks, the rollout pool,
-    groups, track and load_into."""
+class FakeDispatch:
+    """What ElasticRollout uses of actors.driver.dispatch.Dispatcher: the rollout pool, `track`."""
 
-    def __init__(self, cfg, workers: int, hooks=None):
-        from actors.pool import WorkerPool
-        self.cfg, self.hooks = cfg, hooks or {}
-        self.groups = FakeGroups()
+    def __init__(self, workers: int):
+        from actors.driver.pool import WorkerPool
         self.pools = {"rollout": WorkerPool("rollout", [f"rollout-{i}" for i in range(workers)])}
         self.tracked: dict = {}
+
+    def track(self, ref, task):
+        self.tracked[ref] = task.kind.value
+
+
+class FakePublisher:
+    """What ElasticRollout uses of actors.driver.publisher.WeightPublisher: `load` (a new worker's
+    weights)."""
+
+    def __init__(self):
         self.loads: list[int] = []
 
-    def track(self, ref, kind):
-        self.tracked[ref] = kind
-
-    def load_into(self, i):
+    def load(self, i):
         self.loads.append(i)
 
 
 @pytest.fixture
 def policy(tiny_overrides, monkeypatch):
-    """`policy(lo, hi, *overrides)`: an ElasticRollout on a FakePipeline with `lo` workers up;
+    """`policy(lo, hi, *overrides)`: an ElasticRollout on fake groups, dispatcher and publisher
+    with `lo` workers up;
     the cluster has room (`room["free"]`) and `ray.kill` only records."""
-    import actors.elastic as elastic
+    import actors.driver.elastic as elastic
     from opd.config import load_config
     room, killed = {"free": True}, []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)          # not joining a cluster
@@ -283,11 +288,12 @@ def policy(tiny_overrides, monkeypatch):
                         lambda: {"CPU": 100.0} if room["free"] else {})
     monkeypatch.setattr(elastic.ray, "kill", lambda actor, no_restart: killed.append(actor))
 
-    def make(lo, hi, *extra, hooks=None):
+    def make(lo, hi, *extra, wait_signal=None):
         cfg = load_config("tiny", [*tiny_overrides, f"rollout.num_workers={lo}..{hi}",
                                    "rollout.elastic_grow_wait=0.5",
                                    "rollout.elastic_shrink_wait=0.1", *extra])
-        e = elastic.ElasticRollout.for_run(FakePipeline(cfg, lo, hooks))
+        e = elastic.ElasticRollout.for_run(cfg, FakeGroups(), FakeDispatch(lo), FakePublisher(),
+                                           wait_signal)
         e.room, e.killed = room, killed
         return e
     return make
@@ -308,7 +314,7 @@ def placed(e):
     (ref,) = e.placing
     e.placed(ref)
     i = len(e.pool) - 1
-    assert e.pool.state[i] == "starting" and e.p.loads[-1] == i
+    assert e.pool.state[i] == "starting" and e.publisher.loads[-1] == i
 
 
 def bring_up(e):
@@ -323,7 +329,7 @@ def test_grows_after_patience_steps_at_or_over_the_grow_wait(policy):
     assert events(e) == [] and not e.placing
     steps(e, [0.5])                               # the third in a row (0.5 counts: >=)
     assert events(e) == [(5, "place", 2)]
-    assert list(e.p.tracked.values()) == ["place"]
+    assert list(e.dispatch.tracked.values()) == ["place"]
     steps(e, [1.0] * 3)                          # placing: one worker at a time
     placed(e)
     steps(e, [1.0] * 3)                          # starting: still one at a time
@@ -360,7 +366,7 @@ def test_retires_an_idle_added_worker_after_idle_steps_never_below_min(policy):
     e.tick()                                      # the driver's next dispatch
     assert events(e)[-1] == (6, "retire", 1)
     assert e.pool.state == ["up", "retired"] and e.killed == ["rollout-1"]
-    assert len(e.p.groups.removed) == 1 and e.added == {}
+    assert len(e.groups.removed) == 1 and e.added == {}
     steps(e, [0.0] * 10)                          # at min: the first worker is never retired
     assert e.pool.state == ["up", "retired"] and e.retire_wanted == 0
     assert [x[1] for x in events(e)] == ["place", "add", "retire"]
@@ -369,11 +375,11 @@ def test_retires_an_idle_added_worker_after_idle_steps_never_below_min(policy):
 def test_wait_hook_replaces_the_measured_wait(policy):
     calls = []
 
-    def hook(pipeline, step, row):
+    def signal(step, row):
         calls.append((step, row["rollout_wait"]))
         return 1.0
 
-    e = policy(1, 2, "rollout.elastic_patience=2", hooks={"rollout_wait": hook})
+    e = policy(1, 2, "rollout.elastic_patience=2", wait_signal=signal)
     steps(e, [0.0, 0.0])                          # measured: idle; the hook: waiting
     assert calls == [(0, 0.0), (1, 0.0)] and events(e) == [(1, "place", 2)]
     plain = policy(1, 2, "rollout.elastic_patience=2")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from actors.pipeline import run_distributed
+from actors.driver.pipeline import run_distributed
 from opd.config import load_config
 from opd.eval.tracking import read_quality
 

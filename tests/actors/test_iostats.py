@@ -1,4 +1,4 @@
-"""The payload byte counter of the scale dry run (actors/iostats.py): exact byte counts."""
+"""The payload byte counter of the scale dry run (actors/transport/iostats.py): exact byte counts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.iostats import IOCounter, payload_nbytes, peak_rss_bytes
+from actors.transport.iostats import IOCounter, payload_nbytes, peak_rss_bytes
 
 
 @dataclass

@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from actors.pipeline import run_distributed
+from actors.driver.pipeline import run_distributed
 from opd.config import load_config
 from opd.onpolicy import STRICT_BOUND
 from tests.actors.test_pipeline import scrape_metrics

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actors.pipeline import CONSUMED_FILE, run_distributed
+from actors.driver.pipeline import CONSUMED_FILE, run_distributed
 from opd.config import load_config
 from opd.onpolicy import STRICT_BOUND
 from opd.reference import run_reference

@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from actors.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
-from actors.records import RunRecords, lag_histogram
+from actors.driver.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
+from actors.driver.records import RunRecords, lag_histogram
 from opd import checkpoints as ckpt
 from opd.config import load_config
 from opd.metrics import read_metrics
@@ -373,8 +373,8 @@ def test_resume_is_exact(ray_session, tiny_overrides, reference, tmp_path, monke
     broken = ckpt.begin(tmp_path, 3)                  # killed while writing step 3
     (broken / ckpt.STUDENT_FILE).write_bytes(b"")
     loaded = []
-    load = RunRecords._load_checkpoint
-    monkeypatch.setattr(RunRecords, "_load_checkpoint",
+    load = RunRecords.load_checkpoint
+    monkeypatch.setattr(RunRecords, "load_checkpoint",
                         lambda self, path: loaded.append(path) or load(self, path))
     resumed = run_distributed(cfg, tmp_path, progress=False, resume=True)
     assert loaded == [two]

@@ -3,7 +3,7 @@ records lags <= k, backpressure refuses or waits when full."""
 
 import pytest
 
-from actors.queue import QueueCore, QueueItem, TrajectoryQueue
+from actors.workers.queue import QueueCore, QueueItem, TrajectoryQueue
 
 
 def item(step, version, samples=4):
@@ -61,7 +61,7 @@ def test_backpressure_refuses_when_full():
 
 
 def test_parts_are_sealed_by_generation_and_dropped_once_handed_out():
-    from actors.queue import PartStore
+    from actors.workers.queue import PartStore
     store = PartStore(world_size=2)
     assert store.put(5, 0, 0, ["p0r0", "p0r1"]) and store.put(5, 0, 1, ["p1r0", None])
     assert store.put(5, 1, 0, ["new0", "new1"])                  # a re-planned generation
@@ -96,6 +96,6 @@ def test_queue_actor_hands_each_rank_its_refs_and_waits_for_room(ray_session):
 
 
 def test_lag_histograms_of_old_and_new_consumed_records():
-    from actors.records import lag_histogram
+    from actors.driver.records import lag_histogram
     assert lag_histogram({"lags": {"0": 3, "2": 1}}) == {0: 3, 2: 1}
     assert lag_histogram({"lags": [0, 2, 0, 0]}) == {0: 3, 2: 1}       # one lag per sample (old)

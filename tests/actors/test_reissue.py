@@ -1,4 +1,5 @@
-"""The driver's re-issue of a failed rollout part (no Ray: fake actors record what is submitted).
+"""The driver's re-issue of a failed rollout part, as the pure decisions of actors/driver/core.py (no
+Ray, no pipeline).
 
 With distill.staleness k > 0 a step's plan may be generated at an older version than the one
 published since.  Rollout workers hold only the published version, so a part that failed
@@ -8,82 +9,60 @@ version as a new generation, and answers still in flight for the old generation 
 """
 import torch
 
-from actors.cluster import ActorGroups
-from actors.dispatch import Dispatcher
-from actors.pipeline import Pipeline
-from actors.planner import StepPlanner
-from actors.publisher import WeightPublisher
-from actors.shards import split_job
-from actors.tasks import PartReport, StepPlan, Task, TaskKind
-from actors.weights import PublishedWeights
+from actors.driver import core
+from actors.driver.core import Retry
+from actors.driver.planner import StepPlanner
+from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind
+from actors.transport.shards import split_job
 from opd.steps import RolloutJob
 
 ROLLOUT = TaskKind.ROLLOUT
 
 
-class FakeMethod:
-    def __init__(self, calls: list, name: str):
-        self.calls, self.name = calls, name
-
-    def remote(self, *args):
-        ref = object()                       # stands in for an ObjectRef
-        self.calls.append((self.name, ref, *args))
-        return ref
-
-
-class FakeRolloutWorker:
-    def __init__(self):
-        self.calls: list = []
-        self.generate = FakeMethod(self.calls, "generate")
-
-
-def pipeline_at(plan_version: int, published: int) -> tuple[Pipeline, FakeRolloutWorker, StepPlan]:
-    """A driver whose step 3 is planned at `plan_version` (generation 0) in two parts, with
-    `published` the version the workers hold; part 0 has already been generated."""
-    p = Pipeline.__new__(Pipeline)
-    worker = FakeRolloutWorker()
-    p.groups = ActorGroups(rollout=[worker])
-    p.hooks, p.reissued, p.scores = {}, 0, True
-    p.dispatch = Dispatcher(None, p.groups, p._hook)
-    p.publisher = WeightPublisher.__new__(WeightPublisher)
-    p.publisher.published = PublishedWeights(published, None)
-    p.planner = StepPlanner.__new__(StepPlanner)
-    p.planner._gens = iter(range(1, 100))
+def planned(plan_version: int) -> tuple[StepPlanner, StepPlan]:
+    """A planner whose step 3 is planned at `plan_version` (generation 0) in two parts; part 0
+    has already been generated."""
+    planner = StepPlanner.__new__(StepPlanner)       # no data: the plan is made by hand
+    planner._gens = iter(range(1, 100))
     job = RolloutJob(7, torch.arange(4), torch.zeros(4, 6, dtype=torch.int64), 3, "student", 0)
     plan = StepPlan(3, 7, "student", plan_version, split_job(job, 2), gen=0)
     plan.generated[0] = PartReport(2, 6, {}, 0)
-    p.planner.plans = {3: plan}
-    return p, worker, plan
+    planner.plans = {3: plan}
+    return planner, plan
 
 
-def generated(worker) -> list:
-    """(labels, version) of each generate call (args: job, version, tag, queue)."""
-    return [(c[2].labels.tolist(), c[3]) for c in worker.calls]
+def failed(part: int, version: int, gen: int = 0) -> Task:
+    return Task(ROLLOUT, "rollout", step=3, part=part, worker=0, version=version, gen=gen)
 
 
 def test_failed_part_of_an_older_plan_is_replanned_at_the_published_version():
-    p, worker, plan = pipeline_at(plan_version=2, published=3)
-    p._again(Task(ROLLOUT, "rollout", step=3, part=1, worker=0, version=2, gen=0))
+    planner, plan = planned(plan_version=2)
+    task = failed(1, version=2)
+    assert core.retry(task, planner.current(3, 0), published=3) is Retry.REPLAN
+    planner.replan(plan, core.replan_version(plan, published=3))
     assert (plan.version, plan.gen) == (3, 1)
-    assert plan.generated == {}
-    assert generated(worker) == [([0, 1], 3), ([2, 3], 3)]
-    assert p.reissued == 2
-    assert sorted((t.part, t.version, t.gen) for t in p.dispatch.tasks.values()) == [(0, 3, 1), (1, 3, 1)]
+    assert plan.generated == {} and plan.delivered == {} and not plan.sealed
 
 
 def test_answers_for_the_old_plan_are_dropped():
-    p, worker, plan = pipeline_at(plan_version=2, published=3)
-    p._again(Task(ROLLOUT, "rollout", step=3, part=1, worker=0, version=2, gen=0))
-    p._on_done(Task(ROLLOUT, "rollout", step=3, part=1, worker=0, version=2, gen=0), "old ref",
-               PartReport(2, 6, {}, 0))
-    assert plan.generated == {}
-    p._again(Task(ROLLOUT, "rollout", step=3, part=0, worker=0, version=2, gen=0))  # re-planned
-    assert len(worker.calls) == 2
+    planner, plan = planned(plan_version=2)
+    planner.replan(plan, core.replan_version(plan, published=3))
+    assert planner.current(3, 0) is None             # an answer of generation 0: dropped
+    assert core.retry(failed(0, version=2), planner.current(3, 0), published=3) is Retry.DROP
+    assert planner.current(3, 1) is plan
 
 
 def test_failed_part_of_a_current_plan_goes_again_alone():
-    p, worker, plan = pipeline_at(plan_version=3, published=3)
-    p._again(Task(ROLLOUT, "rollout", step=3, part=1, worker=0, version=3, gen=0))
+    planner, plan = planned(plan_version=3)
+    assert core.retry(failed(1, version=3), planner.current(3, 0), published=3) is Retry.AGAIN
     assert (plan.version, plan.gen) == (3, 0) and list(plan.generated) == [0]
-    assert generated(worker) == [([2, 3], 3)]
-    assert p.reissued == 1
+
+
+def test_other_sources_go_again_at_their_own_version():
+    planner, plan = planned(plan_version=2)
+    plan.source = "data"
+    assert core.retry(failed(1, version=2), plan, published=3) is Retry.AGAIN
+    assert core.replan_version(plan, published=3) == 2
+    score = Task(TaskKind.SCORE, "teacher", step=3, part=1, version=2, gen=0)
+    plan.source = "student"
+    assert core.retry(score, plan, published=3) is Retry.AGAIN   # the part exists: score again

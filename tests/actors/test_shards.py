@@ -4,7 +4,7 @@ shards put the rows back in order."""
 import pytest
 import torch
 
-from actors.shards import merge_batches, merge_stats, row_ranges, shard_rows, split_job, take_rows
+from actors.transport.shards import merge_batches, merge_stats, row_ranges, shard_rows, split_job, take_rows
 from opd.config import load_config
 from opd.models import create_model
 from opd.steps import RolloutJob, build_engine, rollout, score

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.rollout_worker import RolloutWorker, StaleWeightsError
-from actors.teacher_worker import TeacherWorker
-from actors.weights import (load_numpy_weights, make_buckets, state_dict_to_numpy, tag_weights,
-                            weights_nbytes)
+from actors.transport.weights import (load_numpy_weights, make_buckets, state_dict_to_numpy,
+                                      tag_weights, weights_nbytes)
+from actors.workers.rollout import RolloutWorker, StaleWeightsError
+from actors.workers.teacher import TeacherWorker
 from opd.batch import TrajectoryBatch
 from opd.config import load_config
 from opd.data import PrefixBatcher
@@ -49,9 +49,9 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     """A part of rows [2, 6) of an 8-row batch scored and cut for 2 learner ranks (rows [0, 4)
     and [4, 8)): rank 0 gets the part's rows 2-3, rank 1 rows 4-5, each exactly what
     opd.steps.score gives for those rows, and the report's byte count is the pieces' bytes."""
-    from actors.delivery import PartTag, part_cuts, payload_nbytes
-    from actors.queue import QueueItem, TrajectoryQueue
-    from actors.shards import take_rows
+    from actors.transport.delivery import PartTag, part_cuts, payload_nbytes
+    from actors.workers.queue import QueueItem, TrajectoryQueue
+    from actors.transport.shards import take_rows
     cfg, job, student = setup
     traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)

@@ -78,7 +78,7 @@ def ctrl_c() -> None:
 
 
 def test_first_ctrl_c_is_deferred_inside_the_loop_the_second_aborts():
-    from actors.interrupt import GracefulInterrupt
+    from actors.driver.interrupt import GracefulInterrupt
     before = signal.getsignal(signal.SIGINT)
     with GracefulInterrupt(notice=False) as stop:
         with pytest.raises(KeyboardInterrupt):          # not armed (start-up): at once

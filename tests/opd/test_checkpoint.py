@@ -8,7 +8,7 @@ import torch
 from opd.models import CheckpointError, create_model, load_llamagen_checkpoint, load_state_dict_safely
 from opd.models.args import PRESETS
 
-# GPT-B's official key names and shapes (FACTS.md §1), one block shown; 12 blocks in the file.
+# GPT-B's official key names and shapes (docs/FACTS.md §1), one block shown; 12 blocks in the file.
 GPT_B_KEYS = {
     "tok_embeddings.weight": (16384, 768),
     "cls_embedding.embedding_table.weight": (1001, 768),

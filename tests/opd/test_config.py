@@ -198,7 +198,8 @@ def test_cross_field_checks():
     assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
                                                     "sequence length model.grid_size ** 2 (64)")
     assert error(["rollout.candidates=4", "rollout.compile=true"]
-                 ).startswith("rollout.candidates=4: cannot be combined with rollout.compile")
+                 ).startswith("rollout.candidates=4: option candidates cannot be combined with "
+                              "compile")
     assert error(["rollout.candidates=4", "rollout.engine=sjd_sync"]
                  ).startswith("rollout.candidates=4: only the hbsjd and sjd_independent")
     assert error(["rollout.candidates=-1"]) == "rollout.candidates=-1: must be >= 0"

@@ -4,24 +4,20 @@ Strict about versions: `generate(job, version)` runs only if the worker holds ex
 policy version (loaded by `load_weights` or received by `receive_weights`), else it raises
 `StaleWeightsError`.  A generated part goes into the object store from here (this worker owns
 it): cut into the learner ranks' pieces and handed to the trajectory queue, or whole for a
-teacher worker to score (actors/delivery.py); the driver gets a `PartReport` only.  If this
+teacher worker to score (actors/transport/delivery.py); the driver gets a `PartReport` only.  If this
 worker dies, what it owns is lost and the driver makes those parts again.
 """
 from __future__ import annotations
 
-import os
 import time
 
-import ray
 import torch
 
-from actors.delivery import PartTag, hand_over
-from actors.iostats import IOCounter
-from actors.metrics import RoleMetrics
-from actors.tasks import PartReport
-from actors.weights import BroadcastGroup, Bucket, load_numpy_weights, untag_weights
+from actors.transport.delivery import PartReport, PartTag, hand_over
+from actors.transport.weights import BroadcastGroup, Bucket
+from actors.workers.base import Worker
 from opd.calibration import prepare_calibration, rollout_batch_sizes
-from opd.config import RunConfig, config_from_dict
+from opd.config import RunConfig
 from opd.models import create_model
 from opd.pretrain import model_overrides
 from opd.steps import RolloutJob, build_engine, rollout
@@ -31,55 +27,23 @@ class StaleWeightsError(RuntimeError):
     """A rollout was asked for a policy version the worker does not hold."""
 
 
-def role_device(num_gpus: float) -> torch.device:
-    return torch.device("cuda", 0) if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
-
-
-def worker_info(role: str, index: int, device: torch.device) -> dict:
-    return {"role": role, "index": index, "pid": os.getpid(), "device": str(device),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(), "threads": torch.get_num_threads()}
-
-
 def job_tokens(job: RolloutJob) -> int:
     return int(job.labels.shape[0]) * (int(job.tokens.shape[1]) - job.prefix_len)
 
 
-class RolloutWorker:
-    """One rollout worker (wrapped by `ray.remote` in the pipeline)."""
+class RolloutWorker(Worker):
+    """One rollout worker (`load_weights`, `info`, `io_stats`: actors/workers/base.py)."""
+    role = "rollout"
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0):
-        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
-        self.index = index
-        self.device = role_device(self.cfg.rollout.num_gpus)
+        super().__init__(cfg, index)
         dtype = getattr(torch, self.cfg.model.dtype)
         self.model = create_model(self.cfg.model.student, **model_overrides(self.cfg))
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
-        self.version: int | None = None
-        self.metrics = RoleMetrics("rollout", index)
-        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         # gamma=auto: every sub-batch size of the run, measured once by the first worker
         prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
-
-    def info(self) -> dict:
-        return {**worker_info("rollout", self.index, self.device), "version": self.version,
-                "repr": repr(self)}
-
-    def __repr__(self) -> str:
-        """Role, index and the policy version it holds (Ray's dashboard shows the repr the
-        actor had when it was built or restarted: version None)."""
-        return f"RolloutWorker(opd/rollout/{self.index}, version={self.version})"
-
-    def load_weights(self, version: int, payload: dict) -> float:
-        """Copy the tagged flat numpy weights of `version` (one object-store object) into the
-        student copy; returns the seconds it took."""
-        start = time.perf_counter()
-        self.io.received(payload)
-        load_numpy_weights(self.model, untag_weights(payload, version))
-        self.version = int(version)
-        return time.perf_counter() - start
 
     def join_broadcast(self, host: str, port: int, rank: int, size: int, backend: str,
                        buckets: list[Bucket]) -> bool:
@@ -102,7 +66,7 @@ class RolloutWorker:
                  queue=None) -> PartReport:
         """The trajectory of `job` by the student of `version`: delivered into `queue` as the
         learner ranks' pieces (`tag`), or, without a tag, put whole for a teacher to score; the
-        report says which (actors/delivery.py)."""
+        report says which (actors/transport/delivery.py)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
@@ -124,7 +88,3 @@ class RolloutWorker:
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
         return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
-
-    def io_stats(self) -> dict:
-        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
-        return self.io.stats()

@@ -8,7 +8,7 @@ on-policy mode holds exactly one weight publish, rollout, scoring and update):
 
 - row["io"][role] = {received_bytes, sent_bytes, peak_rss_bytes} for role in driver,
   rollout/<i>, teacher/<j>, learner/<r>, queue.  Actors count the array bytes of the payloads
-  they receive and send (actors/iostats.py, `io_stats()`); the driver counts the array bytes
+  they receive and send (actors/transport/iostats.py, `io_stats()`); the driver counts the array bytes
   of everything `ray.get` returns to it while the run lasts (`DriverIO` wraps `ray.get`; the
   same `payload_nbytes` as the actors, not pickled sizes) and of what it `ray.put`s.  The rollout
   jobs the driver submits travel as task arguments: they are counted where they arrive
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import ray
 
-from actors.iostats import payload_nbytes, peak_rss_bytes
-from actors.pipeline import run_distributed
+from actors.driver.pipeline import run_distributed
+from actors.transport.iostats import payload_nbytes, peak_rss_bytes
 from opd.config import RunConfig
 
 KEYS = ("received_bytes", "sent_bytes")
@@ -122,7 +122,7 @@ class StoreSampler:
 
 
 def actor_io(groups, get=ray.get) -> dict[str, dict]:
-    """{role: io_stats()} of every live actor of a run (`actors.cluster.ActorGroups`)."""
+    """{role: io_stats()} of every live actor of a run (`actors.driver.cluster.ActorGroups`)."""
     actors = {**{f"rollout/{i}": a for i, a in enumerate(groups.rollout)},
               **{f"teacher/{j}": a for j, a in enumerate(groups.teacher)},
               **{f"learner/{r}": a for r, a in enumerate(groups.learners)},

@@ -1,7 +1,7 @@
 """`TrajectoryQueue`: the connection between the workers that make a step's trajectory parts
 and the learner ranks that train on them.
 
-Workers put the pieces of each part they deliver (actors/delivery.py: one object-store object
+Workers put the pieces of each part they deliver (actors/transport/delivery.py: one object-store object
 per learner rank, the part's rows that rank trains on; the worker that made them owns them)
 with `put_part(step, gen, part, pieces)`.  The driver, once every part of a step has been
 reported delivered, `seal`s the step into one item (its batch id, policy version, samples and
@@ -24,7 +24,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.iostats import IOCounter
+from actors.transport.iostats import IOCounter
 
 
 @dataclass
@@ -119,7 +119,7 @@ class PartStore:
 
 
 class TrajectoryQueue:
-    """The queue as an async Ray actor (wrapped by `ray.remote` in actors/cluster.py)."""
+    """The queue as an async Ray actor (wrapped by `ray.remote` in actors/driver/cluster.py)."""
 
     def __init__(self, capacity: int, staleness: int = 0, world_size: int = 1):
         self.core = QueueCore(capacity, staleness)
@@ -193,5 +193,5 @@ class TrajectoryQueue:
         return {**self.core.stats(), "dropped_parts": self.store.dropped}
 
     async def io_stats(self) -> dict:
-        """Payload bytes received and sent (refs only: 0), peak RSS (actors/iostats.py)."""
+        """Payload bytes received and sent (refs only: 0), peak RSS (actors/transport/iostats.py)."""
         return self.io.stats()

@@ -14,10 +14,20 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.iostats import payload_nbytes
-from actors.shards import take_rows
-from actors.tasks import PartReport
+from actors.transport.iostats import payload_nbytes
+from actors.transport.shards import take_rows
 from opd.batch import TrajectoryBatch
+
+
+@dataclass
+class PartReport:
+    """What a worker tells the driver about a part it delivered (no payload)."""
+    rows: int
+    generated_tokens: int
+    stats: dict                       # rollout statistics (opd.batch rollout_stats) of the part
+    nbytes: int                       # bytes of the pieces it put into the queue
+    seconds: float = 0.0              # the worker's busy time
+    payload: object = None            # ref of the whole part, owned by the worker (to score)
 
 
 @dataclass(frozen=True)

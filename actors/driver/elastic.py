@@ -1,8 +1,8 @@
 """Elastic rollout workers: `rollout.num_workers = "min..max"`.
 
-The run starts `min` rollout workers (actors/cluster.py).  Every step row says how long the
+The run starts `min` rollout workers (actors/driver/cluster.py).  Every step row says how long the
 learner waited on that step's student rollouts (`rollout_wait`, a fraction of the step's wall
-time; `rollout_wait_fraction`).  After each learner step:
+time; `actors.driver.core.rollout_wait_fraction`).  After each learner step:
 
     rollout_wait >= rollout.elastic_grow_wait  for rollout.elastic_patience steps in a row
         -> add one worker if fewer than max are alive, none is being added, and the cluster
@@ -24,6 +24,10 @@ Tests only: `wait_signal`, a callable `(step, row) -> float`, replaces the measu
 step grows or shrinks the pool follows from the test, not from how fast the machine is.  Runs
 set it with the pipeline hook "rollout_wait" (`run_distributed(hooks=...)`); production runs
 leave it None and use the measurement.
+
+It works on what it is given: the run's actor groups (placement groups, new workers), the
+dispatcher (its rollout pool; it waits on placements) and the weight publisher (a new
+worker's first load).
 """
 from __future__ import annotations
 
@@ -32,33 +36,26 @@ from typing import Callable
 
 import ray
 
-from actors.cluster import fits, joins_cluster, role_bundle, run_bundles
-from actors.pool import DEAD, UP
+from actors.driver.cluster import fits, joins_cluster, role_bundle, run_bundles
+from actors.driver.pool import DEAD, UP
+from actors.driver.tasks import Task, TaskKind
+from opd.config import RunConfig
 from opd.phases import rolls_out
 
 log = logging.getLogger(__name__)
 
 
-def rollout_wait_fraction(source: str, issued: float, rollout_done: float, learner_free: float,
-                          train_start: float, wall: float) -> float:
-    """Fraction of a step's wall time the learner was free and waiting on the step's student
-    rollouts: from max(issue, learner free) to min(last part generated, training start)."""
-    if source != "student" or wall <= 0:
-        return 0.0
-    return max(0.0, min(rollout_done, train_start) - max(issued, learner_free)) / wall
-
-
 class ElasticRollout:
-    """Grows and shrinks the rollout pool of `pipeline` between `lo` and `hi` workers;
-    `wait_signal(step, row)`, if given (tests only), is the wait the decisions use instead of
-    `row["rollout_wait"]`."""
+    """Grows and shrinks the rollout pool (`dispatch.pools["rollout"]`) between `lo` and `hi`
+    workers; `wait_signal(step, row)`, if given (tests only), is the wait the decisions use
+    instead of `row["rollout_wait"]`."""
 
-    def __init__(self, pipeline, lo: int, hi: int,
+    def __init__(self, cfg: RunConfig, groups, dispatch, publisher, lo: int, hi: int,
                  wait_signal: Callable[[int, dict], float] | None = None):
-        self.p, self.lo, self.hi = pipeline, lo, hi
+        self.cfg, self.groups, self.dispatch, self.publisher = cfg, groups, dispatch, publisher
+        self.lo, self.hi = lo, hi
         self.wait_signal = wait_signal
-        self.cfg = pipeline.cfg
-        self.pool = pipeline.pools["rollout"]
+        self.pool = dispatch.pools["rollout"]
         self.autoscale = joins_cluster(self.cfg)
         self.grow_streak = self.idle_streak = 0
         self.placing: dict[ray.ObjectRef, object] = {}    # pg.ready() -> placement group
@@ -69,15 +66,13 @@ class ElasticRollout:
         self.step = -1
 
     @classmethod
-    def for_run(cls, pipeline) -> ElasticRollout | None:
-        """The policy of an elastic run (None for a fixed pool); the pipeline hook
-        "rollout_wait", callable(pipeline, step=, row=) -> float, becomes its `wait_signal`."""
-        n = pipeline.cfg.rollout.num_workers
-        if not (isinstance(n, tuple) and n[0] < n[1]) or not rolls_out(pipeline.cfg):
+    def for_run(cls, cfg: RunConfig, groups, dispatch, publisher,
+                wait_signal: Callable[[int, dict], float] | None = None) -> ElasticRollout | None:
+        """The policy of an elastic run (None for a fixed pool)."""
+        n = cfg.rollout.num_workers
+        if not (isinstance(n, tuple) and n[0] < n[1]) or not rolls_out(cfg):
             return None
-        hook = pipeline.hooks.get("rollout_wait")
-        signal = None if hook is None else (lambda step, row: hook(pipeline, step=step, row=row))
-        return cls(pipeline, *n, wait_signal=signal)
+        return cls(cfg, groups, dispatch, publisher, *n, wait_signal=wait_signal)
 
     def workers(self) -> int:
         """Workers that are or will be up (starting, up, or restarting after a failure)."""
@@ -103,10 +98,10 @@ class ElasticRollout:
     def _grow(self, target: int) -> None:
         need = role_bundle(self.cfg, "rollout")
         if fits(need, ray.available_resources()):
-            pg = self.p.groups.new_group(need)
+            pg = self.groups.new_group(need)
             ref = pg.ready()
             self.placing[ref] = pg
-            self.p.track(ref, "place")
+            self.dispatch.track(ref, Task(TaskKind.PLACE))
             self.grow_streak = 0
             self._event("place", target)
         elif self.autoscale and target > self.requested:
@@ -129,10 +124,10 @@ class ElasticRollout:
         """A placement group is ready: start the worker in it and send it the weights."""
         pg = self.placing.pop(ref)
         i = len(self.pool)
-        actor = self.p.groups.new_rollout_worker(self.cfg, pg, i)
+        actor = self.groups.new_rollout_worker(self.cfg, pg, i)
         assert self.pool.add(actor) == i
         self.added[i] = pg
-        self.p.load_into(i)
+        self.publisher.load(i)
         self._event("add", self.workers(), worker=i)
 
     def tick(self) -> None:
@@ -141,7 +136,7 @@ class ElasticRollout:
         for i, pg in list(self.added.items()):
             if self.pool.state[i] == DEAD:
                 del self.added[i]
-                self.p.groups.remove_group(pg)
+                self.groups.remove_group(pg)
         self.retire_wanted = min(self.retire_wanted, max(0, self.workers() - self.lo))
         while self.retire_wanted:
             idle = [i for i in self.added if self.pool.state[i] == UP and not self.pool.busy[i]]
@@ -150,7 +145,7 @@ class ElasticRollout:
             i = max(idle)
             self.pool.retire(i)
             ray.kill(self.pool.actors[i], no_restart=True)
-            self.p.groups.remove_group(self.added.pop(i))
+            self.groups.remove_group(self.added.pop(i))
             self.retire_wanted -= 1
             self._event("retire", self.workers(), worker=i)
             if self.autoscale and self.requested > self.workers():

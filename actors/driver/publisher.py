@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError
 
-from actors.tasks import Task, TaskKind
-from actors.weights import PublishedWeights
+from actors.driver.group import fan_out
+from actors.driver.tasks import Task, TaskKind
+from actors.transport.weights import PublishedWeights
 
 BROADCAST_GRACE_S = 60.0
 
@@ -32,10 +33,10 @@ class Sync:
 
 
 class WeightPublisher:
-    def __init__(self, cfg, groups, dispatch, metrics, learner_failure):
-        """`learner_failure(what, step, error)` -> the exception to raise (actors/records.py)."""
-        self.groups, self.dispatch, self.metrics = groups, dispatch, metrics
-        self.learner_failure = learner_failure
+    def __init__(self, cfg, groups, dispatch, metrics, records):
+        """Loads are tracked by `dispatch`; a learner call that fails raises
+        `records.learner_failure(...)` (actors/driver/records.py)."""
+        self.groups, self.dispatch, self.metrics, self.records = groups, dispatch, metrics, records
         self.pool = dispatch.pools["rollout"]
         self.collective = cfg.learner.weight_sync == "collective"
         self.published: PublishedWeights | None = None
@@ -91,11 +92,11 @@ class WeightPublisher:
     def _weights_from_learners(self, version: int) -> tuple[ray.ObjectRef, int]:
         """The ref of `version`'s weights payload (made by learner rank 0; every rank takes part,
         ZeRO-3 gathers) and its size in bytes, counted by the learner."""
-        calls = [a.publish_weights.remote(version) for a in self.groups.learners]   # [payload, nbytes]
+        calls = fan_out(self.groups.learners, "publish_weights", version)   # [payload, nbytes]
         try:
             nbytes = ray.get([size for _, size in calls])[0]
         except RayActorError as e:
-            raise self.learner_failure("weights", version, e) from e
+            raise self.records.learner_failure("weights", version, e) from e
         return calls[0][0], int(nbytes)
 
     def _broadcast(self, version: int) -> bool:
@@ -103,13 +104,13 @@ class WeightPublisher:
         is then given up: receivers that did not finish are restarted, the weights go through
         the object store from now on)."""
         rollout = self.groups.rollout
-        sends = [a.send_weights.remote(version) for a in self.groups.learners]
+        sends = fan_out(self.groups.learners, "send_weights", version)
         receives = {i: rollout[i].receive_weights.remote(version) for i in self.pool.up()}
         try:
             self.sync.bytes = ray.get(sends)[0]
             ok = True
         except RayActorError as e:
-            raise self.learner_failure("weight broadcast", version, e) from e
+            raise self.records.learner_failure("weight broadcast", version, e) from e
         except ray.exceptions.RayTaskError:
             ok = False                           # a receiver died: the send failed
         done, _ = ray.wait(list(receives.values()), num_returns=len(receives),

@@ -16,9 +16,9 @@ from typing import Callable
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
-from actors.pool import WorkerPool
-from actors.rollout_worker import StaleWeightsError
-from actors.tasks import ROLE_OF, StepPlan, Task, TaskKind
+from actors.driver.pool import WorkerPool
+from actors.driver.tasks import ROLE_OF, StepPlan, Task, TaskKind
+from actors.workers.rollout import StaleWeightsError
 
 
 class WorkerPoolExhausted(RuntimeError):
@@ -40,8 +40,8 @@ class Answer:
 
 
 class Dispatcher:
-    def __init__(self, cfg, groups, hook: Callable[..., None]):
-        self.cfg, self.hook = cfg, hook
+    def __init__(self, groups, max_restarts: int):
+        self.max_restarts = max_restarts
         self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
                       "teacher": WorkerPool("teacher", groups.teacher)}
         self.tasks: dict[ray.ObjectRef, Task] = {}
@@ -53,19 +53,20 @@ class Dispatcher:
         if task.role in self.pools and task.kind is not TaskKind.PROBE:
             self.pools[task.role].busy[task.worker] += 1
 
-    def submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
-        """`call(actor)` on the least busy worker of the kind's pool that is up, else wait."""
+    def submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> int | None:
+        """`call(actor)` on the least busy worker of the kind's pool that is up (returns its
+        index), else keep the part waiting (None)."""
         role = ROLE_OF[kind]
         pool = self.pools[role]
         if pool.exhausted:
             raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="
-                                      f"{self.cfg.cluster.max_restarts} restarts each were used up)")
+                                      f"{self.max_restarts} restarts each were used up)")
         i = pool.pick()
         if i is None:
             self.backlog.append((kind, plan.step, part))
-            return
+            return None
         self.track(call(pool.actors[i]), Task(kind, role, plan.step, part, i, plan.version, plan.gen))
-        self.hook("after_submit", kind=kind.value, step=plan.step, part=part, worker=i)
+        return i
 
     def forget_step(self, step: int) -> None:
         """Parts of `step` waiting for a worker are dropped (the step is re-planned)."""

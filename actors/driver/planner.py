@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 
-from actors.shards import split_job
-from actors.tasks import StepPlan
+from actors.driver.tasks import StepPlan
+from actors.transport.shards import split_job
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.phases import phase_at

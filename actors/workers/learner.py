@@ -8,12 +8,13 @@ torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
 
 `train_step(step, version)` takes this rank's refs of the step's batch from the trajectory
 queue and fetches only its rows, `shard_rows(B, R)[rank]` (the workers cut each part into the
-ranks' pieces when they deliver it: actors/delivery.py), merged in row order.
+ranks' pieces when they deliver it: actors/transport/delivery.py), merged in row order.
 The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
 scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
-the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the pipeline forms from
-the ranks' results.  (Exact for token-mean objectives — KD, SeqKD, GKD; VarKD's
-confidence-weighted mean is combined with the same token weights, an approximation for R > 1.)
+the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the driver forms from
+the ranks' results (`actors.driver.core.combine_rank_metrics`).  (Exact for token-mean objectives —
+KD, SeqKD, GKD; VarKD's confidence-weighted mean is combined with the same token weights, an
+approximation for R > 1.)
 """
 from __future__ import annotations
 
@@ -25,16 +26,15 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.iostats import IOCounter, payload_nbytes
-from actors.metrics import RoleMetrics
-from actors.rollout_worker import role_device, worker_info
-from actors.shards import merge_batches
-from actors.weights import (BroadcastGroup, Bucket, free_port, make_buckets, state_dict_to_numpy,
-                            tag_weights, weights_nbytes)
+from actors.transport.iostats import payload_nbytes
+from actors.transport.shards import merge_batches
+from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_buckets,
+                                      state_dict_to_numpy, tag_weights, weights_nbytes)
+from actors.workers.base import Worker
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
-from opd.config import RunConfig, config_from_dict
-from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
+from opd.config import RunConfig
+from opd.onpolicy import KEYS as ONPOLICY_KEYS
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -64,27 +64,25 @@ def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return p == "bf16"
 
 
-class StudentLearner:
-    """One learner rank (wrapped by `ray.remote` in the pipeline)."""
+class StudentLearner(Worker):
+    """One learner rank (`info`, `io_stats`: actors/workers/base.py); its `version` is the policy
+    version its weights are (= learner steps done)."""
+    role = "learner"
 
     def __init__(self, cfg: RunConfig | dict, rank: int = 0):
-        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        super().__init__(cfg, rank)
         self.rank, self.world_size = rank, self.cfg.learner.world_size
-        self.device = role_device(self.cfg.learner.num_gpus)
         self.engine = None
-        self.metrics = RoleMetrics("learner", rank)
-        self.io = IOCounter()
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
 
-    def info(self) -> dict:
-        return {**worker_info("learner", self.rank, self.device), "steps": self.steps,
-                "repr": repr(self)}
+    @property
+    def version(self) -> int:
+        return self.steps
 
-    def __repr__(self) -> str:
-        """Rank and the policy version its weights are (= learner steps done)."""
-        return f"StudentLearner(opd/learner/{self.rank}, version={self.steps})"
+    def info(self) -> dict:
+        return {**super().info(), "steps": self.steps}
 
     def master_address(self, loopback: bool) -> tuple[str, int]:
         """(host, free port) for the group's rendezvous, chosen on this (rank 0's) node."""
@@ -100,8 +98,8 @@ class StudentLearner:
             torch.cuda.set_device(self.device)
         else:
             # gloo does the CPU all-reduce; DeepSpeed's optional shared-memory op would be
-            # JIT-compiled first (40-250 s on 2 cores, again whenever another environment
-            # built it last into ~/.cache/torch_extensions)
+            # JIT-compiled first, again whenever another environment built it last into
+            # ~/.cache/torch_extensions (docs/FACTS.md §4)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
@@ -130,7 +128,7 @@ class StudentLearner:
 
     def train_step(self, step: int, version: int) -> dict:
         """One optimizer step on this rank's rows of `step`'s batch at policy `version`: takes
-        its refs from the trajectory queue and fetches only its own pieces (actors/delivery.py).
+        its refs from the trajectory queue and fetches only its own pieces (actors/transport/delivery.py).
         Returns this rank's metrics: loss (its shard's), tokens, grad_norm (global), seconds,
         rows and bytes received, the on-policy check of its shard with the weights before this
         update (`opd.onpolicy.KEYS`).  If a rank cannot fetch its pieces (the worker that owned them
@@ -183,9 +181,6 @@ class StudentLearner:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def io_stats(self) -> dict:
-        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
-        return self.io.stats()
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -265,25 +260,3 @@ class StudentLearner:
         self.engine.eval()
         self.steps = step
         return step
-
-
-def combine_rank_metrics(results: list[dict]) -> dict:
-    """One step's metrics from the ranks' results: loss and the objective's other float metrics
-    weighted by each rank's tokens (= the global token mean), tokens summed, the group's
-    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
-    skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
-    if len(results) == 1:
-        return {k: v for k, v in results[0].items() if k not in skip}
-    tokens = [r["tokens"] for r in results]
-    total = sum(tokens)
-    out = {}
-    for key, value in results[0].items():
-        if key in skip or key in ONPOLICY_KEYS:
-            continue
-        if key == "tokens":
-            out[key] = total
-        elif key != "grad_norm" and isinstance(value, float):
-            out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
-        else:
-            out[key] = value
-    return {**out, **combine_gaps(results)}

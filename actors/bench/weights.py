@@ -1,6 +1,6 @@
 """How long one policy version takes to reach N rollout workers, against one in-process copy.
 
-    python -m actors.bench_weights --preset GPT-B --workers 2 --repeats 3
+    python -m actors.bench.weights --preset GPT-B --workers 2 --repeats 3
 
 Paths timed (median of repeats, seconds):
     deepcopy       copy.deepcopy of the flat numpy dict in this process
@@ -20,9 +20,9 @@ import time
 import ray
 import torch
 
-from actors.rollout_worker import RolloutWorker
-from actors.weights import (BroadcastGroup, free_port, make_buckets, state_dict_to_numpy,
-                            tag_weights, weights_nbytes)
+from actors.transport.weights import (BroadcastGroup, free_port, make_buckets, state_dict_to_numpy,
+                                      tag_weights, weights_nbytes)
+from actors.workers.rollout import RolloutWorker
 from opd.config import load_config
 from opd.models import create_model
 

@@ -1,44 +1,32 @@
 """`TeacherWorker`: the frozen teacher; scores student-visited states, or (SeqKD) generates
 teacher rollouts with the configured engine.  Parts go to the learner ranks through the
-trajectory queue (actors/delivery.py); the driver gets reports only."""
+trajectory queue (actors/transport/delivery.py); the driver gets reports only."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from actors.delivery import PartTag, deliver, hand_over
-from actors.iostats import IOCounter
-from actors.metrics import RoleMetrics
-from actors.rollout_worker import job_tokens, role_device, worker_info
-from actors.tasks import PartReport
+from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
+from actors.workers.base import Worker
+from actors.workers.rollout import job_tokens
 from opd.batch import TrajectoryBatch
-from opd.config import RunConfig, config_from_dict
+from opd.config import RunConfig
 from opd.pretrain import load_role_model
 from opd.steps import RolloutJob, build_engine, rollout, score
 
 
-class TeacherWorker:
-    """One teacher worker (wrapped by `ray.remote` in the pipeline)."""
+class TeacherWorker(Worker):
+    """One teacher worker (`info`, `io_stats`: actors/workers/base.py); `version` is the policy
+    version of the last trajectory it handled."""
+    role = "teacher"
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0):
-        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
-        self.index = index
-        self.device = role_device(self.cfg.teacher.num_gpus)
+        super().__init__(cfg, index)
         dtype = getattr(torch, self.cfg.model.dtype)
         self.model = load_role_model(self.cfg, "teacher", progress=False)
         self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
         self.engine = build_engine(self.cfg)
-        self.metrics = RoleMetrics("teacher", index)
-        self.io = IOCounter()
-        self.version: int | None = None       # policy version of the last trajectory it handled
-
-    def info(self) -> dict:
-        return {**worker_info("teacher", self.index, self.device), "version": self.version,
-                "repr": repr(self)}
-
-    def __repr__(self) -> str:
-        return f"TeacherWorker(opd/teacher/{self.index}, version={self.version})"
 
     def score(self, traj: dict, tag: PartTag, queue) -> PartReport:
         """Attach teacher scores (full or top-k, as `teacher.transport` says) to a generated
@@ -68,7 +56,3 @@ class TeacherWorker:
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
-
-    def io_stats(self) -> dict:
-        """Payload bytes received and sent, peak RSS (actors/iostats.py)."""
-        return self.io.stats()

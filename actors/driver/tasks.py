@@ -3,17 +3,20 @@
 A `StepPlan` is one prefix batch cut into parts (row ranges, one rollout job each).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
-trajectory queue, cut into one piece per learner rank (actors/delivery.py).  The driver only
-sees each part's `PartReport` (a few numbers).  `gen` numbers the plan's generations: a plan
-re-planned at a newer policy version gets a new one, and answers of an older generation are
-dropped (by the driver and by the queue).
+trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
+driver only sees each part's `PartReport` (a few numbers, defined there).  `gen` numbers the
+plan's generations: a plan re-planned at a newer policy version gets a new one, and answers of
+an older generation are dropped (by the driver and by the queue).  `StageTimer` times a step's
+stages.
 """
 from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+from actors.transport.delivery import PartReport  # noqa: F401  (re-exported)
 from opd.steps import RolloutJob
 
 
@@ -49,22 +52,40 @@ class Task:
 
 
 @dataclass
-class PartReport:
-    """What a worker tells the driver about a part it delivered (no payload)."""
-    rows: int
-    generated_tokens: int
-    stats: dict                       # rollout statistics (opd.batch rollout_stats) of the part
-    nbytes: int                       # bytes of the pieces it put into the queue
-    seconds: float = 0.0              # the worker's busy time
-    payload: object = None            # ref of the whole part, owned by the worker (to score)
-
-
-@dataclass
 class Training:
     """The learner step in flight: its step, each rank's result as it arrives, when it began."""
     step: int
     results: dict[int, dict] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StageTimer:
+    """When each stage of a step began and ended (`time.perf_counter()` seconds) and the seconds
+    each role's workers were busy on it.  Stages: "rollout" (from the plan to its last part
+    generated) and "teacher" (from its first scoring submitted to its last part delivered)."""
+    began: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)
+    busy: Counter[str] = field(default_factory=Counter)
+
+    def begin(self, stage: str, now: float) -> None:
+        """The stage begins at `now`, unless it began before (a re-issued part)."""
+        self.began.setdefault(stage, now)
+
+    def end(self, stage: str, now: float) -> None:
+        self.ended[stage] = now
+
+    def seconds(self, stage: str) -> float:
+        """How long the stage ran; 0 if it has not begun and ended."""
+        if stage not in self.began or stage not in self.ended:
+            return 0.0
+        return max(0.0, self.ended[stage] - self.began[stage])
+
+
+def rollout_started() -> StageTimer:
+    timer = StageTimer()
+    timer.begin("rollout", time.perf_counter())
+    return timer
 
 
 @dataclass
@@ -78,12 +99,7 @@ class StepPlan:
     gen: int = 0
     generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
     delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
-    issued: float = field(default_factory=time.perf_counter)
-    rollout_done: float = 0.0
-    score_started: float = 0.0
-    score_done: float = 0.0
-    rollout_busy: float = 0.0
-    teacher_busy: float = 0.0
+    times: StageTimer = field(default_factory=rollout_started)   # rollout and teacher stages
     sealed: bool = False               # the queue holds it as one item
     scored: bool = True                # its objective needs teacher scores (else no scoring)
     phase: str = ""                    # the name of its distill.phases entry

@@ -9,7 +9,7 @@
 A payload's bytes are its arrays' bytes (`payload_nbytes`): numpy `nbytes` and torch
 `numel · element_size`, summed through dicts, lists, tuples and dataclasses; scalars, strings
 and object refs count 0.  So a trajectory's `to_numpy_dict()` counts its token and teacher
-arrays, a tagged weights payload counts `actors.weights.weights_nbytes` of its flat dict, and a
+arrays, a tagged weights payload counts `actors.transport.weights.weights_nbytes` of its flat dict, and a
 `QueueItem` (refs only) counts 0.  Peak memory is the process's `ru_maxrss` (Linux reports KiB;
 converted to bytes); it includes the object-store pages the process has read (shared memory).
 """

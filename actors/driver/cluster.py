@@ -24,13 +24,15 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.evaluation import EvaluationWorker
-from actors.learner import StudentLearner
-from actors.queue import TrajectoryQueue
-from actors.rollout_worker import RolloutWorker
-from actors.teacher_worker import TeacherWorker
-from opd.config import ConfigError, RunConfig, config_to_dict
+from actors.driver.group import call_all
+from actors.workers.base import actor_name  # noqa: F401  (re-exported)
+from actors.workers.evaluation import EvaluationWorker
+from actors.workers.learner import StudentLearner
+from actors.workers.queue import TrajectoryQueue
+from actors.workers.rollout import RolloutWorker
+from actors.workers.teacher import TeacherWorker
 from opd.cache import cache_dir
+from opd.config import ConfigError, RunConfig, config_to_dict
 from opd.phases import rolls_out
 from opd.pretrain import load_role_model
 
@@ -101,17 +103,6 @@ def connect(cfg: RunConfig) -> bool:
     return True
 
 
-ROLE_NAMES = {"learner": "learner", "rollout": "rollout", "teacher": "teacher",
-              "queue": "queue", "evaluation": "eval"}
-
-
-def actor_name(role: str, index: int | None = None) -> str:
-    """The Ray name of a run's actor: `opd/<role>/<index>`, or `opd/<role>` for a single one
-    (role: learner | rollout | teacher | queue | evaluation, which is named `opd/eval`)."""
-    name = f"opd/{ROLE_NAMES[role]}"
-    return name if index is None else f"{name}/{index}"
-
-
 def run_namespace(run_dir: str | Path | None = None) -> str:
     """A Ray namespace of one run's own: `opd-<run dir name>-<8 random hex digits>` (the
     random part keeps two starts of the same run directory apart)."""
@@ -121,7 +112,7 @@ def run_namespace(run_dir: str | Path | None = None) -> str:
 
 def pool_size(n: int | tuple[int, int]) -> int:
     """Workers to start: the count, or the lower end of an elastic "min..max" range (the
-    driver adds the others while rollouts hold the run up: actors/elastic.py)."""
+    driver adds the others while rollouts hold the run up: actors/driver/elastic.py)."""
     return n[0] if isinstance(n, tuple) else n
 
 
@@ -226,12 +217,12 @@ class ActorGroups:
             cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
-        infos = ray.get([a.info.remote() for a in self.learners])
+        infos = call_all(self.learners, "info")
         loopback = len({i["node_id"] for i in infos}) == 1
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
-        ray.get([a.setup.remote(host, port) for a in self.learners])
-        ray.get([a.attach_queue.remote(self.queue) for a in self.learners])
-        ray.get([a.info.remote() for a in self.rollout + self.teacher])   # constructed
+        call_all(self.learners, "setup", host, port)
+        call_all(self.learners, "attach_queue", self.queue)
+        call_all(self.rollout + self.teacher, "info")              # constructed
 
     def _start_evaluator(self, cfg: RunConfig, c: dict, run_dir: str | Path, local: bool):
         """The evaluation worker in a one-bundle group of its own (not waited for: its first
@@ -275,7 +266,7 @@ class ActorGroups:
     def join_broadcast(self, cfg: RunConfig) -> None:
         """Learner rank 0 (member 0) and every rollout worker form the weight-broadcast group."""
         backend = "nccl" if cfg.learner.num_gpus > 0 and cfg.rollout.num_gpus > 0 else "gloo"
-        infos = ray.get([a.info.remote() for a in [self.learners[0], *self.rollout]])
+        infos = call_all([self.learners[0], *self.rollout], "info")
         host, port = ray.get(self.learners[0].master_address.remote(
             len({i["node_id"] for i in infos}) == 1))
         size = len(self.rollout) + 1

@@ -1,13 +1,13 @@
 """Quality over training on Ray: an evaluation worker, and the driver's side of it.
 
-    EvaluationWorker     (wrapped by `ray.remote` in actors/cluster.py) the teacher, a student
+    EvaluationWorker     (wrapped by `ray.remote` in actors/driver/cluster.py) the teacher, a student
                          copy, the reference set: `opd.eval.tracking.Evaluator` in a worker
     QualityTracking      the driver's record: submits an evaluation of version k with the
                          published weights object of version k, collects rows as they finish
                          (quality.parquet), waits for the rest when the run ends
 
 The driver never loads a model for this: an evaluation is one actor call that takes the same
-object-store weights payload the rollout workers load (actors/weights.py), and the training
+object-store weights payload the rollout workers load (actors/transport/weights.py), and the training
 loop goes on while it runs.  The actor runs its calls in order, so the teacher's row comes
 first and the student's rows follow in step order.  A failed evaluation is reported and
 dropped: quality tracking never stops a run.
@@ -20,34 +20,26 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.rollout_worker import role_device, worker_info
-from actors.weights import load_numpy_weights, untag_weights
-from opd.config import RunConfig, config_from_dict
+from actors.workers.base import Worker
+from opd.config import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.pretrain import load_role_model
 
 
-class EvaluationWorker:
+class EvaluationWorker(Worker):
     """One evaluation worker: `teacher_row()` once, `evaluate(step, version, payload)` per
-    evaluation (payload: the tagged weights of `version`, as `RolloutWorker.load_weights`)."""
+    evaluation (payload: the tagged weights of `version`, loaded by `Worker.load_weights`);
+    `version` is the one it evaluated last."""
+    role = "evaluation"
 
     def __init__(self, cfg: RunConfig | dict, run_dir: str):
-        self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        super().__init__(cfg, 0)
         self.run_dir = Path(run_dir)
-        self.device = role_device(self.cfg.eval.num_gpus)
         dtype = getattr(torch, self.cfg.model.dtype)
         teacher = load_role_model(self.cfg, "teacher", progress=False)
         teacher = teacher.to(self.device, dtype).eval().requires_grad_(False)
         self.evaluator = Evaluator(self.cfg, teacher)
-        self.version: int | None = None
-
-    def info(self) -> dict:
-        return {**worker_info("evaluation", 0, self.device), "version": self.version,
-                "repr": repr(self)}
-
-    def __repr__(self) -> str:
-        """The policy version it evaluated last."""
-        return f"EvaluationWorker(opd/eval, version={self.version})"
+        self.model = self.evaluator.student
 
     def teacher_row(self) -> dict:
         """The teacher's quality row (cached across runs) and samples/teacher.png."""
@@ -56,8 +48,7 @@ class EvaluationWorker:
     def evaluate(self, step: int, version: int, payload: dict) -> dict:
         """Load the weights of `version` into the student copy and evaluate them as `step`
         (writes samples/student_step_<step>.png); returns the quality row."""
-        load_numpy_weights(self.evaluator.student, untag_weights(payload, version))
-        self.version = int(version)
+        self.load_weights(version, payload)
         return self.evaluator.student_row(step, self.run_dir)
 
 

@@ -1,0 +1,253 @@
+"""The driver's decisions as plain functions over its typed state: no Ray, no actors.
+
+`actors/driver/pipeline.py` executes them (submits calls, seals queue items, publishes weights,
+writes rows); every function here only reads and updates the records of `actors/driver/tasks.py`
+(`StepPlan`, `Task`, `PartReport`, `Training`) and the `DriverState` below, so each decision is
+unit-tested on its own (tests/actors/test_core.py):
+
+    parts_per_step      how many parts the next plan is cut into
+    part_generated      a part's report arrived: score it next, or it is delivered already
+    part_scored         a part's scoring arrived
+    retry               a part failed: issue it again, re-plan its whole step, or drop it
+    regenerate          a scoring whose input part died: the generation to issue again
+    sealable            the steps whose parts are all delivered, in step order
+    trainable           the step the learner group trains next (at most one in flight)
+    step_trained        every rank answered: the step is lost (re-plan) or done (what follows)
+    step_metrics        the step's metrics.parquet row, from its reports and the ranks' results
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind, Training
+from actors.transport.shards import merge_stats
+from opd.config import RunConfig
+from opd.loop import checkpoint_due, step_row
+from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
+
+
+@dataclass
+class DriverState:
+    """What the driver's step loop knows besides its plans (actors/driver/planner.py)."""
+    version: int                          # learner steps done = the current policy version
+    end: int                              # the step the run stops before
+    consumed: Counter[int] = field(default_factory=Counter)   # prefix batch id -> times trained
+    training: Training | None = None      # the learner step in flight
+    reissued: int = 0                     # parts issued again (faults, re-plans)
+    last_step_end: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.end
+
+
+def parts_per_step(sub_batches: int, rollout_ready: int, teachers: int) -> int:
+    """rollout.sub_batches, else one part per rollout worker ready for jobs (at least one per
+    teacher worker, so every scorer has work)."""
+    return sub_batches or max(rollout_ready, teachers)
+
+
+class PartNext(enum.Enum):
+    DUPLICATE = "duplicate"   # a part already generated (an answer issued twice): ignore
+    SCORE = "score"           # submit its scoring
+    DELIVERED = "delivered"   # the worker delivered it into the queue (no scoring)
+
+
+def part_generated(plan: StepPlan, part: int, report: PartReport, busy: float,
+                   now: float) -> PartNext:
+    """Record part `part` of `plan` generated (`busy`: the worker's seconds on it)."""
+    if part in plan.generated:
+        return PartNext.DUPLICATE                    # first answer wins
+    plan.generated[part] = report
+    plan.times.busy["rollout"] += busy
+    if len(plan.generated) == plan.parts:
+        plan.times.end("rollout", now)
+    if plan.scored:
+        return PartNext.SCORE
+    plan.delivered[part] = report
+    return PartNext.DELIVERED
+
+
+def part_scored(plan: StepPlan, part: int, report: PartReport, busy: float, now: float) -> None:
+    """Record part `part` of `plan` scored and delivered into the queue."""
+    if part in plan.delivered:
+        return
+    plan.delivered[part] = report
+    plan.times.busy["teacher"] += busy
+    if plan.complete:
+        plan.times.end("teacher", now)
+
+
+class Retry(enum.Enum):
+    DROP = "drop"         # its plan is gone or was re-planned since: nothing to do
+    REPLAN = "replan"     # the whole plan again, at the published version (a new generation)
+    AGAIN = "again"       # this part again: same job, so the same tokens
+
+
+def retry(task: Task, plan: StepPlan | None, published: int) -> Retry:
+    """What to do about a failed part (`plan`: its step's plan if still of the task's
+    generation, else None).  A student rollout whose plan is older than the published weights
+    cannot be generated again (workers hold only the published version and would answer
+    StaleWeightsError for ever): its whole plan is re-planned, as a batch that expired."""
+    if plan is None:
+        return Retry.DROP
+    if task.kind is TaskKind.ROLLOUT and plan.source == "student" and plan.version != published:
+        return Retry.REPLAN
+    return Retry.AGAIN
+
+
+def replan_version(plan: StepPlan, published: int) -> int:
+    """The version a re-planned step is generated at: student rollouts at the published
+    version, other sources at their step's own."""
+    return published if plan.source == "student" else plan.version
+
+
+def regenerate(task: Task, plan: StepPlan) -> Task:
+    """A scoring whose input part died with the worker that owned it: forget the part and
+    return the generation to issue again."""
+    plan.generated.pop(task.part, None)
+    kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
+    return Task(kind, step=task.step, part=task.part, version=task.version, gen=task.gen)
+
+
+def sealable(plans: dict[int, StepPlan]) -> list[StepPlan]:
+    """Plans whose parts are all delivered and not sealed yet, in step order (the driver seals
+    them in this order and stops at the first the queue refuses)."""
+    return [plans[s] for s in sorted(plans) if plans[s].complete and not plans[s].sealed]
+
+
+def trainable(state: DriverState, plans: dict[int, StepPlan]) -> StepPlan | None:
+    """The plan of the current version's step if the learner group is free and the step is
+    sealed; raises if its prefix batch was trained before (every batch id is consumed once)."""
+    if state.training is not None or state.done:
+        return None
+    plan = plans.get(state.version)
+    if plan is None or not plan.sealed:
+        return None
+    if state.consumed[plan.batch_id]:
+        raise RuntimeError(f"batch {plan.batch_id} would be consumed twice (step {plan.step})")
+    return plan
+
+
+@dataclass
+class StepDone:
+    """A trained step: its ranks' results (rank order), when training began and ended, the
+    step's wall time (from the previous step's end), and what follows it."""
+    results: list[dict]
+    learner_start: float
+    now: float
+    wall: float
+    checkpoint: bool          # the checkpoint of the new version is due
+    publish: bool             # publish the new version to the rollout workers
+
+
+def step_trained(state: DriverState, plan: StepPlan, ranks: int, now: float,
+                 cfg: RunConfig) -> StepDone | None:
+    """Every one of `ranks` learner ranks answered `state.training`: None if the step was lost
+    (a worker that owned its rows died; the caller re-plans it), else the step is counted:
+    its batch consumed, the version one up."""
+    t, state.training = state.training, None
+    results = [t.results[r] for r in range(ranks)]
+    if any(r.get("lost") for r in results):
+        return None
+    state.consumed[plan.batch_id] += 1
+    wall, state.last_step_end = now - state.last_step_end, now
+    state.version += 1
+    v = state.version
+    return StepDone(results, t.start, now, wall, checkpoint=checkpoint_due(cfg, v),
+                    publish=v < state.end and v % cfg.distill.broadcast_every == 0)
+
+
+def rollout_wait_fraction(source: str, issued: float, rollout_done: float, learner_free: float,
+                          train_start: float, wall: float) -> float:
+    """Fraction of a step's wall time the learner was free and waiting on the step's student
+    rollouts: from max(issue, learner free) to min(last part generated, training start)."""
+    if source != "student" or wall <= 0:
+        return 0.0
+    return max(0.0, min(rollout_done, train_start) - max(issued, learner_free)) / wall
+
+
+def combine_rank_metrics(results: list[dict]) -> dict:
+    """One step's metrics from the ranks' results: loss and the objective's other float metrics
+    weighted by each rank's tokens (= the global token mean), tokens summed, the group's
+    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
+    skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
+    if len(results) == 1:
+        return {k: v for k, v in results[0].items() if k not in skip}
+    tokens = [r["tokens"] for r in results]
+    total = sum(tokens)
+    out = {}
+    for key, value in results[0].items():
+        if key in skip or key in ONPOLICY_KEYS:
+            continue
+        if key == "tokens":
+            out[key] = total
+        elif key != "grad_norm" and isinstance(value, float):
+            out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
+        else:
+            out[key] = value
+    return {**out, **combine_gaps(results)}
+
+
+@dataclass
+class BatchSummary:
+    """What a step row needs of the trained batch, from its parts' reports (no payload)."""
+    batch_id: int
+    policy_version: int
+    source: str
+    prefix_len: int
+    rollout_stats: dict
+    num_generated_tokens: int
+    batch_size: int
+    seq_len: int
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> BatchSummary:
+        reports = [plan.delivered[p] for p in range(plan.parts)]
+        job = plan.jobs[0]
+        return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
+                   merge_stats([r.stats for r in reports]),
+                   sum(r.generated_tokens for r in reports), sum(r.rows for r in reports),
+                   int(job.tokens.shape[1]))
+
+
+@dataclass
+class PoolCounts:
+    """Workers the row's idle ratios are taken over."""
+    rollout_alive: int
+    rollout_up: int
+    teacher_alive: int
+
+
+def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seconds: float,
+                 sync_bytes: int, reissued: int) -> dict:
+    """The metrics.parquet row of a trained step: the reference loop's columns
+    (`opd.loop.step_row`) plus the pipeline's own (queue depth, policy lag, idle ratios, bytes,
+    the learner's wait on rollouts)."""
+    wall, results = done.wall, done.results
+    traj = BatchSummary.of(plan)
+    t = plan.times
+    seconds = {"rollout": t.seconds("rollout"),
+               "teacher": t.seconds("teacher") if plan.scored else 0.0,
+               "learner": done.now - done.learner_start}
+    row = step_row(plan.step, traj, combine_rank_metrics(results), seconds, phase=plan.phase)
+    R, M = pools.rollout_alive, pools.teacher_alive
+    row.update({
+        "step_s": wall, "weight_sync_s": sync_seconds,
+        "weight_bytes": sync_bytes, "queue_depth": results[0]["queue_depth"],
+        "policy_lag": plan.step - plan.version, "samples_per_s": plan.samples / wall,
+        "teacher_tokens_per_s": (traj.batch_size * traj.seq_len / seconds["teacher"]
+                                 if seconds["teacher"] > 0 else 0.0),
+        "rollout_idle": max(0.0, 1 - t.busy["rollout"] / (R * wall)) if R else 1.0,
+        "teacher_idle": max(0.0, 1 - t.busy["teacher"] / (M * wall)) if M else 1.0,
+        "learner_idle": max(0.0, 1 - seconds["learner"] / wall), "reissued": reissued,
+        "rollout_workers": pools.rollout_up,
+        "delivered_bytes": sum(r.nbytes for r in plan.delivered.values()),
+        "learner_received_bytes": [int(r["received_bytes"]) for r in results],
+        "rollout_wait": rollout_wait_fraction(plan.source, t.began["rollout"],
+                                              t.ended.get("rollout", 0.0), done.now - wall,
+                                              done.learner_start, wall)})
+    return row

@@ -1,0 +1,150 @@
+"""The driver's decisions (actors/driver/core.py) on made-up plans and answers: no Ray."""
+from collections import Counter
+
+import pytest
+import torch
+
+from actors.driver import core
+from actors.driver.core import DriverState, PartNext, PoolCounts
+from actors.driver.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
+from actors.transport.shards import split_job
+from opd.config import load_config
+from opd.steps import RolloutJob
+
+
+def plan_of(step: int, parts: int = 2, *, source: str = "student", scored: bool = True,
+            version: int | None = None, batch_id: int | None = None) -> StepPlan:
+    job = RolloutJob(step if batch_id is None else batch_id, torch.arange(4),
+                     torch.zeros(4, 6, dtype=torch.int64), 3, source, 0)
+    return StepPlan(step, job.batch_id, source, step if version is None else version,
+                    split_job(job, parts), scored=scored,
+                    times=StageTimer(began={"rollout": 10.0}))
+
+
+def report(rows=2, tokens=6, nbytes=100, stats=None) -> PartReport:
+    return PartReport(rows, tokens, stats or {"rounds": 3, "generated_tokens": tokens}, nbytes)
+
+
+def test_parts_per_step():
+    assert core.parts_per_step(0, rollout_ready=3, teachers=1) == 3
+    assert core.parts_per_step(0, rollout_ready=0, teachers=2) == 2     # SeqKD: no rollout pool
+    assert core.parts_per_step(4, rollout_ready=1, teachers=1) == 4     # rollout.sub_batches
+
+
+def test_a_generated_part_is_scored_once_and_delivered_by_its_scoring():
+    plan = plan_of(0)
+    assert core.part_generated(plan, 1, report(), busy=2.0, now=11.0) is PartNext.SCORE
+    assert core.part_generated(plan, 1, report(), busy=5.0, now=12.0) is PartNext.DUPLICATE
+    assert plan.times.busy["rollout"] == 2.0 and plan.times.seconds("rollout") == 0.0
+    assert core.part_generated(plan, 0, report(), busy=1.0, now=13.0) is PartNext.SCORE
+    assert plan.times.seconds("rollout") == 3.0 and not plan.complete    # from 10.0
+    plan.times.begin("teacher", 12.5)
+    plan.times.begin("teacher", 13.5)                                # a re-issue: began before
+    core.part_scored(plan, 0, report(), busy=0.5, now=14.0)
+    core.part_scored(plan, 0, report(), busy=9.0, now=15.0)          # issued twice: first wins
+    assert plan.times.busy["teacher"] == 0.5 and plan.times.seconds("teacher") == 0.0
+    core.part_scored(plan, 1, report(), busy=0.25, now=16.0)
+    assert plan.complete and plan.times.seconds("teacher") == 3.5
+    assert plan.times.busy["teacher"] == 0.75
+
+
+def test_an_unscored_part_is_delivered_when_generated():
+    plan = plan_of(0, scored=False)
+    assert core.part_generated(plan, 0, report(), 1.0, 11.0) is PartNext.DELIVERED
+    assert core.part_generated(plan, 1, report(), 1.0, 12.0) is PartNext.DELIVERED
+    assert plan.complete and plan.times.ended == {"rollout": 12.0}
+
+
+def test_a_lost_input_regenerates_its_part():
+    plan = plan_of(0, source="data")
+    plan.generated[1] = report()
+    task = core.regenerate(Task(TaskKind.SCORE, "teacher", step=0, part=1, version=0, gen=0), plan)
+    assert (task.kind, task.step, task.part, task.gen) == (TaskKind.TEACHER_ROLLOUT, 0, 1, 0)
+    assert plan.generated == {}
+    student = plan_of(0)
+    assert core.regenerate(Task(TaskKind.SCORE, step=0, part=0), student).kind is TaskKind.ROLLOUT
+
+
+def test_steps_are_sealed_in_order_once_complete():
+    plans = {s: plan_of(s, parts=1) for s in (2, 0, 1)}
+    for s in (2, 0):
+        plans[s].delivered[0] = report()
+    plans[0].sealed = True
+    assert [p.step for p in core.sealable(plans)] == [2]
+    plans[1].delivered[0] = report()
+    assert [p.step for p in core.sealable(plans)] == [1, 2]
+
+
+def test_the_learner_trains_the_current_steps_sealed_plan_once():
+    state = DriverState(version=1, end=3)
+    plans = {1: plan_of(1), 2: plan_of(2)}
+    assert core.trainable(state, plans) is None                      # not sealed
+    plans[1].sealed = plans[2].sealed = True
+    assert core.trainable(state, plans) is plans[1]
+    state.training = Training(1)
+    assert core.trainable(state, plans) is None                      # one step in flight
+    state.training = None
+    state.consumed[plans[1].batch_id] = 1
+    with pytest.raises(RuntimeError, match="batch 1 would be consumed twice"):
+        core.trainable(state, plans)
+    assert core.trainable(DriverState(version=3, end=3), plans) is None
+
+
+def rank(loss, tokens, lost=False):
+    if lost:
+        return {"rank": 0, "lost": True}
+    return {"loss": loss, "tokens": tokens, "grad_norm": 1.5, "rank": 0, "seconds": 1.0,
+            "rows": 2, "received_bytes": 10, "queue_depth": 1, "onpolicy_tokens": 0,
+            "onpolicy_logprob_delta_mean": 0.0, "onpolicy_logprob_delta_max": 0.0}
+
+
+def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
+    cfg = load_config("tiny", [*tiny_overrides, "distill.steps=4", "run.checkpoint_every=2",
+                               "distill.broadcast_every=2", "distill.staleness=1"])
+    state = DriverState(version=1, end=4, last_step_end=100.0)
+    plan = plan_of(1)
+    state.training = Training(1, {1: rank(2.0, 3.0), 0: rank(1.0, 1.0)}, start=101.0)
+    done = core.step_trained(state, plan, 2, now=104.0, cfg=cfg)
+    assert (state.version, state.training, state.consumed[plan.batch_id]) == (2, None, 1)
+    assert (done.wall, done.learner_start, done.checkpoint, done.publish) == (4.0, 101.0, True, True)
+    assert [r["loss"] for r in done.results] == [1.0, 2.0]           # rank order
+    state.training = Training(2, {0: rank(0, 0), 1: rank(0, 0)})
+    done = core.step_trained(state, plan_of(2), 2, now=105.0, cfg=cfg)
+    assert (done.checkpoint, done.publish) == (False, False)
+    state.training = Training(3, {0: rank(0, 0), 1: rank(0, 0)})
+    done = core.step_trained(state, plan_of(3), 2, now=106.0, cfg=cfg)
+    assert (done.checkpoint, done.publish) == (True, False)          # the last step: no publish
+
+
+def test_a_lost_step_is_not_counted(tiny_overrides):
+    cfg = load_config("tiny", tiny_overrides)
+    state = DriverState(version=0, end=2)
+    state.training = Training(0, {0: rank(0, 0, lost=True)})
+    assert core.step_trained(state, plan_of(0), 1, now=1.0, cfg=cfg) is None
+    assert (state.version, state.training, sum(state.consumed.values())) == (0, None, 0)
+
+
+def test_rank_metrics_are_the_global_token_mean():
+    out = core.combine_rank_metrics([rank(1.0, 1.0), rank(2.0, 3.0)])
+    assert out["loss"] == pytest.approx(1.75) and out["tokens"] == 4.0 and out["grad_norm"] == 1.5
+    assert "seconds" not in out and "rank" not in out
+
+
+def test_step_metrics_row():
+    plan = plan_of(5, version=4)
+    plan.times = StageTimer({"rollout": 10.0, "teacher": 11.0}, {"rollout": 12.0, "teacher": 13.0},
+                            Counter(rollout=4.0, teacher=1.0))
+    for p in range(2):
+        plan.delivered[p] = report(nbytes=100 + p)
+    done = core.StepDone([rank(1.0, 6.0)], learner_start=14.0, now=16.0, wall=8.0,
+                         checkpoint=False, publish=False)
+    row = core.step_metrics(plan, done, PoolCounts(2, 2, 1), sync_seconds=0.5, sync_bytes=64,
+                            reissued=3)
+    assert {k: row[k] for k in ("step", "policy_lag", "rollout_s", "teacher_s", "learner_s",
+                                "step_s", "rollout_idle", "teacher_idle", "learner_idle",
+                                "delivered_bytes", "samples_per_s", "reissued", "weight_bytes",
+                                "generated_tokens", "rollout_wait")} == {
+        "step": 5, "policy_lag": 1, "rollout_s": 2.0, "teacher_s": 2.0, "learner_s": 2.0,
+        "step_s": 8.0, "rollout_idle": 0.75, "teacher_idle": 0.875, "learner_idle": 0.75,
+        "delivered_bytes": 201, "samples_per_s": 0.5, "reissued": 3, "weight_bytes": 64,
+        "generated_tokens": 12, "rollout_wait": 0.25}    # issued 10 .. last part 12, of 8 s
