@@ -24,12 +24,17 @@ is evaluated with `opd.eval.run.evaluate_checkpoint` (FID, precision, recall, IS
 on `final_samples` samples; held-out KL(T‖S) `kl_data` and on-policy KL `kl_samples`) into
 OUT/<arm>/seed<k>/final/, and OUT/<arm>/seed<k>/result.json holds the run's figures.
 
-Equal wall-clock, per seed: steps = round(W / s) where W is the matched arm's distillation time
-and s the base arm's seconds per step, both in CPU seconds of the run's one process (the sum of
-metrics.parquet's `step_cpu_s`: rollout + teacher + learner, evaluations excluded).  With one
-torch thread a step's CPU time is its wall time on an idle machine, and unlike wall time it does
-not grow with what other processes run beside it (on a shared 2-core machine the wall time of
-the same run varied by up to 2x).  The learning-rate schedule scales with distill.steps.
+Equal wall-clock: steps = the median over seeds of round(W / s), where W is the seed's matched
+arm's distillation time and s its base arm's seconds per step, both in CPU seconds of the run's
+one process (the sum of metrics.parquet's `step_cpu_s`: rollout + teacher + learner, evaluations
+excluded); every seed of the equal-time arm runs that many steps.  With one torch thread a
+step's CPU time is its wall time on an idle machine, and it grows less than wall time with what
+other processes run beside it (on a shared 2-core machine the wall time of the same run varied
+by up to 2x) — but it still grows: a 16x16 run beside three others took 6.7x its quiet CPU time,
+its KD run 2.2x, which alone gave that seed 824 equal-time steps against 267 and 276 for the
+others.  The median keeps one loaded run from setting the budget; so run an equal-time arm with the
+preset's seeds together (`seeds=[1]` alone would budget seed 1 by its own runs).  The learning-rate schedule
+scales with distill.steps.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ class SchedulesBench:
     """Arm name -> its run overrides (`key=value`), in table order."""
     equal_time: dict[str, dict[str, str]] = field(default_factory=dict)
     """Arm name -> {base: ARM, match: ARM}: the base arm's overrides with as many steps as fit
-    in the matched arm's distillation time (per seed)."""
+    in the matched arm's distillation time (the median over seeds)."""
     final_samples: int = bounded(1000, ge=4)
     """Class-balanced samples of each final evaluation."""
     final_kl_rows: int | None = bounded(None, ge=1)
@@ -234,20 +239,24 @@ def run_schedules(b: SchedulesBench, out: str | Path,
     need = {a for a in b.arms if b.only is None or a in b.only}
     need |= {b.equal_time[a][k] for a in timed for k in ("base", "match")}
     arms = [a for a in b.arms if a in need]
-    runs = []
+    runs, done = [], {}
     for seed in b.seeds:
-        done = {arm: run_arm(b, arm, seed, b.steps, out, log) for arm in arms}
-        runs += done.values()
-        for arm in timed:
-            spec = b.equal_time[arm]
-            base, match = done[spec["base"]], done[spec["match"]]
-            steps = equal_time_steps(match["cpu_s"], base["s_per_step"])
-            log(f"schedules: {arm} seed {seed}: {match['arm']} took {match['cpu_s']:.1f} CPU s, "
-                f"{base['arm']} {base['s_per_step']:.4f} s/step -> {steps} steps")
+        done[seed] = {arm: run_arm(b, arm, seed, b.steps, out, log) for arm in arms}
+        runs += done[seed].values()
+    for arm in timed:
+        spec = b.equal_time[arm]
+        per_seed = [equal_time_steps(done[s][spec["match"]]["cpu_s"],
+                                     done[s][spec["base"]]["s_per_step"]) for s in b.seeds]
+        steps = int(round(float(np.median(per_seed))))
+        log(f"schedules: {arm}: the {spec['base']} steps that fit {spec['match']}'s CPU time, "
+            f"per seed: {per_seed}; the median, {steps}, for every seed")
+        for seed in b.seeds:
+            base, match = done[seed][spec["base"]], done[seed][spec["match"]]
             r = run_arm(b, arm, seed, steps, out, log)
             r["equal_time"] = {"base": base["arm"], "match": match["arm"],
                                "match_cpu_s": match["cpu_s"],
-                               "base_s_per_step": base["s_per_step"]}
+                               "base_s_per_step": base["s_per_step"],
+                               "per_seed_steps": per_seed}
             runs.append(r)
     return {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*arms, *timed]),
             "environment": common.environment("cpu")}

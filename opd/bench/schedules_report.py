@@ -61,9 +61,11 @@ def format_markdown(report: dict) -> str:
     for arm, et in b["equal_time"].items():
         if arm not in shown:
             continue
-        steps = [r["steps"] for r in report["runs"] if r["arm"] == arm]
+        runs = [r for r in report["runs"] if r["arm"] == arm]
+        per_seed = runs[0].get("equal_time", {}).get("per_seed_steps")
         lines.append(f"- `{arm}`: `{et['base']}`'s overrides for as many steps as "
-                     f"`{et['match']}` took seconds (per seed: {steps} steps)")
+                     f"`{et['match']}` took seconds: {runs[0]['steps']} steps, the median "
+                     f"over seeds of {per_seed}")
     return "\n".join(lines) + "\n"
 
 
