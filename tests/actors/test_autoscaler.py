@@ -83,8 +83,9 @@ def rollout_nodes(ray) -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("opd_rollout")]
 
 
-ACTION = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*?(Queue \d+ new nodes for launch|"
-                    r"Launching \d+ nodes, type \S+|Terminating the node with id \w+).*?(\(\w+\))?$")
+ACTION = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*?"
+                    r"(Queue \d+ new nodes for launch|Launching \d+ nodes, type \S+|"
+                    r"Terminating the node with id \w+).*?(\(\w+\))?$")
 
 
 def autoscaler_actions(log: str, t0_wall: float) -> list[list]:
@@ -106,6 +107,7 @@ def drive(args: dict) -> None:
     from actors.driver.cluster import fits, role_bundle
     from actors.driver.pipeline import run_distributed
     from opd.config import load_config
+
     from autoscaling_cluster import FakeAutoscalingCluster, wait_until   # beside this script
     from test_elastic import settle
 
@@ -173,19 +175,23 @@ def drive(args: dict) -> None:
 
 @pytest.fixture(scope="module")
 def autoscaled_run(digits_dir, opd_cache, tmp_path_factory):
-    from tests.actors.autoscaling_cluster import processes_of, stop
+    from tests.actors.autoscaling_cluster import processes_of, stop, wait_until
     out = tmp_path_factory.mktemp("autoscaler")
     temp = tempfile.mkdtemp(prefix="opda", dir="/tmp")       # short: Ray's socket paths
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp, "OMP_NUM_THREADS": "1",
-           "OPD_CACHE": str(opd_cache), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+           "OPD_CACHE": str(opd_cache), "RAY_FAKE_CLUSTER": "1",
+           "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     env.pop("RAY_ADDRESS", None)
     args = {"digits": str(digits_dir), "run_dir": str(out / "run"), "out": str(out / "out.json")}
     started = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, __file__, json.dumps(args)], env=env, timeout=1500,
                               capture_output=True, text=True)
-        time.sleep(2.0)
-        left = [p.pid for p in processes_of(temp)]                 # none of its processes
+        try:                                                        # none of its processes
+            wait_until(lambda: not processes_of(temp), 60.0, "the cluster's processes ending")
+        except TimeoutError:
+            pass
+        left = [(p.pid, " ".join(p.info["cmdline"] or ())[:100]) for p in processes_of(temp)]
     finally:
         stop(processes_of(temp))                                    # only this cluster's
         shutil.rmtree(temp, ignore_errors=True)
