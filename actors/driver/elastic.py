@@ -11,7 +11,10 @@ time; `actors.driver.core.rollout_wait_fraction`).  After each learner step:
            (`ray.autoscaler.sdk.request_resources`, the whole run's bundles) and added once
            a node brings it
     rollout_wait <  rollout.elastic_shrink_wait for rollout.elastic_idle_steps steps in a row
-        -> retire one added worker that has nothing in flight (never below min)
+        -> retire one added worker that has nothing in flight (never below min); the
+           autoscaler request is lowered to the workers left, and at min a request for
+           room that has not come yet is withdrawn the same way (else the autoscaler would
+           keep that node, idle, for the rest of the run)
 
 An added worker gets its own one-bundle placement group (`opd_rollout` with
 cluster.role_resources), is constructed, and is sent `load_weights` of the current version
@@ -90,9 +93,12 @@ class ElasticRollout:
         if (self.grow_streak >= o.elastic_patience and n < self.hi and not self.placing
                 and not self.pool.starting()):
             self._grow(n + 1)
-        elif self.idle_streak >= o.elastic_idle_steps and n - self.retire_wanted > self.lo:
-            self.retire_wanted += 1
-            self.idle_streak = 0
+        elif self.idle_streak >= o.elastic_idle_steps:
+            if n - self.retire_wanted > self.lo:
+                self.retire_wanted += 1
+                self.idle_streak = 0
+            elif self.autoscale and self.requested > n:
+                self._request(n)            # room asked for and no longer wanted: give it back
         self.tick()
 
     def _grow(self, target: int) -> None:

@@ -372,6 +372,44 @@ def test_retires_an_idle_added_worker_after_idle_steps_never_below_min(policy):
     assert [x[1] for x in events(e)] == ["place", "add", "retire"]
 
 
+def test_autoscaler_request_follows_the_pool_and_is_withdrawn_when_idle(policy, monkeypatch):
+    """On a cluster it joined, the policy asks the autoscaler for room it lacks, lowers the
+    request when it retires a worker, and withdraws room it asked for and no longer wants
+    (idle before the node came): else the autoscaler would keep that node for the whole run."""
+    import ray.autoscaler.sdk as sdk
+
+    import actors.driver.elastic as elastic
+    asked = []                                    # rollout bundles of each request
+    monkeypatch.setattr(sdk, "request_resources", lambda bundles: asked.append(
+        sum("opd_rollout" in b for b in bundles)))
+    e = policy(1, 3, "rollout.elastic_patience=1", "rollout.elastic_idle_steps=2",
+               "cluster.role_resources=true")
+    e.autoscale = True                            # as for cluster.address / RAY_ADDRESS
+    monkeypatch.setattr(elastic.ray, "available_resources",      # room for an opd_rollout
+                        lambda: {"CPU": 100.0, "opd_rollout": 1.0} if e.room["free"] else {})
+    e.room["free"] = False
+    steps(e, [1.0, 1.0])                          # no room: asked for, once
+    assert asked == [2] and events(e) == [(0, "request", 2)]
+    e.room["free"] = True                         # the node came: placed, no new request
+    steps(e, [1.0])
+    bring_up(e)
+    e.room["free"] = False
+    steps(e, [1.0])                               # a third worker: asked for
+    assert asked == [2, 3] and events(e)[-1] == (3, "request", 3)
+    steps(e, [0.0, 0.0])                          # idle before its node came: the added
+    assert e.pool.state == ["up", "retired"]      # worker retired, the request lowered to 1
+    assert asked == [2, 3, 1] and e.requested == 1
+    assert events(e)[-2:] == [(5, "retire", 1), (5, "request", 1)]
+    e.room["free"] = False
+    steps(e, [1.0])                               # waiting again: asked for again
+    assert asked == [2, 3, 1, 2]
+    steps(e, [0.0, 0.0])                          # idle at min before the node came: the
+    assert asked == [2, 3, 1, 2, 1]               # room asked for is withdrawn
+    assert events(e)[-1] == (8, "request", 1) and e.requested == 1
+    steps(e, [0.0] * 5)                           # nothing more to withdraw
+    assert asked == [2, 3, 1, 2, 1] and e.pool.state == ["up", "retired"]
+
+
 def test_wait_hook_replaces_the_measured_wait(policy):
     calls = []
 
