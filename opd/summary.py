@@ -62,7 +62,33 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
               f"{on} on student rollouts")
     for k, v in s.items():
         print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
+    for line in node_lines(run_dir):
+        print(f"  {line}")
     return s
+
+
+def node_lines(run_dir: str | Path) -> list[str]:
+    """What a Ray run's consumed.json says of its nodes: the nodes each role ran on, and each
+    node lost or added (actors/driver/nodes.py); nothing for a run without that record."""
+    import json
+    path = Path(run_dir) / "consumed.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    name = lambda n: f"{n['ip']} ({n['node'][:8]})" if n.get("ip") else n["node"][:8]  # noqa: E731
+    lines = [f"{role} ran on {len(nodes)} node{'s' * (len(nodes) != 1)}: "
+             + ", ".join(name(n) for n in nodes)
+             for role, nodes in record.get("nodes", {}).items()]
+    for e in record.get("node_events", []):
+        if e["event"] == "lost":
+            remade = ", ".join(f"{w} on {r['node'][:8]} after {r['after_s']:.1f} s"
+                               for w, r in e["remade"].items())
+            lines.append(f"node {name(e)} lost at step {e['step']}: held "
+                         f"{', '.join(e['workers']) or 'no worker'}"
+                         + (f"; re-made {remade}" if remade else "")
+                         + (f"; next step trained {e['next_step_s']:.1f} s later"
+                            if e.get("next_step_s") is not None else ""))
+        else:
+            lines.append(f"node {name(e)} added at step {e['step']}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------

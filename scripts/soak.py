@@ -1,7 +1,7 @@
 """Chaos soak of the Ray pipeline: kill workers at random, then count what was lost.
 
     scripts/soak.sh                                  # 300 steps at staleness 0 and 2 (minutes)
-    scripts/soak.sh --steps 8 --kills 1 --checkpoint-every 2   # as tests/test_soak.py
+    scripts/soak.sh --steps 8 --kills 1 --checkpoint-every 2 --node-scenarios ""  # as tests/test_soak.py
 
 For each staleness (`distill.staleness`, 0 = strict on-policy) one run of the tiny config
 (2 rollout, 2 teacher workers, sampled HB-SJD, gamma=auto) on a local Ray that this script
@@ -13,6 +13,10 @@ starts, with faults injected through the pipeline's hooks (as tests/actors/test_
   only a process descended from this script);
 - the learner once (SIGKILL of its process), which stops the run with LearnerFailure; the run
   is then resumed from its last checkpoint (`run_distributed(resume=True)`).
+
+Then the node faults of scripts/node_loss.py (`--node-scenarios`, both by default): a rollout
+node and a teacher node lost mid-run on a multi-node Ray, and a `ray job submit` driver killed
+and resubmitted with `--resume`; one row each: batches lost and duplicated, seconds to recover.
 
 Reported per run (JSON with --json, a table on stdout): batches lost and duplicated (from the
 run's consumed.json and metrics), the largest absolute and relative loss difference to the
@@ -41,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts import node_loss  # noqa: E402  (needs ROOT on the path)
 
 LOSS_TOL = 1e-5          # as tests/actors/test_pipeline.py
 MEMORY_BOUND_MB = 32     # object-store growth allowed over the first step's use
@@ -348,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stall-s", type=float, default=180.0,
                    help="stop a run that finished no step for this long (reported as stalled)")
+    p.add_argument("--node-scenarios", default="nodes,driver",
+                   help="scripts/node_loss.py scenarios after the soak runs ('' for none)")
+    node_loss.add_arguments(p, prefix="node-")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--keep", action="store_true", help="keep the run directories (else removed)")
     args = p.parse_args(argv)
@@ -389,12 +397,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-        if not args.keep:
-            shutil.rmtree(args.work, ignore_errors=True)
+    node_rows = []
+    if args.node_scenarios:
+        node_tmp = tempfile.mkdtemp(prefix="opdn", dir="/tmp")
+        os.environ["RAY_TMPDIR"] = node_tmp
+        node_args = argparse.Namespace(
+            scenarios=args.node_scenarios.split(","), work=args.work, steps=args.node_steps,
+            lose_rollout=args.node_lose_rollout, lose_teacher=args.node_lose_teacher,
+            checkpoint_every=args.node_checkpoint_every)
+        try:
+            node_rows = node_loss.run_scenarios(node_args, data_dir, log)
+        finally:
+            os.environ.pop("RAY_TMPDIR", None)
+            shutil.rmtree(node_tmp, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(args.work, ignore_errors=True)
     leftover = leftover_processes(pids)
-    summary = {"runs": reports, "leaked_processes": leftover,
+    summary = {"runs": reports, "node_faults": node_rows, "leaked_processes": leftover,
                "seconds": round(time.perf_counter() - began, 1), "args": vars(args)}
-    ok = not leftover and all(all(r["checks"].values()) for r in reports)
+    ok = not leftover and all(all(r["checks"].values()) for r in [*reports, *node_rows])
     summary["ok"] = ok
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -423,6 +444,9 @@ def print_report(summary: dict) -> None:
             print(f"  STALLED: {r['stalled']}")
         for name, good in r["checks"].items():
             print(f"  [{'ok' if good else 'FAIL'}] {name}")
+    if summary["node_faults"]:
+        print("node faults (scripts/node_loss.py):")
+        node_loss.print_rows(summary["node_faults"])
     print(f"leaked processes after Ray's shutdown: {summary['leaked_processes'] or 0}")
     print(f"soak {'passed' if summary['ok'] else 'FAILED'} in {summary['seconds']} s")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Chaos soak of the Ray pipeline (scripts/soak.py): a few hundred tiny steps at staleness 0 and
 # 2 with rollout, teacher and learner workers killed; reports batches lost / duplicated, losses
-# against the reference loop, object-store use and leaked actors / processes.  Minutes long:
+# against the reference loop, object-store use and leaked actors / processes; then whole nodes
+# lost and a `ray job submit` driver killed and resumed (scripts/node_loss.py), one row each.  Minutes long:
 # not part of the default test command (tests/test_soak.py runs a short version, marked slow).
 #
 #   scripts/soak.sh [--steps 300] [--staleness 0,2] [--kills 8] [--json report.json]

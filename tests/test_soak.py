@@ -25,7 +25,8 @@ def test_short_soak_loses_and_leaks_nothing(opd_cache, tmp_path):
            "OPD_CACHE": str(opd_cache), "TMPDIR": str(tmp_path)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "8",
-                           "--kills", "1", "--checkpoint-every", "2", "--json", str(out)],
+                           "--kills", "1", "--checkpoint-every", "2", "--node-scenarios", "",
+                           "--json", str(out)],
                           env=env, timeout=1200, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

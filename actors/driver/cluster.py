@@ -22,7 +22,8 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                            PlacementGroupSchedulingStrategy)
 
 from actors.driver.group import call_all
 from actors.workers.base import actor_name  # noqa: F401  (re-exported)
@@ -144,6 +145,12 @@ def run_bundles(cfg: RunConfig, rollout_workers: int) -> list[dict]:
             + [role_bundle(cfg, "rollout")] * rollout_workers)
 
 
+def bundle_node(pg, index: int = 0) -> str:
+    """The id of the node that holds bundle `index` of the placed group `pg`."""
+    from ray.util import placement_group_table
+    return placement_group_table(pg)["bundles_to_node_id"][index]
+
+
 def fits(need: dict, available: dict) -> bool:
     return all(available.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
 
@@ -157,6 +164,7 @@ class ActorGroups:
     evaluator: object = None
     pgs: list = field(default_factory=list)
     namespace: str = ""                         # the run's Ray namespace (run_namespace)
+    infos: dict = field(default_factory=dict)   # role -> each worker's `info` when it started
 
     @classmethod
     def start(cls, cfg: RunConfig, run_dir: str | Path | None = None, *,
@@ -212,8 +220,10 @@ class ActorGroups:
             actors = [_spawn(cls_, c, i, sec, restarts, pgs.get(name), i,
                              actor_name(name, i), self.namespace) for i in range(count)]
             setattr(self, name if name != "learner" else "learners", actors)
-        self.queue = ray.remote(TrajectoryQueue).options(
-            num_cpus=0, name=actor_name("queue"), namespace=self.namespace).remote(
+        self.queue = ray.remote(TrajectoryQueue).options(   # beside the driver: it outlives nodes
+            num_cpus=0, name=actor_name("queue"), namespace=self.namespace,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=True)).remote(
             cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
@@ -222,7 +232,8 @@ class ActorGroups:
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         call_all(self.learners, "setup", host, port)
         call_all(self.learners, "attach_queue", self.queue)
-        call_all(self.rollout + self.teacher, "info")              # constructed
+        self.infos = {"learner": infos, "rollout": call_all(self.rollout, "info"),  # constructed
+                      "teacher": call_all(self.teacher, "info")}
 
     def _start_evaluator(self, cfg: RunConfig, c: dict, run_dir: str | Path, local: bool):
         """The evaluation worker in a one-bundle group of its own (not waited for: its first

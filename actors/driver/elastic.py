@@ -126,8 +126,9 @@ class ElasticRollout:
 
     # -- actions --------------------------------------------------------------------------------
 
-    def placed(self, ref: ray.ObjectRef) -> None:
-        """A placement group is ready: start the worker in it and send it the weights."""
+    def placed(self, ref: ray.ObjectRef) -> int:
+        """A placement group is ready: start the worker in it and send it the weights; returns
+        the worker's index."""
         pg = self.placing.pop(ref)
         i = len(self.pool)
         actor = self.groups.new_rollout_worker(self.cfg, pg, i)
@@ -135,6 +136,7 @@ class ElasticRollout:
         self.added[i] = pg
         self.publisher.load(i)
         self._event("add", self.workers(), worker=i)
+        return i
 
     def tick(self) -> None:
         """Retire wanted workers once one of the added ones has nothing in flight; give back

@@ -35,14 +35,16 @@ from typing import Callable
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
+from tqdm import tqdm
 
 from actors.driver import core
-from actors.driver.cluster import ActorGroups, check_distributed, connect
+from actors.driver.cluster import ActorGroups, bundle_node, check_distributed, connect
 from actors.driver.core import DriverState, PartNext, PoolCounts, Retry
 from actors.driver.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
 from actors.driver.elastic import ElasticRollout
 from actors.driver.group import fan_out
 from actors.driver.interrupt import NoInterrupt
+from actors.driver.nodes import NodeWatch
 from actors.driver.planner import StepPlanner
 from actors.driver.publisher import WeightPublisher
 from actors.driver.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
@@ -81,6 +83,10 @@ class Pipeline:
         self.metrics = RoleMetrics("driver", 0)
         self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
         self.records = RunRecords(cfg, self.run_dir, groups.learners)
+        self.nodes = NodeWatch(log=lambda line: tqdm.write(f"opd: {line}"))
+        for role, infos in groups.infos.items():
+            for i in infos:
+                self.nodes.placed(role, i["index"], i["node_id"], i["node_ip"])
         self.publisher = WeightPublisher(cfg, groups, self.dispatch, self.metrics, self.records)
         if self.publisher.collective and groups.rollout:
             groups.join_broadcast(cfg)
@@ -143,6 +149,7 @@ class Pipeline:
                         self._seal()
                         self._train()
                         self._wait()
+                        self._watch_nodes()
                         if self.quality is not None:
                             self.quality.poll()
             except KeyboardInterrupt:
@@ -265,6 +272,7 @@ class Pipeline:
         self.planner.finish(plan.step, self.state.version)
         row = self._row(plan, done)
         self.steps.record(row)
+        self.nodes.stepped(plan.step)
         self._hook("after_step", step=plan.step, row=row)
         if self.elastic is not None:
             self.elastic.after_step(plan.step, row)
@@ -315,7 +323,8 @@ class Pipeline:
             worker_failures={r: p.failures for r, p in pools.items()},
             rollout_workers=(self.elastic.summary() if self.elastic is not None
                              else {"min": n, "max": n}),
-            weight_sync="collective" if self.publisher.collective else "object_store")
+            weight_sync="collective" if self.publisher.collective else "object_store",
+            nodes=self.nodes.ran_on(), node_events=self.nodes.events)
 
     def _interrupted(self):
         """Ctrl-C: the step in training finishes, the current step is checkpointed; returns
@@ -364,6 +373,7 @@ class Pipeline:
             else:
                 self._generated(plan, task.part, value, now - task.submitted, task.worker)
         elif task.kind is TaskKind.PROBE:
+            self.nodes.placed(task.role, task.worker, value["node_id"], value["node_ip"])
             if task.role == "rollout":
                 self.publisher.load(task.worker)     # before it gets any job
             self.pools[task.role].probe_answered(task.worker)
@@ -371,7 +381,8 @@ class Pipeline:
             self.pools["rollout"].started(task.worker)
             self.publisher.loaded(ref)
         elif task.kind is TaskKind.PLACE:
-            self.elastic.placed(ref)
+            i = self.elastic.placed(ref)
+            self.nodes.placed("rollout", i, bundle_node(self.elastic.added[i]))
         elif task.kind is TaskKind.TRAIN:
             self._trained(task, value)
 
@@ -403,6 +414,15 @@ class Pipeline:
                 self._submit_score(plan, task.part)
             else:
                 self._submit_generate(plan, task.part)
+
+    def _watch_nodes(self) -> None:
+        """Workers on a node that was lost are out of the rotation until a probe answers (from
+        the node Ray restarted them on; a rollout worker then reloads the weights)."""
+        for role, i in self.nodes.poll(self.state.version):
+            if role in self.pools:
+                self.pools[role].failed(i)
+            if role == "rollout":
+                self.publisher.fall_back_to_object_store()
 
     def _hook(self, name: str, **info) -> None:
         fn = self.hooks.get(name)

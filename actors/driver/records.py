@@ -5,7 +5,8 @@
                               policy version, data cursor, consumed batch ids, mode "ray")
     consumed.json             every prefix batch id with its use count (must be 1), re-issued
                               jobs, sample lags ({lag: samples}), queue stats, worker failures,
-                              rollout pool events
+                              rollout pool events, the nodes each role ran on and the nodes
+                              lost or added (actors/driver/nodes.py)
 
 `RunRecords` gets everything it writes as arguments; the metrics.parquet row of a step is
 `actors.driver.core.step_metrics`.  A learner group that fails stops the run with `LearnerFailure`
@@ -86,7 +87,8 @@ class RunRecords:
 
     def write_consumed(self, consumed: Counter[int], *, reissued: int, queue,
                        worker_failures: dict[str, int], rollout_workers: dict,
-                       weight_sync: str) -> None:
+                       weight_sync: str, nodes: dict[str, list[dict]] | None = None,
+                       node_events: list[dict] | None = None) -> None:
         """consumed.json (the queue's lags and stats asked of `queue`); raises if a batch id
         was consumed other than once."""
         record = {"consumed": {str(k): v for k, v in sorted(consumed.items())},
@@ -95,7 +97,8 @@ class RunRecords:
                   "queue": ray.get(queue.stats.remote()),
                   "worker_failures": worker_failures,
                   "rollout_workers": rollout_workers,
-                  "weight_sync": weight_sync}
+                  "weight_sync": weight_sync,
+                  "nodes": nodes or {}, "node_events": node_events or []}
         tmp = self.run_dir / (CONSUMED_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self.run_dir / CONSUMED_FILE)
