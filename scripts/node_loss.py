@@ -101,6 +101,7 @@ class NodeFaults:
         self.removed: dict[str, dict] = {}                # role -> {"node", "step", "t"}
         self.scored_on: dict[int, set[int]] = {}          # step -> teacher workers that scored
         self.memory: dict[str, dict] = {}
+        self.queue_node = None
 
     def hooks(self) -> dict:
         return {"after_part": self.after_part, "after_submit": self.after_submit,
@@ -128,6 +129,10 @@ class NodeFaults:
 
     def after_step(self, pipeline, step: int, row: dict) -> None:
         from scripts.soak import store_usage
+        if step == 0:                                     # where Ray placed the queue
+            import ray._private.state as state
+            self.queue_node = next(a["Address"]["NodeID"] for a in state.actors().values()
+                                   if a.get("Name") == "opd/queue" and a["State"] == "ALIVE")
         for name, at in (("start", 0), ("middle", self.steps // 2), ("end", self.steps - 1)):
             if step == at:
                 self.memory[name] = {"step": step, **store_usage()}
@@ -195,6 +200,8 @@ def nodes_scenario(args, data_dir: str, reference: list[dict], log) -> list[dict
             "node removed mid-run": removed is not None and 0 < removed["step"] < args.steps - 1,
             "consumed.json records the loss": event is not None and bool(event["workers"]),
             "run finished": len(rows) == args.steps,
+            "queue on the learner's node": faults.queue_node == counts["record"]["nodes"][
+                "learner"][0]["node"],
             "no batch lost or duplicated": (counts["batches_lost"], counts["batches_duplicated"]) == (0, 0),
             "losses equal the reference": diff is not None and diff <= LOSS_TOL,
             "object store bounded": all(k in faults.memory and faults.memory[k]["bytes"] <= bound

@@ -220,14 +220,15 @@ class ActorGroups:
             actors = [_spawn(cls_, c, i, sec, restarts, pgs.get(name), i,
                              actor_name(name, i), self.namespace) for i in range(count)]
             setattr(self, name if name != "learner" else "learners", actors)
-        self.queue = ray.remote(TrajectoryQueue).options(   # beside the driver: it outlives nodes
-            num_cpus=0, name=actor_name("queue"), namespace=self.namespace,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True)).remote(
-            cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
         infos = call_all(self.learners, "info")
+        # the queue shares learner rank 0's node, whose loss stops the run anyway: left to
+        # Ray's default placement it may land on a rollout or teacher node and die with it
+        self.queue = ray.remote(TrajectoryQueue).options(
+            num_cpus=0, name=actor_name("queue"), namespace=self.namespace,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(infos[0]["node_id"], soft=False)
+        ).remote(cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
         loopback = len({i["node_id"] for i in infos}) == 1
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         call_all(self.learners, "setup", host, port)
