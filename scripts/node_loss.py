@@ -298,6 +298,7 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 
 def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
     """The "driver" run; returns its row."""
+    from opd.cache import cache_dir
     from opd.metrics import read_metrics
     temp = Path(tempfile.mkdtemp(prefix="opdn", dir="/tmp"))        # short: Ray's socket paths
     env = {**os.environ, "RAY_TMPDIR": str(temp), "RAY_AUTH_MODE": "disabled",
@@ -310,7 +311,7 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
     try:
         first, second = f"opd-a-{os.getpid()}", f"opd-b-{os.getpid()}"
         submit(address, env, first, "opd", "train", "--config", "tiny", f"run.dir={run_dir}",
-               *run_overrides(data_dir, args.steps, every), cache=os.environ["OPD_CACHE"])
+               *run_overrides(data_dir, args.steps, every), cache=str(cache_dir()))
         deadline = time.time() + 600
         while not ((n := rows_done(run_dir)) > every and n % every):   # past a checkpoint
             if job(address, first)["status"] in ("FAILED", "SUCCEEDED", "STOPPED"):
@@ -327,7 +328,7 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
         log(f"  killed the driver of job {first} (pid {pid}) after {done_at_kill} steps")
         status_first = wait_job(address, first, {"FAILED", "STOPPED", "SUCCEEDED"}, 120)
         submit(address, env, second, "opd", "train", "--resume", str(run_dir),
-               cache=os.environ["OPD_CACHE"])
+               cache=str(cache_dir()))
         recovered: dict = {}
 
         def watch() -> None:
@@ -416,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     args.scenarios = args.scenarios.split(",")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.pop("RAY_ADDRESS", None)
-    os.environ.setdefault("OPD_CACHE", str(Path.home() / ".cache" / "opd"))
     temp = tempfile.mkdtemp(prefix="opdn", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp
 
