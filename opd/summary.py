@@ -2,6 +2,7 @@
 before / after against the teacher, quality.md)."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -70,7 +71,6 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
 def node_lines(run_dir: str | Path) -> list[str]:
     """What a Ray run's consumed.json says of its nodes: the nodes each role ran on, and each
     node lost or added (actors/driver/nodes.py); nothing for a run without that record."""
-    import json
     path = Path(run_dir) / "consumed.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     name = lambda n: f"{n['ip']} ({n['node'][:8]})" if n.get("ip") else n["node"][:8]  # noqa: E731

@@ -208,7 +208,7 @@ def nodes_scenario(args, data_dir: str, reference: list[dict], log) -> list[dict
                                         for k in ("middle", "end"))}
         if role == "rollout":                         # a new node replaced it
             row["checks"]["worker re-made on the new node"] = bool(remade) and all(
-                r["node"] not in (removed["node"],) for r in remade.values())
+                r["node"] != removed["node"] for r in remade.values())
         out.append(row)
     return out
 
@@ -319,26 +319,21 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
             if time.time() > deadline:
                 raise RuntimeError("the first job trained no step past its checkpoint")
             time.sleep(0.2)
-        pid = job(address, first)["driver_info"]["pid"]
-        pid = int(pid)
+        pid = int(job(address, first)["driver_info"]["pid"])
         if not is_descendant(pid, head.pid):
             raise RuntimeError(f"driver pid {pid} is not a process of this script's Ray head")
         os.kill(pid, signal.SIGKILL)
-        killed_at, done_at_kill = time.monotonic(), rows_done(run_dir)
+        killed_at, killed_wall, done_at_kill = time.monotonic(), time.time(), rows_done(run_dir)
         log(f"  killed the driver of job {first} (pid {pid}) after {done_at_kill} steps")
         status_first = wait_job(address, first, {"FAILED", "STOPPED", "SUCCEEDED"}, 120)
         submit(address, env, second, "opd", "train", "--resume", str(run_dir),
                cache=str(cache_dir()))
         recovered: dict = {}
 
-        def watch() -> None:
-            if "s" not in recovered and rows_done(run_dir) >= done_at_kill and \
-                    job(address, second)["status"] == "RUNNING" and resumed_rows_written():
+        def watch() -> None:    # the new job's rows (written after the kill) are back where they were
+            if ("s" not in recovered and rows_done(run_dir) >= done_at_kill
+                    and (run_dir / "metrics.parquet").stat().st_mtime > killed_wall):
                 recovered["s"] = time.monotonic() - killed_at
-
-        def resumed_rows_written() -> bool:      # the resume truncates to its checkpoint first
-            return (run_dir / "metrics.parquet").stat().st_mtime > killed_at_wall
-        killed_at_wall = time.time()
         status_second = wait_job(address, second, {"FAILED", "STOPPED", "SUCCEEDED"}, 900, watch)
         if "s" not in recovered and status_second == "SUCCEEDED":
             recovered["s"] = time.monotonic() - killed_at
