@@ -3,11 +3,12 @@ rows, like `opd.reference.run_reference` (same rows, same losses in strict mode:
 The roles, one step's data flow, faults and the invariants are in docs/ARCHITECTURE.md; per
 step k, the reference's order of work:
 
-    plan      next prefix batch, its source and prefix length, cut into parts  (planner.py)
+    plan      next prefix batch, its source and prefix length, cut into its pieces  (planner.py)
     generate  RolloutWorker.generate(job, k)  ("teacher": TeacherWorker; "data": no model)
     score     TeacherWorker.score(part) -> queue.put_part  (each part as soon as it is made)
+    train     StudentLearner.train_piece(k, version, part)  (each piece as soon as it is in the
+              queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every part reported; strict: version k only)
-    train     StudentLearner.train_step(k, version)  (rank r fetches only its rows)
     publish   weights k + 1  (one object-store object, or a broadcast: publisher.py)
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
@@ -50,8 +51,7 @@ from actors.driver.publisher import WeightPublisher
 from actors.driver.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.driver.tasks import StepPlan, Task, TaskKind, Training
 from actors.metrics import RoleMetrics
-from actors.transport.delivery import PartTag, deliver, part_cuts, put_payload
-from actors.transport.shards import shard_rows
+from actors.transport.delivery import PartTag, deliver, put_payload
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
 from actors.workers.rollout import StaleWeightsError
@@ -106,7 +106,6 @@ class Pipeline:
         self.state = DriverState(start, self.steps.end)
         self.state.consumed.update(state.get("consumed", []))
         self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
-        self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
         self.quality = (None if groups.evaluator is None else
                         QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
                                         start=start))
@@ -166,11 +165,8 @@ class Pipeline:
 
     def _issue(self) -> None:
         """Plan the next steps that the queue bound and the staleness bound allow."""
-        pool = self.pools["rollout"]               # workers still starting take no part yet
-        parts = core.parts_per_step(self.cfg.rollout.sub_batches,
-                                    len(pool.alive()) - len(pool.starting()), len(self.teacher))
         while (plan := self.planner.plan(self.state.version, self.publisher.published.version,
-                                         self.state.end, parts)) is not None:
+                                         self.state.end)) is not None:
             self._submit_parts(plan)
 
     def _submit_parts(self, plan: StepPlan) -> None:
@@ -178,9 +174,7 @@ class Pipeline:
             self._submit_generate(plan, part)
 
     def _tag(self, plan: StepPlan, part: int) -> PartTag:
-        a = sum(int(j.labels.shape[0]) for j in plan.jobs[:part])
-        b = a + int(plan.jobs[part].labels.shape[0])
-        return PartTag(plan.step, plan.gen, part, part_cuts((a, b), self.shards))
+        return PartTag(plan.step, plan.gen, part, plan.cuts[part], plan.version)
 
     def _submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
         worker = self.dispatch.submit(kind, plan, part, call)
@@ -249,26 +243,43 @@ class Pipeline:
     # -- learning -----------------------------------------------------------------------------------
 
     def _train(self) -> None:
-        plan = core.trainable(self.state, self.planner.plans)
-        if plan is None:
+        """Hand the learner ranks the pieces of the current step that are there, in piece order
+        (the step begins with its first piece: docs/STREAMING.md)."""
+        t = self.state.training or core.start_training(self.state, self.planner.plans,
+                                                       self.publisher.published.version)
+        if t is None:
             return
-        self.state.training = Training(plan.step)
-        for r, ref in enumerate(fan_out(self.learners, "train_step", plan.step,
-                                        self.state.version)):
-            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
+        plan = self.planner.plans[t.step]
+        job = plan.jobs[0]
+        tokens = plan.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
+        for part in core.pieces_to_train(t, plan):
+            refs = fan_out(self.learners, "train_piece", plan.step, self.state.version, t.gen,
+                           part, plan.parts, tokens, t.prefetch)
+            for r, ref in enumerate(refs):
+                self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, part=part,
+                                              worker=r, version=t.handed[part]))
 
     def _trained(self, task: Task, value: dict) -> None:
         t = self.state.training
-        t.results[task.worker] = value
-        if len(t.results) < len(self.learners):
+        if t is None or t.step != task.step:
             return
         plan = self.planner.plans[t.step]
-        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
-                                 self.cfg)
-        if done is None:                             # a worker that owned its rows died
+        nxt = core.piece_answered(t, plan, task.part, task.version, task.worker, value,
+                                  len(self.learners))
+        if nxt is core.PieceNext.AGAIN:              # its owner died before the ranks took it
+            self.metrics.inc("opd_reissued_jobs")
+            self.state.reissued += 1
+            self._submit_generate(plan, task.part)
+            return
+        if nxt is core.PieceNext.REPLAN:
+            self.state.training = None
             self.metrics.inc("opd_reissued_jobs")
             self._replan(plan)
             return
+        if nxt is not core.PieceNext.TRAINED:
+            return
+        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
+                                 self.cfg)
         self.planner.finish(plan.step, self.state.version)
         row = self._row(plan, done)
         self.steps.record(row)
@@ -334,6 +345,9 @@ class Pipeline:
                 if task.step == self.state.training.step and task.kind is TaskKind.TRAIN:
                     del self.dispatch.tasks[ref]
                     self._trained(task, ray.get(ref))
+        if self.state.training is not None:       # pieces not made yet: the step is dropped
+            fan_out(self.learners, "drop_step", self.state.training.step)
+            self.state.training = None
         if not self.records.has_checkpoint(self.state.version):
             self._save_checkpoint()
         self._write_consumed()

@@ -1,6 +1,7 @@
 """The driver's typed records: the kinds of task it has in flight, one task, and one step's plan.
 
-A `StepPlan` is one prefix batch cut into parts (row ranges, one rollout job each).  Each part
+A `StepPlan` is one prefix batch cut into parts (its pieces, opd/pieces.py: one rollout job
+each).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
 trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
@@ -26,7 +27,7 @@ class TaskKind(enum.Enum):
     SCORE = "score"                      # teacher scores of a generated part (teacher worker)
     LOAD = "load"                        # a rollout worker loads the published weights
     PROBE = "probe"                      # is a failed worker back?
-    TRAIN = "train"                      # one learner rank's step
+    TRAIN = "train"                      # one learner rank's piece of a step
     PLACE = "place"                      # an elastic rollout worker's placement group is ready
 
     @property
@@ -53,10 +54,19 @@ class Task:
 
 @dataclass
 class Training:
-    """The learner step in flight: its step, each rank's result as it arrives, when it began."""
+    """The learner step in flight (docs/STREAMING.md): its step and plan generation, how many
+    of its pieces were handed to the learner ranks (in piece order), each rank's answers to
+    each piece as they arrive, each rank's result of the step's last piece, when it began, and
+    whether the ranks fetch every piece at once (`prefetch`: a plan whose parts could not be
+    made again at its version, so it trains only once complete)."""
     step: int
+    gen: int = 0
+    submitted: int = 0
+    handed: dict[int, int] = field(default_factory=dict)   # piece -> times handed to the ranks
+    answers: dict[int, dict[int, dict]] = field(default_factory=dict)   # piece -> rank -> answer
     results: dict[int, dict] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
+    prefetch: bool = False
 
 
 @dataclass
@@ -97,6 +107,7 @@ class StepPlan:
     version: int                       # policy version of its trajectories
     jobs: list[RolloutJob]
     gen: int = 0
+    cuts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # part -> ranks' rows
     generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
     delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
     times: StageTimer = field(default_factory=rollout_started)   # rollout and teacher stages

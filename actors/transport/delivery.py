@@ -1,7 +1,8 @@
 """Delivering a step part to the learner ranks that train on it.
 
-A part is a contiguous row range [a, b) of a step's batch; learner rank r trains on rows
-`shard_rows(B, R)[r]`.  The worker that made the part (a rollout worker, or a teacher worker
+A part is one of a step's pieces (opd/pieces.py: rows of the batch, the p-th sub-range of
+every learner rank's shard); learner rank r trains on rows `shard_rows(B, R)[r]`, so each
+rank's rows of a part are one contiguous range of it (`PartTag.cuts`).  The worker that made the part (a rollout worker, or a teacher worker
 after scoring it) cuts it into one piece per rank — the part's rows that rank trains on — puts
 each piece into the object store itself (it owns them) and hands the refs to the trajectory
 queue.  The driver gets a `PartReport` (counts and rollout statistics, no payload); each rank
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from actors.transport.iostats import payload_nbytes
-from actors.transport.shards import take_rows
+from opd.pieces import take_rows
 from opd.batch import TrajectoryBatch
 
 
@@ -38,16 +39,7 @@ class PartTag:
     gen: int
     part: int
     cuts: tuple[tuple[int, int], ...]
-
-
-def part_cuts(part: tuple[int, int], shards: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The rows of part [a, b) in each rank's shard, local to the part."""
-    a, b = part
-    out = []
-    for s, e in shards:
-        lo, hi = max(a, s), min(b, e)
-        out.append((lo - a, hi - a) if lo < hi else (0, 0))
-    return tuple(out)
+    version: int = -1             # the policy version of the part's trajectories
 
 
 def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:
@@ -73,7 +65,7 @@ def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> Part
         payload = piece.to_numpy_dict()
         nbytes += payload_nbytes(payload)
         pieces.append(ray.put(payload))
-    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces))
+    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces, tag.version))
     return report(batch, nbytes, seconds)
 
 

@@ -51,7 +51,7 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     opd.steps.score gives for those rows, and the report's byte count is the pieces' bytes."""
     from actors.transport.delivery import PartTag, part_cuts, payload_nbytes
     from actors.workers.queue import QueueItem, TrajectoryQueue
-    from actors.transport.shards import take_rows
+    from opd.pieces import take_rows
     cfg, job, student = setup
     traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)

@@ -4,7 +4,7 @@ shards put the rows back in order."""
 import pytest
 import torch
 
-from actors.transport.shards import merge_batches, merge_stats, row_ranges, shard_rows, split_job, take_rows
+from opd.pieces import merge_batches, merge_stats, piece_rows, row_ranges, shard_rows, split_job, take_rows
 from opd.config import load_config
 from opd.models import create_model
 from opd.steps import RolloutJob, build_engine, rollout, score
@@ -38,7 +38,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     cfg, student, job = setup
     engine = build_engine(cfg)
     whole = rollout(student, engine, job, cfg, policy_version=2)
-    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, parts)]
+    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, piece_rows(5, 1, parts))]
     merged = merge_batches(subs)
     assert torch.equal(merged.tokens, whole.tokens)
     assert torch.equal(merged.labels, whole.labels)
@@ -48,7 +48,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     assert merged.rollout_stats["generated_tokens"] == whole.rollout_stats["generated_tokens"]
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
     plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
-             for j in split_job(job, parts)]
+             for j in split_job(job, piece_rows(5, 1, parts))]
     assert not torch.equal(merge_batches(plain).tokens, whole.tokens)
 
 
