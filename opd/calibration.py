@@ -4,8 +4,8 @@ With `rollout.gamma=auto` (the default) and Hybrid HB-SJD, every batch size an e
 with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e.
 `$OPD_CACHE/calibration.json`), keyed by the model's signature, the batch, W and CFG on/off:
 
-    training         the sizes of a step's pieces (`opd.pieces.step_pieces`: distill.pieces,
-                     or auto), in both run modes
+    training         the sizes of a step's rollout calls (`opd.pieces.step_layout`: one per
+                     worker of the larger pool, each a run of pieces), in both run modes
     evaluation       eval.batch_size chunks of eval.num_samples (samples) and
                      `opd.quality.KL_BATCH` chunks of eval.kl_rows (on-policy KL), when set
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from opd.cache import calibration_file
 from opd.config import RunConfig
-from opd.pieces import piece_rows, step_pieces
+from opd.pieces import step_layout
 from rollout.calibrate import ensure_calibration
 from rollout.sampling import uses_cfg
 
@@ -39,10 +39,10 @@ def slot_rows(cfg: RunConfig, sizes) -> set[int]:
 
 
 def rollout_batch_sizes(cfg: RunConfig) -> list[int]:
-    """The physical rows training rollouts are generated at: the sizes of a step's pieces
-    (opd/pieces.py, the same in both run modes), capped by rollout.slots."""
-    rows = piece_rows(cfg.data.batch_size, cfg.learner.world_size, step_pieces(cfg))
-    return sorted(slot_rows(cfg, {len(r) for r in rows}))
+    """The physical rows training rollouts are generated at: the sizes of a step's rollout
+    calls (opd/pieces.py, the same in both run modes), capped by rollout.slots."""
+    layout = step_layout(cfg)
+    return sorted(slot_rows(cfg, {len(layout.part_rows(c)) for c in range(len(layout.parts))}))
 
 
 def eval_batch_sizes(cfg: RunConfig) -> list[int]:

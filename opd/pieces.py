@@ -14,6 +14,11 @@ ZeRO 2-3 need (they reduce gradients at every backward).  With R = 1 the pieces 
 contiguous row ranges.  A piece's rollout job keeps its rows' image ids, so its tokens are the
 whole batch's rows (the engines key random numbers by (seed, image id, position)).
 
+Rollout calls.  A step is generated in C rollout calls ("parts", `step_parts`: one per
+worker), each a contiguous run of pieces; the teacher scores and the learner trains piece by
+piece.  On a CPU a rollout round's fixed cost dominates a small model's, so cutting the rollout
+itself into pieces would multiply its rounds (docs/STREAMING.md).
+
 How many.  `distill.pieces` P, or with 0 (auto) `auto_pieces`: pieces of about `PIECE_ROWS`
 rows per learner rank, at least one per worker of the larger pool (rollout or teacher) so
 every worker has work, at most one row per rank each.  Both run modes take the count from the
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,9 +35,6 @@ from torch import Tensor
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
 from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
-
-if TYPE_CHECKING:
-    from opd.steps import RolloutJob
 
 PIECE_ROWS = 8
 """Rows per learner rank in an auto-sized piece.  Per piece a step pays a fixed cost in every
@@ -84,6 +85,43 @@ def step_pieces(cfg: RunConfig) -> int:
     return auto_pieces(B, R, workers)              # the same in both run modes
 
 
+def step_parts(cfg: RunConfig) -> int:
+    """C, the rollout calls ("parts") a step's batch is generated in: one per worker of the
+    larger pool (rollout, or teacher for teacher rollouts), at most one per piece.  A rollout
+    call of many rows costs about as much as one of few on a CPU, where a round's fixed cost
+    dominates, so the rollout is not cut further: only scoring and learning go piece by piece."""
+    workers = max(worker_count(cfg.rollout.num_workers), cfg.teacher.num_workers)
+    return max(1, min(workers, step_pieces(cfg)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a step of a run is cut: `rows[p]` the batch rows of piece p (opd/pieces.py docstring),
+    `parts[c]` the pieces rollout call c generates (contiguous, in order), and for each piece
+    its part and its [a, b) rows within that part's rows."""
+    rows: list[Tensor]
+    parts: list[list[int]]
+
+    @property
+    def part_of(self) -> list[int]:
+        return [c for c, ps in enumerate(self.parts) for _ in ps]
+
+    def part_rows(self, c: int) -> Tensor:
+        return torch.cat([self.rows[p] for p in self.parts[c]])
+
+    def within_part(self, p: int) -> tuple[int, int]:
+        c = self.part_of[p]
+        a = sum(len(self.rows[q]) for q in self.parts[c] if q < p)
+        return a, a + len(self.rows[p])
+
+
+def step_layout(cfg: RunConfig) -> Layout:
+    """The layout of every step of run `cfg` (the same in both run modes)."""
+    P = step_pieces(cfg)
+    rows = piece_rows(cfg.data.batch_size, cfg.learner.world_size, P)
+    return Layout(rows, [list(range(a, b)) for a, b in row_ranges(P, step_parts(cfg))])
+
+
 def piece_rows(batch: int, world_size: int, pieces: int) -> list[Tensor]:
     """(rows,) int64 batch rows of each piece: the p-th sub-range of every rank's shard, in rank
     order."""
@@ -106,9 +144,9 @@ def piece_cuts(rows: Tensor, shards: list[tuple[int, int]]) -> tuple[tuple[int, 
     return tuple(out)
 
 
-def split_job(job: RolloutJob, rows: list[Tensor]) -> list[RolloutJob]:
-    """The job as one sub-job per piece of `rows` (batch row indices), each keeping its rows'
-    image ids."""
+def split_job(job, rows: list[Tensor]) -> list:
+    """The job (an `opd.steps.RolloutJob`) as one sub-job per entry of `rows` (batch row
+    indices), each keeping its rows' image ids."""
     B = job.labels.shape[0]
     ids = job.image_ids if job.image_ids is not None else torch.arange(B)
     return [dataclasses.replace(job, labels=job.labels[r], tokens=job.tokens[r], image_ids=ids[r])

@@ -38,7 +38,7 @@ from opd.loop import (RunInterrupted, StepLog, check_objectives,  # noqa: F401  
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.phases import objectives, phase_at, phases, rolls_out
-from opd.pieces import merge_batches, piece_rows, split_job, step_pieces
+from opd.pieces import merge_batches, merge_stats, split_job, step_layout, take_rows
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
 
@@ -97,7 +97,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     train = open_dataset(cfg, "train")
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
-    rows = piece_rows(cfg.data.batch_size, cfg.learner.world_size, step_pieces(cfg))
+    layout = step_layout(cfg)
+    parts = [layout.part_rows(c) for c in range(len(layout.parts))]
     start = 0
     if resume:
         last = ckpt.latest_checkpoint(run_dir)
@@ -122,25 +123,29 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                              batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
             seconds = {"rollout": 0.0, "teacher": 0.0}
             cpu0 = time.process_time()
-            scored = []
-            for piece in split_job(job, rows):                 # the step's pieces, in order
+            scored, part_stats = [], []
+            for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
                 t0 = time.perf_counter()
-                traj = rollout(teacher if source == "teacher" else student, engine, piece, cfg,
+                traj = rollout(teacher if source == "teacher" else student, engine, part, cfg,
                                policy_version=step)
                 seconds["rollout"] += time.perf_counter() - t0
-                if needs_teacher_scores(objective):
-                    t0 = time.perf_counter()
-                    traj = score(teacher, traj, cfg)
-                    seconds["teacher"] += time.perf_counter() - t0
-                scored.append(traj)
+                part_stats.append(traj.rollout_stats)
+                for p in layout.parts[c]:                      # its pieces, in order
+                    piece = take_rows(traj, *layout.within_part(p))
+                    if needs_teacher_scores(objective):
+                        t0 = time.perf_counter()
+                        piece = score(teacher, piece, cfg)
+                        seconds["teacher"] += time.perf_counter() - t0
+                    scored.append(piece)
             t0 = time.perf_counter()
             metrics = learn(student, optimizer, scored, objective, grad_clip=cfg.learner.grad_clip,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
                             check=cfg)         # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
             traj = merge_batches(scored)
+            traj.rollout_stats = merge_stats(part_stats)       # the rollout calls' own stats
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
-            row["pieces"] = len(rows)
+            row["pieces"] = len(layout.rows)
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
             steps.record(row)                                  # other processes put on the machine
             track_quality(evaluator, quality, student, step + 1, run_dir)

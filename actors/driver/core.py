@@ -6,7 +6,8 @@ writes rows); every function here only reads and updates the records of `actors/
 unit-tested on its own (tests/actors/test_core.py):
 
     part_generated      a part's report arrived: score it next, or it is delivered already
-    part_scored         a part's scoring arrived
+    to_score            the pieces of a generated part to score
+    part_scored         a piece's scoring arrived
     retry               a part failed: issue it again, re-plan its whole step, or drop it
     regenerate          a scoring whose input part died: the generation to issue again
     sealable            the steps whose parts are all delivered, in step order
@@ -19,6 +20,7 @@ unit-tested on its own (tests/actors/test_core.py):
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import Counter
@@ -63,15 +65,23 @@ def part_generated(plan: StepPlan, part: int, report: PartReport, busy: float,
         plan.times.end("rollout", now)
     if plan.scored:
         return PartNext.SCORE
-    plan.delivered[part] = report
+    for i, p in enumerate(plan.pieces_of[part]):     # the worker delivered its pieces
+        plan.delivered[p] = report if i == 0 else dataclasses.replace(report, nbytes=0)
     return PartNext.DELIVERED
 
 
-def part_scored(plan: StepPlan, part: int, report: PartReport, busy: float, now: float) -> None:
-    """Record part `part` of `plan` scored and delivered into the queue."""
-    if part in plan.delivered:
+def to_score(plan: StepPlan, part: int) -> list[int]:
+    """The pieces of a generated part to submit for scoring: those neither delivered nor being
+    scored."""
+    return [p for p in plan.pieces_of[part] if p not in plan.delivered and p not in plan.scoring]
+
+
+def part_scored(plan: StepPlan, piece: int, report: PartReport, busy: float, now: float) -> None:
+    """Record piece `piece` of `plan` scored and delivered into the queue."""
+    plan.scoring.discard(piece)
+    if piece in plan.delivered:
         return
-    plan.delivered[part] = report
+    plan.delivered[piece] = report
     plan.times.busy["teacher"] += report.seconds or busy
     if plan.complete:
         plan.times.end("teacher", now)
@@ -101,12 +111,16 @@ def replan_version(plan: StepPlan, published: int) -> int:
     return published if plan.source == "student" else plan.version
 
 
-def regenerate(task: Task, plan: StepPlan) -> Task:
-    """A scoring whose input part died with the worker that owned it: forget the part and
-    return the generation to issue again."""
-    plan.generated.pop(task.part, None)
+def regenerate(task: Task, plan: StepPlan) -> Task | None:
+    """A scoring of piece `task.part` whose input part died with the worker that owned it:
+    forget the part and return its generation to issue again (None: it is being made again
+    already; its pieces are scored when it is)."""
+    plan.scoring.discard(task.part)
+    part = plan.part_of(task.part)
+    if plan.generated.pop(part, None) is None:
+        return None
     kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
-    return Task(kind, step=task.step, part=task.part, version=task.version, gen=task.gen)
+    return Task(kind, step=task.step, part=part, version=task.version, gen=task.gen)
 
 
 def sealable(plans: dict[int, StepPlan]) -> list[StepPlan]:
@@ -147,9 +161,9 @@ def pieces_to_train(t: Training, plan: StepPlan) -> list[int]:
     those handed already, up to the first missing one; the last only once the step is sealed
     (taking it hands the step out of the queue)."""
     out = []
-    while t.submitted < plan.parts:
+    while t.submitted < plan.pieces:
         p = t.submitted
-        if p not in plan.delivered or (p == plan.parts - 1 and not plan.sealed):
+        if p not in plan.delivered or (p == plan.pieces - 1 and not plan.sealed):
             break
         out.append(p)
         t.submitted += 1
@@ -184,7 +198,7 @@ def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: i
         plan.generated.pop(part, None)
         plan.delivered.pop(part, None)
         return PieceNext.AGAIN
-    if part == plan.parts - 1:
+    if part == plan.pieces - 1:
         t.results = answers
         return PieceNext.TRAINED
     return PieceNext.WAIT
@@ -239,7 +253,7 @@ class BatchSummary:
 
     @classmethod
     def of(cls, plan: StepPlan) -> BatchSummary:
-        reports = [plan.delivered[p] for p in range(plan.parts)]
+        reports = [plan.generated[c] for c in range(plan.parts)]   # the rollout calls'
         job = plan.jobs[0]
         return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
                    merge_stats([r.stats for r in reports]),
@@ -279,7 +293,7 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
         "learner_idle": max(0.0, 1 - seconds["learner"] / wall), "reissued": reissued,
         "rollout_busy_s": t.busy["rollout"], "teacher_busy_s": t.busy["teacher"],
         "learner_busy_s": seconds["learner"], "learner_span_s": done.now - done.learner_start,
-        "pieces": plan.parts,
+        "pieces": plan.pieces,
         "rollout_workers": pools.rollout_up,
         "delivered_bytes": sum(r.nbytes for r in plan.delivered.values()),
         "learner_received_bytes": [int(r["received_bytes"]) for r in results],

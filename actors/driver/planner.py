@@ -13,7 +13,7 @@ from actors.driver.tasks import StepPlan
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.phases import phase_at
-from opd.pieces import piece_cuts, piece_rows, shard_rows, split_job, step_pieces
+from opd.pieces import piece_cuts, shard_rows, split_job, step_layout
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
                        needs_teacher_scores)
 
@@ -22,8 +22,9 @@ class StepPlanner:
     def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
         self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
         B, R = cfg.data.batch_size, cfg.learner.world_size
-        self.rows = piece_rows(B, R, step_pieces(cfg))       # every step's pieces
-        self.cuts = [piece_cuts(r, shard_rows(B, R)) for r in self.rows]
+        self.layout = layout = step_layout(cfg)              # every step's pieces and parts
+        self.cuts = [piece_cuts(r, shard_rows(B, R)) for r in layout.rows]
+        self.ranges = [layout.within_part(p) for p in range(len(layout.rows))]
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, StepPlan] = {}
         self.next_step = start
@@ -47,8 +48,10 @@ class StepPlanner:
                          batch_prefix_len(cfg, pb.batch_id, self.seq_len, s), source,
                          cfg.run.seed)
         plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version,
-                                        split_job(job, self.rows), gen=next(self._gens),
-                                        cuts=self.cuts,
+                                        split_job(job, [self.layout.part_rows(c) for c in
+                                                        range(len(self.layout.parts))]),
+                                        gen=next(self._gens), pieces_of=self.layout.parts,
+                                        ranges=self.ranges, cuts=self.cuts,
                                         scored=needs_teacher_scores(objective),
                                         phase=phase_at(cfg, s).name)
         self.next_step += 1

@@ -1,7 +1,7 @@
 """The driver's typed records: the kinds of task it has in flight, one task, and one step's plan.
 
-A `StepPlan` is one prefix batch cut into parts (its pieces, opd/pieces.py: one rollout job
-each).  Each part
+A `StepPlan` is one prefix batch cut into pieces, generated in parts (rollout calls, each a run
+of pieces: opd/pieces.py).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
 trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
@@ -105,11 +105,14 @@ class StepPlan:
     batch_id: int
     source: str
     version: int                       # policy version of its trajectories
-    jobs: list[RolloutJob]
+    jobs: list[RolloutJob]                 # its rollout calls ("parts"), one job each
     gen: int = 0
-    cuts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # part -> ranks' rows
+    pieces_of: list[list[int]] = field(default_factory=list)  # part -> its pieces, in order
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # piece -> its rows in its part
+    cuts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # piece -> ranks' rows
     generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
-    delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
+    delivered: dict[int, PartReport] = field(default_factory=dict)  # piece -> report, in the queue
+    scoring: set[int] = field(default_factory=set)                   # pieces being scored
     times: StageTimer = field(default_factory=rollout_started)   # rollout and teacher stages
     sealed: bool = False               # the queue holds it as one item
     scored: bool = True                # its objective needs teacher scores (else no scoring)
@@ -120,15 +123,23 @@ class StepPlan:
         return len(self.jobs)
 
     @property
+    def pieces(self) -> int:
+        return len(self.cuts)
+
+    def part_of(self, piece: int) -> int:
+        return next(c for c, ps in enumerate(self.pieces_of) if piece in ps)
+
+    @property
     def samples(self) -> int:
         return sum(int(j.labels.shape[0]) for j in self.jobs)
 
     @property
     def complete(self) -> bool:
-        return len(self.delivered) == len(self.jobs)
+        return len(self.delivered) == self.pieces
 
     def reset(self, version: int, gen: int) -> None:
         """Re-plan at `version` as generation `gen`: every part goes again."""
         self.generated.clear()
         self.delivered.clear()
+        self.scoring.clear()
         self.version, self.gen, self.sealed = version, gen, False

@@ -7,8 +7,8 @@ import torch
 from actors.driver import core
 from actors.driver.core import DriverState, PartNext, PoolCounts
 from actors.driver.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
-from opd.pieces import combine_metrics, piece_rows, split_job
 from opd.config import load_config
+from opd.pieces import combine_metrics, piece_rows, split_job
 from opd.steps import RolloutJob
 
 
@@ -16,8 +16,10 @@ def plan_of(step: int, parts: int = 2, *, source: str = "student", scored: bool 
             version: int | None = None, batch_id: int | None = None) -> StepPlan:
     job = RolloutJob(step if batch_id is None else batch_id, torch.arange(4),
                      torch.zeros(4, 6, dtype=torch.int64), 3, source, 0)
+    rows = piece_rows(4, 1, parts)                      # a rollout call per piece
     return StepPlan(step, job.batch_id, source, step if version is None else version,
-                    split_job(job, piece_rows(4, 1, parts)), scored=scored,
+                    split_job(job, rows), scored=scored, pieces_of=[[p] for p in range(parts)],
+                    ranges=[(0, len(r)) for r in rows], cuts=[((0, len(r)),) for r in rows],
                     times=StageTimer(began={"rollout": 10.0}))
 
 
@@ -57,7 +59,26 @@ def test_a_lost_input_regenerates_its_part():
     assert (task.kind, task.step, task.part, task.gen) == (TaskKind.TEACHER_ROLLOUT, 0, 1, 0)
     assert plan.generated == {}
     student = plan_of(0)
+    student.generated[0] = report()
+    student.scoring.add(0)
     assert core.regenerate(Task(TaskKind.SCORE, step=0, part=0), student).kind is TaskKind.ROLLOUT
+    assert student.scoring == set()
+    # a sibling piece's scoring that lost the same input: the part is being made already
+    assert core.regenerate(Task(TaskKind.SCORE, step=0, part=0), student) is None
+
+
+def test_a_part_of_several_pieces_is_scored_and_delivered_piece_by_piece():
+    plan = plan_of(0, parts=4)
+    plan.jobs, plan.pieces_of = plan.jobs[:2], [[0, 1], [2, 3]]
+    assert core.part_generated(plan, 1, report(nbytes=7), 0.5, 1.0) is PartNext.SCORE
+    assert core.to_score(plan, 1) == [2, 3]
+    plan.scoring.add(2)
+    plan.delivered[3] = report()
+    assert core.to_score(plan, 1) == []                 # 2 being scored, 3 delivered
+    data = plan_of(0, parts=4, scored=False)
+    data.jobs, data.pieces_of = data.jobs[:2], [[0, 1], [2, 3]]
+    assert core.part_generated(data, 1, report(nbytes=7), 0.5, 1.0) is PartNext.DELIVERED
+    assert {p: r.nbytes for p, r in data.delivered.items()} == {2: 7, 3: 0}   # bytes once
 
 
 def test_steps_are_sealed_in_order_once_complete():
@@ -191,6 +212,7 @@ def test_step_metrics_row():
     plan.times = StageTimer({"rollout": 10.0, "teacher": 11.0}, {"rollout": 12.0, "teacher": 13.0},
                             Counter(rollout=4.0, teacher=1.0))
     for p in range(2):
+        plan.generated[p] = report()
         plan.delivered[p] = report(nbytes=100 + p)
     done = core.StepDone([{**rank(1.0, 6.0), "busy_s": 2.0}], learner_start=13.0, now=16.0, wall=8.0,
                          checkpoint=False, publish=False)
