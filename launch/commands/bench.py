@@ -259,7 +259,11 @@ def run_schedules(args: argparse.Namespace) -> int:
 
     bench = load_schedules_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
-    report = run(bench, out)
+    runner = None
+    if bench.mode == "ray":
+        from actors.driver.pipeline import run_distributed
+        runner = lambda cfg, run_dir: run_distributed(cfg, run_dir, progress=False)  # noqa: E731
+    report = run(bench, out, runner=runner)
     out.mkdir(parents=True, exist_ok=True)
     text = format_markdown(report)
     print(text)
