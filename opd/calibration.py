@@ -4,11 +4,8 @@ With `rollout.gamma=auto` (the default) and Hybrid HB-SJD, every batch size an e
 with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e.
 `$OPD_CACHE/calibration.json`), keyed by the model's signature, the batch, W and CFG on/off:
 
-    reference mode   data.batch_size
-    ray mode         the sub-batch sizes: a step's batch is cut into `parts` row ranges
-                     (`opd.steps.row_ranges`), parts = rollout.sub_batches, else one per rollout
-                     worker up and at least one per teacher worker (actors/driver/pipeline.py), so
-                     every parts count from teacher.num_workers to the largest pool
+    training         the sizes of a step's rollout calls (`opd.pieces.step_layout`: one per
+                     worker of the larger pool, each a run of pieces), in both run modes
     evaluation       eval.batch_size chunks of eval.num_samples (samples) and
                      `opd.quality.KL_BATCH` chunks of eval.kl_rows (on-policy KL), when set
 
@@ -23,7 +20,7 @@ from __future__ import annotations
 
 from opd.cache import calibration_file
 from opd.config import RunConfig
-from opd.steps import row_ranges
+from opd.pieces import step_layout
 from rollout.calibrate import ensure_calibration
 from rollout.sampling import uses_cfg
 
@@ -35,16 +32,6 @@ def chunk_sizes(total: int, batch: int) -> set[int]:
     return {min(batch, total)} | ({total % batch} if total % batch else set())
 
 
-def rollout_parts(cfg: RunConfig) -> list[int]:
-    """Every count of parts a Ray step's batch may be split into (see the module docstring)."""
-    if cfg.rollout.sub_batches:
-        return [cfg.rollout.sub_batches]
-    n = cfg.rollout.num_workers
-    most = n[1] if isinstance(n, tuple) else n
-    teachers = cfg.teacher.num_workers
-    return list(range(teachers, max(most, teachers) + 1))
-
-
 def slot_rows(cfg: RunConfig, sizes) -> set[int]:
     """The physical rows of rollouts of these batch sizes (rollout.slots caps them)."""
     S = cfg.rollout.slots
@@ -52,11 +39,10 @@ def slot_rows(cfg: RunConfig, sizes) -> set[int]:
 
 
 def rollout_batch_sizes(cfg: RunConfig) -> list[int]:
-    """The physical rows training rollouts are generated at, in cfg.run.mode."""
-    B = cfg.data.batch_size
-    if cfg.run.mode == "reference":
-        return sorted(slot_rows(cfg, [B]))
-    return sorted(slot_rows(cfg, {b - a for p in rollout_parts(cfg) for a, b in row_ranges(B, p)}))
+    """The physical rows training rollouts are generated at: the sizes of a step's rollout
+    calls (opd/pieces.py, the same in both run modes), capped by rollout.slots."""
+    layout = step_layout(cfg)
+    return sorted(slot_rows(cfg, {len(layout.part_rows(c)) for c in range(len(layout.parts))}))
 
 
 def eval_batch_sizes(cfg: RunConfig) -> list[int]:

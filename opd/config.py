@@ -146,8 +146,6 @@ class RolloutConfig:
         """The engine options these keys set, of those an engine takes (`takes`: its
         `rollout.engine.engine_options`)."""
         return {opt: getattr(self, key) for key, opt in ENGINE_OPTIONS.items() if opt in takes}
-    sub_batches: int = bounded(0, ge=0)
-    """Parts a step's prefix batch is split into across workers (Ray); 0 = one per worker of the larger pool (rollout or teacher)."""
     elastic_grow_wait: float = bounded(0.5, gt=0.0, le=1.0)
     """Elastic pool ("min..max"): add a worker after steps where the learner waited on student rollouts for at least this fraction of the step."""
     elastic_shrink_wait: float = bounded(0.1, ge=0.0, le=1.0)
@@ -268,6 +266,13 @@ class DistillConfig:
     """Max policy-version lag of consumed trajectories; 0 = strict on-policy."""
     broadcast_every: int = bounded(1, ge=1)
     """Publish student weights to rollout workers every this many steps."""
+    pieces: int = bounded(0, ge=0)
+    """Pieces each step streams in (docs/STREAMING.md): piece p is generated, scored and
+    trained on while the next is generated; the learner accumulates gradients over the pieces in
+    piece order and updates once.  0 = auto: about 8 rows per learner rank a piece, at least one
+    per worker of the larger pool; 1 = no streaming (each stage waits for the whole batch).  At
+    most data.batch_size / learner.world_size (a row per rank each).  Both run modes cut a step
+    the same way."""
     queue_capacity: int = bounded(4, ge=1)
     """Prefix batches buffered between rollout/teacher workers and the learner (Ray pipeline backpressure)."""
     objective_options: dict[str, Any] = field(default_factory=dict)
@@ -475,6 +480,16 @@ def _worker_span(cfg: RunConfig) -> None:
 
 
 @cross_check
+def _pieces(cfg: RunConfig) -> None:
+    P, B, R = cfg.distill.pieces, cfg.data.batch_size, cfg.learner.world_size
+    if P and P > B // max(R, 1):
+        raise ConfigError(f"distill.pieces={P}: a step of data.batch_size={B} rows over "
+                          f"learner.world_size={R} ranks has at most {B // max(R, 1)} pieces (a "
+                          f"row per rank each); lower distill.pieces or set 0 (auto)",
+                          "distill.pieces")
+
+
+@cross_check
 def _history_offset(cfg: RunConfig) -> None:
     h, t = cfg.rollout.history_offset, cfg.model.grid_size ** 2
     if h is not None and h >= t:
@@ -487,6 +502,8 @@ def _history_offset(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------------------------
 
 RETIRED_KEYS = {
+    "rollout.sub_batches": "a step is cut into distill.pieces now (they stream through rollout, "
+                           "teacher and learner); set distill.pieces=N",
     "run.deterministic": "runs are always reproducible (keyed random numbers, seeded "
                          "initialization), so the key did nothing; drop it",
     "run.resume": "continue a run with opd train --resume RUN_DIR",

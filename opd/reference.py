@@ -8,9 +8,12 @@ Per step k (policy version k = the number of updates the student has had):
     phase  = phase_at(cfg, k)                                  (distill.phases: the step's
                                                                objective, λ, prefix ratios, lr)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
-    traj   = rollout(current student, engine, batch)           (eval mode, no label dropout)
-    traj   = score(teacher, traj)                              (teacher log-probs, full or top-k)
-    learn(student, optimizer, traj, objective)                 (loss on the generated suffix; the
+    for piece in pieces(batch):                                (distill.pieces, opd/pieces.py)
+        traj = rollout(current student, engine, piece)        (eval mode, no label dropout)
+        traj = score(teacher, traj)                           (teacher log-probs, full or top-k)
+    learn(student, optimizer, trajs, objective)                (gradients accumulated over the
+                                                               pieces in order, one update; loss
+                                                               on the generated suffix; the
                                                                on-policy check, opd/onpolicy.py,
                                                                on the same forward's logits)
 
@@ -35,6 +38,7 @@ from opd.loop import (RunInterrupted, StepLog, check_objectives,  # noqa: F401  
 from opd.models import load_into, load_state_dict_safely
 from opd.pretrain import load_role_model, open_dataset
 from opd.phases import objectives, phase_at, phases, rolls_out
+from opd.pieces import merge_batches, merge_stats, split_job, step_layout, take_rows
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective,
                        learn, learning_rate, make_optimizer, needs_teacher_scores, rollout, score)
 
@@ -93,6 +97,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     train = open_dataset(cfg, "train")
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
+    layout = step_layout(cfg)
+    parts = [layout.part_rows(c) for c in range(len(layout.parts))]
     start = 0
     if resume:
         last = ckpt.latest_checkpoint(run_dir)
@@ -115,22 +121,31 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             source = batch_source(objective, step, seed)
             job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
                              batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
-            seconds = {}
+            seconds = {"rollout": 0.0, "teacher": 0.0}
             cpu0 = time.process_time()
-            t0 = time.perf_counter()
-            traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
-                           policy_version=step)
-            seconds["rollout"] = time.perf_counter() - t0
-            if needs_teacher_scores(objective):
+            scored, part_stats = [], []
+            for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
                 t0 = time.perf_counter()
-                traj = score(teacher, traj, cfg)
-                seconds["teacher"] = time.perf_counter() - t0
+                traj = rollout(teacher if source == "teacher" else student, engine, part, cfg,
+                               policy_version=step)
+                seconds["rollout"] += time.perf_counter() - t0
+                part_stats.append(traj.rollout_stats)
+                for p in layout.parts[c]:                      # its pieces, in order
+                    piece = take_rows(traj, *layout.within_part(p))
+                    if needs_teacher_scores(objective):
+                        t0 = time.perf_counter()
+                        piece = score(teacher, piece, cfg)
+                        seconds["teacher"] += time.perf_counter() - t0
+                    scored.append(piece)
             t0 = time.perf_counter()
-            metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
+            metrics = learn(student, optimizer, scored, objective, grad_clip=cfg.learner.grad_clip,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
                             check=cfg)         # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
+            traj = merge_batches(scored)
+            traj.rollout_stats = merge_stats(part_stats)       # the rollout calls' own stats
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
+            row["pieces"] = len(layout.rows)
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
             steps.record(row)                                  # other processes put on the machine
             track_quality(evaluator, quality, student, step + 1, run_dir)

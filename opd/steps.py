@@ -20,6 +20,7 @@ from opd.cache import calibration_file
 from opd.config import RunConfig
 from opd.objectives import Objective
 from opd.onpolicy import logprob_gap
+from opd.pieces import combine_metrics
 from opd.phases import learning_rate, objective_at, phase_at  # noqa: F401 (learning_rate re-exported)
 from rollout import make_engine
 from rollout.engine import engine_options
@@ -74,19 +75,6 @@ def build_engine(cfg: RunConfig, engine: str | None = None):
     if "calibration" in takes:                      # gamma=auto: measured once, under the lock
         options.update(calibration=str(calibration_file()), calibrate_missing=True)
     return make_engine(name, **options)
-
-
-def row_ranges(batch: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous [start, stop) ranges covering 0..batch, sizes differing by at most one
-    (first ranges larger); empty ranges are dropped."""
-    parts = max(1, min(parts, batch))
-    base, extra = divmod(batch, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + base + (i < extra)
-        out.append((start, stop))
-        start = stop
-    return out
 
 
 @dataclass(frozen=True)
@@ -190,24 +178,48 @@ def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
     return loss, metrics
 
 
-def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
-          grad_clip: float, dropout: bool, lr: float | None = None,
-          check: RunConfig | None = None) -> dict:
-    """One optimizer step on one scored batch (the reference learner; the DeepSpeed learner
-    does the same through its engine), at learning rate `lr` (None: the optimizer's).
-    Returns the objective's metrics plus grad_norm (and the on-policy check with `check`,
-    see `student_loss`)."""
+def backward_piece(student, piece: TrajectoryBatch, objective: Objective, *, weight: float,
+                   dropout: bool, check: RunConfig | None = None) -> dict:
+    """Forward and backward of one piece of a step (opd/pieces.py): the objective's loss on the
+    piece (its token mean) times `weight`, the piece's share n_p / N of the step's loss tokens,
+    so the gradients the pieces accumulate add up to the gradient of the step's token mean.
+    Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`)."""
+    loss, metrics = student_loss(student, piece, objective, dropout=dropout, check=check)
+    (loss * weight if weight != 1.0 else loss).backward()
+    return {**metrics, "loss": float(loss.detach()), "tokens": float(piece.num_generated_tokens)}
+
+
+def optimizer_step(student, optimizer: torch.optim.Optimizer, *, grad_clip: float,
+                   lr: float | None = None) -> float:
+    """The update after a step's last piece, at learning rate `lr` (None: the optimizer's):
+    gradients clipped to `grad_clip` (0: not clipped); returns their global norm before
+    clipping.  The gradients are cleared for the next step."""
     if lr is not None:
         set_learning_rate(optimizer, lr)
-    loss, metrics = student_loss(student, batch, objective, dropout=dropout, check=check)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    norm = (torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip) if grad_clip > 0
-            else torch.sqrt(sum((p.grad ** 2).sum() for p in student.parameters()
-                                if p.grad is not None)))
+    params = [p for p in student.parameters() if p.grad is not None]
+    norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
+            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                       for p in params])))
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     student.eval()
-    return {**metrics, "loss": float(loss.detach()), "grad_norm": float(norm)}
+    return float(norm)
+
+
+def learn(student, optimizer, pieces: TrajectoryBatch | list[TrajectoryBatch],
+          objective: Objective, *, grad_clip: float, dropout: bool, lr: float | None = None,
+          check: RunConfig | None = None) -> dict:
+    """One optimizer step on a scored batch, or on its pieces accumulated in order (the
+    reference learner; the DeepSpeed learner does the same through its engine, piece by piece
+    as they arrive).  Returns the objective's metrics over the step (token means), tokens,
+    grad_norm, and the on-policy check with `check` (see `student_loss`)."""
+    pieces = [pieces] if isinstance(pieces, TrajectoryBatch) else pieces
+    total = sum(p.num_generated_tokens for p in pieces)
+    optimizer.zero_grad(set_to_none=True)
+    results = [backward_piece(student, p, objective, weight=p.num_generated_tokens / total,
+                              dropout=dropout, check=check) for p in pieces]
+    norm = optimizer_step(student, optimizer, grad_clip=grad_clip, lr=lr)
+    return {**combine_metrics(results), "grad_norm": norm}
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -137,22 +137,40 @@ def step_delta(now: dict[str, dict], before: dict[str, dict]) -> dict[str, dict]
                    "peak_rss_bytes": s["peak_rss_bytes"]} for role, s in now.items()}
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and every process under it: on a
+    local Ray this driver started, the raylet, the GCS and every worker.  Processes that ended
+    are no longer counted, so only differences over a window without restarts mean anything."""
+    import psutil
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:              # ended between the listing and the read
+            pass
+    return total
+
+
 def run_with_io(cfg: RunConfig, run_dir: str | Path, *, sample_every: float = 0.25,
                 **kwargs) -> list[dict]:
     """`run_distributed(cfg, run_dir)` (Ray already connected), its rows each carrying the
-    step's "io" (per role) and "object_store" (see the module docstring)."""
+    step's "io" (per role), "object_store" (see the module docstring) and "cpu_s": the CPU
+    seconds every process of the run used in the step's window (`tree_cpu_seconds`)."""
     per_step: dict[int, dict] = {}
     totals: dict[str, dict] = {}
-    mark = [time.perf_counter()]
+    mark = [time.perf_counter(), tree_cpu_seconds()]
 
     def after_step(pipeline, step: int, row: dict) -> None:
         now = {"driver": driver.stats(), **actor_io(pipeline.groups, driver.original_get)}
         sampler.sample()                      # at least one sample in every step's window
-        t = time.perf_counter()
-        per_step[step] = {"io": step_delta(now, totals), "object_store": sampler.window(mark[0], t)}
+        t, cpu = time.perf_counter(), tree_cpu_seconds()
+        per_step[step] = {"io": step_delta(now, totals), "object_store": sampler.window(mark[0], t),
+                          "cpu_s": cpu - mark[1]}
         totals.clear()
         totals.update(now)
-        mark[0] = t
+        mark[:] = [t, cpu]
 
     hooks = {**kwargs.pop("hooks", {}), "after_step": after_step}
     with StoreSampler(sample_every) as sampler, DriverIO() as driver:

@@ -5,28 +5,31 @@ writes rows); every function here only reads and updates the records of `actors/
 (`StepPlan`, `Task`, `PartReport`, `Training`) and the `DriverState` below, so each decision is
 unit-tested on its own (tests/actors/test_core.py):
 
-    parts_per_step      how many parts the next plan is cut into
     part_generated      a part's report arrived: score it next, or it is delivered already
-    part_scored         a part's scoring arrived
+    to_score            the pieces of a generated part to score
+    part_scored         a piece's scoring arrived
     retry               a part failed: issue it again, re-plan its whole step, or drop it
     regenerate          a scoring whose input part died: the generation to issue again
     sealable            the steps whose parts are all delivered, in step order
-    trainable           the step the learner group trains next (at most one in flight)
-    step_trained        every rank answered: the step is lost (re-plan) or done (what follows)
+    start_training      the step the learner group trains next (one in flight), once its first
+                        piece is there (streaming, docs/STREAMING.md) or all of them
+    pieces_to_train     the pieces to hand to the learner ranks now, in piece order
+    piece_answered      every rank answered a piece: wait, make it again, re-plan, or trained
+    step_trained        the last piece trained: the step is done (what follows)
     step_metrics        the step's metrics.parquet row, from its reports and the ranks' results
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind, Training
-from actors.transport.shards import merge_stats
+from opd.pieces import combine_metrics, merge_stats
 from opd.config import RunConfig
 from opd.loop import checkpoint_due, step_row
-from opd.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
 
 
 @dataclass
@@ -44,12 +47,6 @@ class DriverState:
         return self.version >= self.end
 
 
-def parts_per_step(sub_batches: int, rollout_ready: int, teachers: int) -> int:
-    """rollout.sub_batches, else one part per rollout worker ready for jobs (at least one per
-    teacher worker, so every scorer has work)."""
-    return sub_batches or max(rollout_ready, teachers)
-
-
 class PartNext(enum.Enum):
     DUPLICATE = "duplicate"   # a part already generated (an answer issued twice): ignore
     SCORE = "score"           # submit its scoring
@@ -58,25 +55,34 @@ class PartNext(enum.Enum):
 
 def part_generated(plan: StepPlan, part: int, report: PartReport, busy: float,
                    now: float) -> PartNext:
-    """Record part `part` of `plan` generated (`busy`: the worker's seconds on it)."""
+    """Record part `part` of `plan` generated (`busy`: the seconds from its submission to its
+    answer; the worker's own, `report.seconds`, count as its busy time when it measured them)."""
     if part in plan.generated:
         return PartNext.DUPLICATE                    # first answer wins
     plan.generated[part] = report
-    plan.times.busy["rollout"] += busy
+    plan.times.busy["rollout"] += report.seconds or busy
     if len(plan.generated) == plan.parts:
         plan.times.end("rollout", now)
     if plan.scored:
         return PartNext.SCORE
-    plan.delivered[part] = report
+    for i, p in enumerate(plan.pieces_of[part]):     # the worker delivered its pieces
+        plan.delivered[p] = report if i == 0 else dataclasses.replace(report, nbytes=0)
     return PartNext.DELIVERED
 
 
-def part_scored(plan: StepPlan, part: int, report: PartReport, busy: float, now: float) -> None:
-    """Record part `part` of `plan` scored and delivered into the queue."""
-    if part in plan.delivered:
+def to_score(plan: StepPlan, part: int) -> list[int]:
+    """The pieces of a generated part to submit for scoring: those neither delivered nor being
+    scored."""
+    return [p for p in plan.pieces_of[part] if p not in plan.delivered and p not in plan.scoring]
+
+
+def part_scored(plan: StepPlan, piece: int, report: PartReport, busy: float, now: float) -> None:
+    """Record piece `piece` of `plan` scored and delivered into the queue."""
+    plan.scoring.discard(piece)
+    if piece in plan.delivered:
         return
-    plan.delivered[part] = report
-    plan.times.busy["teacher"] += busy
+    plan.delivered[piece] = report
+    plan.times.busy["teacher"] += report.seconds or busy
     if plan.complete:
         plan.times.end("teacher", now)
 
@@ -105,12 +111,16 @@ def replan_version(plan: StepPlan, published: int) -> int:
     return published if plan.source == "student" else plan.version
 
 
-def regenerate(task: Task, plan: StepPlan) -> Task:
-    """A scoring whose input part died with the worker that owned it: forget the part and
-    return the generation to issue again."""
-    plan.generated.pop(task.part, None)
+def regenerate(task: Task, plan: StepPlan) -> Task | None:
+    """A scoring of piece `task.part` whose input part died with the worker that owned it:
+    forget the part and return its generation to issue again (None: it is being made again
+    already; its pieces are scored when it is)."""
+    plan.scoring.discard(task.part)
+    part = plan.part_of(task.part)
+    if plan.generated.pop(part, None) is None:
+        return None
     kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
-    return Task(kind, step=task.step, part=task.part, version=task.version, gen=task.gen)
+    return Task(kind, step=task.step, part=part, version=task.version, gen=task.gen)
 
 
 def sealable(plans: dict[int, StepPlan]) -> list[StepPlan]:
@@ -119,17 +129,79 @@ def sealable(plans: dict[int, StepPlan]) -> list[StepPlan]:
     return [plans[s] for s in sorted(plans) if plans[s].complete and not plans[s].sealed]
 
 
-def trainable(state: DriverState, plans: dict[int, StepPlan]) -> StepPlan | None:
-    """The plan of the current version's step if the learner group is free and the step is
-    sealed; raises if its prefix batch was trained before (every batch id is consumed once)."""
+def streamable(plan: StepPlan, published: int) -> bool:
+    """Whether the learner may train on `plan` piece by piece as its parts arrive: only if a
+    part lost on the way can be made again exactly as it was (trajectories of the published
+    version, or of no student).  Otherwise the step trains once every part is delivered, and
+    a piece lost then re-plans the whole step."""
+    return plan.source != "student" or plan.version == published
+
+
+def start_training(state: DriverState, plans: dict[int, StepPlan],
+                   published: int) -> Training | None:
+    """The current version's step begins training when the learner group is free: as soon as
+    its first part is delivered if it is `streamable`, else once it is sealed; raises if its
+    prefix batch was trained before (every batch id is consumed once)."""
     if state.training is not None or state.done:
         return None
     plan = plans.get(state.version)
-    if plan is None or not plan.sealed:
+    if plan is None:
+        return None
+    stream = streamable(plan, published)
+    if not (plan.sealed or (stream and 0 in plan.delivered)):
         return None
     if state.consumed[plan.batch_id]:
         raise RuntimeError(f"batch {plan.batch_id} would be consumed twice (step {plan.step})")
-    return plan
+    state.training = Training(plan.step, plan.gen, prefetch=not stream)
+    return state.training
+
+
+def pieces_to_train(t: Training, plan: StepPlan) -> list[int]:
+    """The pieces to hand to the learner ranks now, in piece order: each delivered one after
+    those handed already, up to the first missing one; the last only once the step is sealed
+    (taking it hands the step out of the queue)."""
+    out = []
+    while t.submitted < plan.pieces:
+        p = t.submitted
+        if p not in plan.delivered or (p == plan.pieces - 1 and not plan.sealed):
+            break
+        out.append(p)
+        t.submitted += 1
+        t.handed[p] = t.handed.get(p, 0) + 1
+    return out
+
+
+class PieceNext(enum.Enum):
+    WAIT = "wait"         # not every rank answered, or a piece handed again since: nothing yet
+    TRAINED = "trained"   # the step's last piece: every rank's result of the step is in
+    AGAIN = "again"       # lost with the worker that owned it: make the part again, hand it again
+    REPLAN = "replan"     # a prefetching step lost a piece before training: re-plan the step
+
+
+def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: int,
+                   value: dict, ranks: int) -> PieceNext:
+    """Record learner rank `rank`'s answer to the `handing`-th hand-out of piece `part`."""
+    if handing != t.handed.get(part):
+        return PieceNext.WAIT                        # an answer to an earlier hand-out
+    answers = t.answers.setdefault(part, {})
+    answers[rank] = value
+    if len(answers) < ranks:
+        return PieceNext.WAIT
+    del t.answers[part]
+    first = answers[0]
+    if first.get("skipped"):                         # handed after a lost piece: hand it again
+        return PieceNext.WAIT
+    if first.get("lost"):
+        if t.prefetch:
+            return PieceNext.REPLAN
+        t.submitted = part                           # those after it come back skipped
+        plan.generated.pop(part, None)
+        plan.delivered.pop(part, None)
+        return PieceNext.AGAIN
+    if part == plan.pieces - 1:
+        t.results = answers
+        return PieceNext.TRAINED
+    return PieceNext.WAIT
 
 
 @dataclass
@@ -145,14 +217,11 @@ class StepDone:
 
 
 def step_trained(state: DriverState, plan: StepPlan, ranks: int, now: float,
-                 cfg: RunConfig) -> StepDone | None:
-    """Every one of `ranks` learner ranks answered `state.training`: None if the step was lost
-    (a worker that owned its rows died; the caller re-plans it), else the step is counted:
-    its batch consumed, the version one up."""
+                 cfg: RunConfig) -> StepDone:
+    """Every one of `ranks` learner ranks answered the last piece of `state.training`: the step
+    is counted, its batch consumed, the version one up."""
     t, state.training = state.training, None
     results = [t.results[r] for r in range(ranks)]
-    if any(r.get("lost") for r in results):
-        return None
     state.consumed[plan.batch_id] += 1
     wall, state.last_step_end = now - state.last_step_end, now
     state.version += 1
@@ -170,28 +239,6 @@ def rollout_wait_fraction(source: str, issued: float, rollout_done: float, learn
     return max(0.0, min(rollout_done, train_start) - max(issued, learner_free)) / wall
 
 
-def combine_rank_metrics(results: list[dict]) -> dict:
-    """One step's metrics from the ranks' results: loss and the objective's other float metrics
-    weighted by each rank's tokens (= the global token mean), tokens summed, the group's
-    grad_norm; the on-policy check's figures by `opd.onpolicy.combine_gaps`."""
-    skip = ("rank", "seconds", "rows", "received_bytes", "queue_depth")
-    if len(results) == 1:
-        return {k: v for k, v in results[0].items() if k not in skip}
-    tokens = [r["tokens"] for r in results]
-    total = sum(tokens)
-    out = {}
-    for key, value in results[0].items():
-        if key in skip or key in ONPOLICY_KEYS:
-            continue
-        if key == "tokens":
-            out[key] = total
-        elif key != "grad_norm" and isinstance(value, float):
-            out[key] = sum(r[key] * n for r, n in zip(results, tokens)) / total
-        else:
-            out[key] = value
-    return {**out, **combine_gaps(results)}
-
-
 @dataclass
 class BatchSummary:
     """What a step row needs of the trained batch, from its parts' reports (no payload)."""
@@ -206,7 +253,7 @@ class BatchSummary:
 
     @classmethod
     def of(cls, plan: StepPlan) -> BatchSummary:
-        reports = [plan.delivered[p] for p in range(plan.parts)]
+        reports = [plan.generated[c] for c in range(plan.parts)]   # the rollout calls'
         job = plan.jobs[0]
         return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
                    merge_stats([r.stats for r in reports]),
@@ -232,8 +279,8 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
     t = plan.times
     seconds = {"rollout": t.seconds("rollout"),
                "teacher": t.seconds("teacher") if plan.scored else 0.0,
-               "learner": done.now - done.learner_start}
-    row = step_row(plan.step, traj, combine_rank_metrics(results), seconds, phase=plan.phase)
+               "learner": max(r.get("busy_s", 0.0) for r in results)}
+    row = step_row(plan.step, traj, combine_metrics(results), seconds, phase=plan.phase)
     R, M = pools.rollout_alive, pools.teacher_alive
     row.update({
         "step_s": wall, "weight_sync_s": sync_seconds,
@@ -244,6 +291,9 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
         "rollout_idle": max(0.0, 1 - t.busy["rollout"] / (R * wall)) if R else 1.0,
         "teacher_idle": max(0.0, 1 - t.busy["teacher"] / (M * wall)) if M else 1.0,
         "learner_idle": max(0.0, 1 - seconds["learner"] / wall), "reissued": reissued,
+        "rollout_busy_s": t.busy["rollout"], "teacher_busy_s": t.busy["teacher"],
+        "learner_busy_s": seconds["learner"], "learner_span_s": done.now - done.learner_start,
+        "pieces": plan.pieces,
         "rollout_workers": pools.rollout_up,
         "delivered_bytes": sum(r.nbytes for r in plan.delivered.values()),
         "learner_received_bytes": [int(r["received_bytes"]) for r in results],

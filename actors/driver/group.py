@@ -1,6 +1,6 @@
 """One call fanned out to a group of actors (every learner rank, every rollout worker, ...).
 
-    refs = fan_out(groups.learners, "train_step", step, version)     # one ref per actor
+    refs = fan_out(groups.learners, "get_weights", version)      # one ref per actor
     infos = call_all(groups.rollout, "info")                          # their answers, in order
 
 Every rank of the learner group must take part in some calls (ZeRO-3 gathers collectively:

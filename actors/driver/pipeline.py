@@ -3,11 +3,12 @@ rows, like `opd.reference.run_reference` (same rows, same losses in strict mode:
 The roles, one step's data flow, faults and the invariants are in docs/ARCHITECTURE.md; per
 step k, the reference's order of work:
 
-    plan      next prefix batch, its source and prefix length, cut into parts  (planner.py)
+    plan      next prefix batch, its source and prefix length, cut into its pieces  (planner.py)
     generate  RolloutWorker.generate(job, k)  ("teacher": TeacherWorker; "data": no model)
     score     TeacherWorker.score(part) -> queue.put_part  (each part as soon as it is made)
+    train     StudentLearner.train_piece(k, version, part)  (each piece as soon as it is in the
+              queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every part reported; strict: version k only)
-    train     StudentLearner.train_step(k, version)  (rank r fetches only its rows)
     publish   weights k + 1  (one object-store object, or a broadcast: publisher.py)
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
@@ -50,8 +51,7 @@ from actors.driver.publisher import WeightPublisher
 from actors.driver.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
 from actors.driver.tasks import StepPlan, Task, TaskKind, Training
 from actors.metrics import RoleMetrics
-from actors.transport.delivery import PartTag, deliver, part_cuts, put_payload
-from actors.transport.shards import shard_rows
+from actors.transport.delivery import PartTag, deliver, put_payload, report as part_report
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
 from actors.workers.rollout import StaleWeightsError
@@ -59,6 +59,7 @@ from opd.checkpoints import latest_checkpoint
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.loop import StepLog, check_objectives
+from opd.pieces import take_rows
 from opd.pretrain import open_dataset
 from opd.steps import rollout as roll_out
 
@@ -106,7 +107,6 @@ class Pipeline:
         self.state = DriverState(start, self.steps.end)
         self.state.consumed.update(state.get("consumed", []))
         self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
-        self.shards = shard_rows(cfg.data.batch_size, cfg.learner.world_size)
         self.quality = (None if groups.evaluator is None else
                         QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
                                         start=start))
@@ -166,21 +166,17 @@ class Pipeline:
 
     def _issue(self) -> None:
         """Plan the next steps that the queue bound and the staleness bound allow."""
-        pool = self.pools["rollout"]               # workers still starting take no part yet
-        parts = core.parts_per_step(self.cfg.rollout.sub_batches,
-                                    len(pool.alive()) - len(pool.starting()), len(self.teacher))
         while (plan := self.planner.plan(self.state.version, self.publisher.published.version,
-                                         self.state.end, parts)) is not None:
+                                         self.state.end)) is not None:
             self._submit_parts(plan)
 
     def _submit_parts(self, plan: StepPlan) -> None:
         for part in range(plan.parts):
             self._submit_generate(plan, part)
 
-    def _tag(self, plan: StepPlan, part: int) -> PartTag:
-        a = sum(int(j.labels.shape[0]) for j in plan.jobs[:part])
-        b = a + int(plan.jobs[part].labels.shape[0])
-        return PartTag(plan.step, plan.gen, part, part_cuts((a, b), self.shards))
+    def _tag(self, plan: StepPlan, piece: int) -> PartTag:
+        return PartTag(plan.step, plan.gen, piece, plan.cuts[piece], plan.version,
+                       plan.ranges[piece])
 
     def _submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
         worker = self.dispatch.submit(kind, plan, part, call)
@@ -188,21 +184,32 @@ class Pipeline:
             self._hook("after_submit", kind=kind.value, step=plan.step, part=part, worker=worker)
 
     def _submit_generate(self, plan: StepPlan, part: int) -> None:
-        """Generate a part: delivered straight into the queue, or whole for a teacher to score."""
-        tag = None if plan.scored else self._tag(plan, part)
+        """Generate a part: delivered straight into the queue piece by piece, or whole for a
+        teacher to score each of its pieces."""
+        tags = None if plan.scored else [self._tag(plan, p) for p in plan.pieces_of[part]]
         job, queue, version = plan.jobs[part], self.groups.queue, plan.version
         if plan.source == "data":               # no model: the suffix comes from the data
             traj = roll_out(None, None, job, self.cfg, policy_version=plan.version)
-            made = put_payload(traj, 0.0) if tag is None else deliver(traj, tag, queue, 0.0)
+            if tags is None:
+                made = put_payload(traj, 0.0)
+            else:
+                sent = [deliver(take_rows(traj, *t.rows), t, queue, 0.0) for t in tags]
+                made = part_report(traj, sum(r.nbytes for r in sent), 0.0)
             self._generated(plan, part, made)
             return
         kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
-        self._submit(kind, plan, part, lambda actor: actor.generate.remote(job, version, tag, queue))
+        self._submit(kind, plan, part, lambda actor: actor.generate.remote(job, version, tags, queue))
 
-    def _submit_score(self, plan: StepPlan, part: int) -> None:
+    def _submit_score(self, plan: StepPlan, piece: int) -> None:
+        """Score one piece of a generated part (the teacher takes its rows of the part)."""
+        made = plan.generated.get(plan.part_of(piece))
+        if made is None:                         # being made again: scored when it is
+            return
         plan.times.begin("teacher", time.perf_counter())
-        payload, tag, queue = plan.generated[part].payload, self._tag(plan, part), self.groups.queue
-        self._submit(TaskKind.SCORE, plan, part,
+        plan.scoring.add(piece)
+        payload = made.payload
+        tag, queue = self._tag(plan, piece), self.groups.queue
+        self._submit(TaskKind.SCORE, plan, piece,
                      lambda actor: actor.score.remote(payload, tag, queue))
 
     def _dispatch(self) -> None:
@@ -225,7 +232,8 @@ class Pipeline:
             return
         self._hook("after_part", step=plan.step, part=part, worker=worker)
         if nxt is PartNext.SCORE:
-            self._submit_score(plan, part)
+            for piece in core.to_score(plan, part):
+                self._submit_score(plan, piece)
 
     def _seal(self) -> None:
         """Steps whose parts are all delivered become queue items, in step order, while the
@@ -234,7 +242,7 @@ class Pipeline:
             item = QueueItem(plan.step, plan.batch_id, plan.version, samples=plan.samples,
                              generated_tokens=sum(r.generated_tokens
                                                   for r in plan.delivered.values()))
-            if not ray.get(self.groups.queue.seal.remote(item, plan.gen, plan.parts)):
+            if not ray.get(self.groups.queue.seal.remote(item, plan.gen, plan.pieces)):
                 return
             plan.sealed = True
             self._hook("after_seal", step=plan.step)
@@ -249,26 +257,51 @@ class Pipeline:
     # -- learning -----------------------------------------------------------------------------------
 
     def _train(self) -> None:
-        plan = core.trainable(self.state, self.planner.plans)
-        if plan is None:
+        """Hand the learner ranks the pieces of the current step that are there, in piece order
+        (the step begins with its first piece: docs/STREAMING.md)."""
+        t = self.state.training or core.start_training(self.state, self.planner.plans,
+                                                       self.publisher.published.version)
+        if t is None:
             return
-        self.state.training = Training(plan.step)
-        for r, ref in enumerate(fan_out(self.learners, "train_step", plan.step,
-                                        self.state.version)):
-            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, worker=r))
+        plan = self.planner.plans[t.step]
+        job = plan.jobs[0]
+        tokens = plan.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
+        for part in core.pieces_to_train(t, plan):
+            refs = fan_out(self.learners, "train_piece", plan.step, self.state.version, t.gen,
+                           part, plan.pieces, tokens, t.prefetch)
+            for r, ref in enumerate(refs):
+                self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, part=part,
+                                              worker=r, version=t.handed[part]))
 
     def _trained(self, task: Task, value: dict) -> None:
         t = self.state.training
-        t.results[task.worker] = value
-        if len(t.results) < len(self.learners):
+        if t is None or t.step != task.step:
             return
         plan = self.planner.plans[t.step]
-        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
-                                 self.cfg)
-        if done is None:                             # a worker that owned its rows died
+        nxt = core.piece_answered(t, plan, task.part, task.version, task.worker, value,
+                                  len(self.learners))
+        if nxt is core.PieceNext.AGAIN:              # its owner died before the ranks took it
+            self.metrics.inc("opd_reissued_jobs")
+            self.state.reissued += 1
+            part = plan.part_of(task.part)
+            if plan.scored and part in plan.generated:
+                self._submit_score(plan, task.part)  # its input lost too: remade (_wait)
+            else:                                    # its generator delivered it: make the part
+                plan.generated.pop(part, None)
+                for p in plan.pieces_of[part]:
+                    if p >= task.part:
+                        plan.delivered.pop(p, None)
+                self._submit_generate(plan, part)
+            return
+        if nxt is core.PieceNext.REPLAN:
+            self.state.training = None
             self.metrics.inc("opd_reissued_jobs")
             self._replan(plan)
             return
+        if nxt is not core.PieceNext.TRAINED:
+            return
+        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
+                                 self.cfg)
         self.planner.finish(plan.step, self.state.version)
         row = self._row(plan, done)
         self.steps.record(row)
@@ -334,6 +367,9 @@ class Pipeline:
                 if task.step == self.state.training.step and task.kind is TaskKind.TRAIN:
                     del self.dispatch.tasks[ref]
                     self._trained(task, ray.get(ref))
+        if self.state.training is not None:       # pieces not made yet: the step is dropped
+            fan_out(self.learners, "drop_step", self.state.training.step)
+            self.state.training = None
         if not self.records.has_checkpoint(self.state.version):
             self._save_checkpoint()
         self._write_consumed()
@@ -355,8 +391,8 @@ class Pipeline:
                 self._again(task)
             elif answer.lost_input:                   # the part it scored died with its worker
                 plan = self.planner.current(task.step, task.gen)
-                if plan is not None:
-                    self._again(core.regenerate(task, plan))
+                if plan is not None and (again := core.regenerate(task, plan)) is not None:
+                    self._again(again)
             elif isinstance(e, RayActorError):
                 self._on_actor_error(task, answer.ref, e)
             else:

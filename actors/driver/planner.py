@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 
 from actors.driver.tasks import StepPlan
-from actors.transport.shards import split_job
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
 from opd.phases import phase_at
+from opd.pieces import piece_cuts, shard_rows, split_job, step_layout
 from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
                        needs_teacher_scores)
 
@@ -21,13 +21,17 @@ from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objecti
 class StepPlanner:
     def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
         self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
+        B, R = cfg.data.batch_size, cfg.learner.world_size
+        self.layout = layout = step_layout(cfg)              # every step's pieces and parts
+        self.cuts = [piece_cuts(r, shard_rows(B, R)) for r in layout.rows]
+        self.ranges = [layout.within_part(p) for p in range(len(layout.rows))]
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, StepPlan] = {}
         self.next_step = start
         self._gens = itertools.count()
 
-    def plan(self, learner_version: int, published: int, end: int, parts: int) -> StepPlan | None:
-        """The next step's plan cut into `parts`, or None if a bound (or the end) holds it."""
+    def plan(self, learner_version: int, published: int, end: int) -> StepPlan | None:
+        """The next step's plan cut into its pieces, or None if a bound (or the end) holds it."""
         cfg, s = self.cfg, self.next_step
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
@@ -43,8 +47,11 @@ class StepPlanner:
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
                          batch_prefix_len(cfg, pb.batch_id, self.seq_len, s), source,
                          cfg.run.seed)
-        plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version, split_job(job, parts),
-                                        gen=next(self._gens),
+        plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version,
+                                        split_job(job, [self.layout.part_rows(c) for c in
+                                                        range(len(self.layout.parts))]),
+                                        gen=next(self._gens), pieces_of=self.layout.parts,
+                                        ranges=self.ranges, cuts=self.cuts,
                                         scored=needs_teacher_scores(objective),
                                         phase=phase_at(cfg, s).name)
         self.next_step += 1

@@ -1,6 +1,7 @@
 """The driver's typed records: the kinds of task it has in flight, one task, and one step's plan.
 
-A `StepPlan` is one prefix batch cut into parts (row ranges, one rollout job each).  Each part
+A `StepPlan` is one prefix batch cut into pieces, generated in parts (rollout calls, each a run
+of pieces: opd/pieces.py).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
 trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
@@ -26,7 +27,7 @@ class TaskKind(enum.Enum):
     SCORE = "score"                      # teacher scores of a generated part (teacher worker)
     LOAD = "load"                        # a rollout worker loads the published weights
     PROBE = "probe"                      # is a failed worker back?
-    TRAIN = "train"                      # one learner rank's step
+    TRAIN = "train"                      # one learner rank's piece of a step
     PLACE = "place"                      # an elastic rollout worker's placement group is ready
 
     @property
@@ -53,10 +54,19 @@ class Task:
 
 @dataclass
 class Training:
-    """The learner step in flight: its step, each rank's result as it arrives, when it began."""
+    """The learner step in flight (docs/STREAMING.md): its step and plan generation, how many
+    of its pieces were handed to the learner ranks (in piece order), each rank's answers to
+    each piece as they arrive, each rank's result of the step's last piece, when it began, and
+    whether the ranks fetch every piece at once (`prefetch`: a plan whose parts could not be
+    made again at its version, so it trains only once complete)."""
     step: int
+    gen: int = 0
+    submitted: int = 0
+    handed: dict[int, int] = field(default_factory=dict)   # piece -> times handed to the ranks
+    answers: dict[int, dict[int, dict]] = field(default_factory=dict)   # piece -> rank -> answer
     results: dict[int, dict] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
+    prefetch: bool = False
 
 
 @dataclass
@@ -95,10 +105,14 @@ class StepPlan:
     batch_id: int
     source: str
     version: int                       # policy version of its trajectories
-    jobs: list[RolloutJob]
+    jobs: list[RolloutJob]                 # its rollout calls ("parts"), one job each
     gen: int = 0
+    pieces_of: list[list[int]] = field(default_factory=list)  # part -> its pieces, in order
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # piece -> its rows in its part
+    cuts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # piece -> ranks' rows
     generated: dict[int, PartReport] = field(default_factory=dict)  # part -> report (to score)
-    delivered: dict[int, PartReport] = field(default_factory=dict)  # part -> report, in the queue
+    delivered: dict[int, PartReport] = field(default_factory=dict)  # piece -> report, in the queue
+    scoring: set[int] = field(default_factory=set)                   # pieces being scored
     times: StageTimer = field(default_factory=rollout_started)   # rollout and teacher stages
     sealed: bool = False               # the queue holds it as one item
     scored: bool = True                # its objective needs teacher scores (else no scoring)
@@ -109,15 +123,23 @@ class StepPlan:
         return len(self.jobs)
 
     @property
+    def pieces(self) -> int:
+        return len(self.cuts)
+
+    def part_of(self, piece: int) -> int:
+        return next(c for c, ps in enumerate(self.pieces_of) if piece in ps)
+
+    @property
     def samples(self) -> int:
         return sum(int(j.labels.shape[0]) for j in self.jobs)
 
     @property
     def complete(self) -> bool:
-        return len(self.delivered) == len(self.jobs)
+        return len(self.delivered) == self.pieces
 
     def reset(self, version: int, gen: int) -> None:
         """Re-plan at `version` as generation `gen`: every part goes again."""
         self.generated.clear()
         self.delivered.clear()
+        self.scoring.clear()
         self.version, self.gen, self.sealed = version, gen, False

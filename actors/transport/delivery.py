@@ -1,7 +1,10 @@
 """Delivering a step part to the learner ranks that train on it.
 
-A part is a contiguous row range [a, b) of a step's batch; learner rank r trains on rows
-`shard_rows(B, R)[r]`.  The worker that made the part (a rollout worker, or a teacher worker
+A part is one rollout call of a step, a run of its pieces (opd/pieces.py: a piece holds the
+p-th sub-range of every learner rank's shard); learner rank r trains on rows
+`shard_rows(B, R)[r]`, so each rank's rows of a piece are one contiguous range of it
+(`PartTag.cuts`).  A part is delivered piece by piece: by the teacher that scores each piece, or
+by the worker that generated it when it needs no scores.  The worker that made the part (a rollout worker, or a teacher worker
 after scoring it) cuts it into one piece per rank — the part's rows that rank trains on — puts
 each piece into the object store itself (it owns them) and hands the refs to the trajectory
 queue.  The driver gets a `PartReport` (counts and rollout statistics, no payload); each rank
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from actors.transport.iostats import payload_nbytes
-from actors.transport.shards import take_rows
+from opd.pieces import take_rows
 from opd.batch import TrajectoryBatch
 
 
@@ -38,16 +41,8 @@ class PartTag:
     gen: int
     part: int
     cuts: tuple[tuple[int, int], ...]
-
-
-def part_cuts(part: tuple[int, int], shards: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The rows of part [a, b) in each rank's shard, local to the part."""
-    a, b = part
-    out = []
-    for s, e in shards:
-        lo, hi = max(a, s), min(b, e)
-        out.append((lo - a, hi - a) if lo < hi else (0, 0))
-    return tuple(out)
+    version: int = -1             # the policy version of the part's trajectories
+    rows: tuple[int, int] | None = None   # the piece's [a, b) rows in the generated part
 
 
 def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:
@@ -73,14 +68,20 @@ def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> Part
         payload = piece.to_numpy_dict()
         nbytes += payload_nbytes(payload)
         pieces.append(ray.put(payload))
-    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces))
+    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces, tag.version))
     return report(batch, nbytes, seconds)
 
 
-def hand_over(batch: TrajectoryBatch, tag: PartTag | None, queue, seconds: float,
+def hand_over(batch: TrajectoryBatch, tags: list[PartTag] | None, queue, seconds: float,
               io) -> PartReport:
-    """A generated part: delivered into `queue` as the learner ranks' pieces (`tag`), or, without
-    a tag, put whole for a teacher to score; its bytes counted as sent by `io` (IOCounter)."""
-    made = put_payload(batch, seconds) if tag is None else deliver(batch, tag, queue, seconds)
+    """A generated part: delivered into `queue` piece by piece (`tags`: one per piece, each with
+    its rows in the part) as the learner ranks' rows, or, without tags, put whole for a teacher
+    to score; its bytes counted as sent by `io` (IOCounter).  The report is the part's."""
+    if tags is None:
+        made = put_payload(batch, seconds)
+    else:
+        sent = [deliver(take_rows(batch, *t.rows) if t.rows else batch, t, queue, 0.0)
+                for t in tags]
+        made = report(batch, sum(r.nbytes for r in sent), seconds)
     io.put(made.nbytes)
     return made

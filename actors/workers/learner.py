@@ -4,37 +4,42 @@
 picks a free port (`master_address`), every rank calls `setup(host, port)` at the same time.
 Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.zero_stage`,
 torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
-`learner.grad_clip`, micro batch = global batch / world size, no gradient accumulation).
+`learner.grad_clip`; a step's pieces accumulate gradients up to one boundary).
 
-`train_step(step, version)` takes this rank's refs of the step's batch from the trajectory
-queue and fetches only its rows, `shard_rows(B, R)[rank]` (the workers cut each part into the
-ranks' pieces when they deliver it: actors/transport/delivery.py), merged in row order.
-The per-rank loss is `opd.steps.student_loss` (the objective's token mean over the shard),
-scaled by R · n_r / N before backward so DeepSpeed's gradient average equals the gradient of
-the global token mean; the reported loss is Σ_r n_r · loss_r / N, which the driver forms from
-the ranks' results (`actors.driver.core.combine_rank_metrics`).  (Exact for token-mean objectives —
-KD, SeqKD, GKD; VarKD's confidence-weighted mean is combined with the same token weights, an
-approximation for R > 1.)
+`train_piece(step, version, gen, part, ...)` takes this rank's ref of one piece of the step
+from the trajectory queue as soon as the piece is there and fetches only its rows,
+`shard_rows(B, R)[rank]` (the workers cut each part into the ranks' rows when they deliver it:
+actors/transport/delivery.py), runs forward and backward on them and accumulates the gradient;
+after the step's last piece it steps the optimizer once (docs/STREAMING.md).  DeepSpeed's
+gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce the
+accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
+piece on every rank: every rank has rows in every piece (opd/pieces.py).
+The per-rank piece loss is `opd.steps.student_loss` (the objective's token mean over the
+piece's rows), scaled by R · n / N before backward so DeepSpeed's gradient average equals the
+gradient of the global token mean; the reported loss is Σ n · loss / N over the pieces and
+ranks (`opd.pieces.combine_metrics`).  (Exact for token-mean objectives — KD, SeqKD, GKD;
+VarKD's confidence-weighted mean is combined with the same token weights, an approximation
+for R > 1 and for more than one piece, the same in the reference loop.)
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
 from actors.transport.iostats import payload_nbytes
-from actors.transport.shards import merge_batches
+from opd.pieces import combine_metrics
 from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_buckets,
                                       state_dict_to_numpy, tag_weights, weights_nbytes)
 from actors.workers.base import Worker
 from opd import checkpoints as ckpt
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
-from opd.onpolicy import KEYS as ONPOLICY_KEYS
 from opd.pretrain import load_role_model
 from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
                        student_loss)
@@ -64,6 +69,20 @@ def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return p == "bf16"
 
 
+@dataclass
+class Accumulation:
+    """A step this rank is accumulating gradients for, piece by piece."""
+    step: int
+    start: float                      # when its first piece was handed to this rank
+    next: int = 0                     # the piece it takes next
+    results: list[dict] = field(default_factory=list)   # each piece's metrics, in piece order
+    prefetched: list = field(default_factory=list)      # payloads of the pieces still to train
+    rows: int = 0
+    received: int = 0                 # payload bytes fetched
+    busy: float = 0.0                 # seconds of forward, backward and update
+    depth: int = 0                    # queue depth when it took the step
+
+
 class StudentLearner(Worker):
     """One learner rank (`info`, `io_stats`: actors/workers/base.py); its `version` is the policy
     version its weights are (= learner steps done)."""
@@ -76,6 +95,7 @@ class StudentLearner(Worker):
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
+        self.accum: Accumulation | None = None
 
     @property
     def version(self) -> int:
@@ -126,34 +146,71 @@ class StudentLearner(Worker):
         self.queue = queue
         return True
 
-    def train_step(self, step: int, version: int) -> dict:
-        """One optimizer step on this rank's rows of `step`'s batch at policy `version`: takes
-        its refs from the trajectory queue and fetches only its own pieces (actors/transport/delivery.py).
-        Returns this rank's metrics: loss (its shard's), tokens, grad_norm (global), seconds,
-        rows and bytes received, the on-policy check of its shard with the weights before this
-        update (`opd.onpolicy.KEYS`).  If a rank cannot fetch its pieces (the worker that owned them
-        died), every rank returns {"lost": True} without training and the driver makes the
-        step's parts again."""
+    def train_piece(self, step: int, version: int, gen: int, part: int, parts: int,
+                    tokens: int, prefetch: bool = False) -> dict:
+        """Forward and backward of this rank's rows of piece `part` of `step` at policy
+        `version` (docs/STREAMING.md); after the last of its `parts` pieces, the update.  Pieces
+        are taken in piece order: a piece handed out of order (after one that was lost) answers
+        {"skipped": True} and is handed again.  `tokens`: the step's loss tokens N over every
+        rank and piece; rank r's piece loss (its token mean over n rows' tokens) is scaled by
+        R · n / N before backward, so DeepSpeed's gradient average over the ranks, accumulated
+        over the pieces up to the accumulation boundary at the last one, is the gradient of the
+        step's token mean.  `prefetch`: the step is complete in the queue; the first piece
+        fetches every piece of this rank at once (a lost one re-plans the step, before any
+        backward).  Returns {"part"} for a piece before the last; after the last, this rank's
+        metrics of the step: loss (its rows' token mean), tokens, grad_norm (global), seconds,
+        busy_s (its forward, backward and update seconds), rows and bytes received, the
+        on-policy check of its rows with the weights before this update (`opd.onpolicy.KEYS`).
+        If a piece cannot be fetched (the worker that owned it died), every rank answers
+        {"lost": True} and keeps the pieces before it; the driver makes the part again."""
         start = time.perf_counter()
-        share = ray.get(self.queue.take.remote(step, version, self.rank))
-        if share is None:
-            raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible batch for "
-                               f"step {step} at version {version}")
-        try:
-            payloads = ray.get(share["refs"])
-        except ray.exceptions.ObjectLostError:        # OwnerDiedError: its worker died
-            payloads = None
-        if self._any_rank(payloads is None):
-            if self.rank == 0:
-                ray.get(self.queue.drop.remote(step))
-            return {"rank": self.rank, "lost": True}
-        shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
+        a = self.accum
+        if part == 0 and (a is None or a.step != step):
+            a = self.accum = Accumulation(step, start)
+        if a is None or a.step != step or part != a.next:
+            return {"rank": self.rank, "part": part, "skipped": True}
+        last = part == parts - 1
+        if not a.prefetched:
+            if prefetch:                              # part 0: every piece of this rank at once
+                share = ray.get(self.queue.take.remote(step, version, self.rank))
+                refs = None if share is None else share["refs"]
+            else:
+                share = ray.get(self.queue.take_piece.remote(step, gen, part, self.rank, version))
+                refs = None if share is None else [share["ref"]]
+            if refs is None:
+                raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible piece "
+                                   f"{part} of step {step} at version {version}")
+            a.depth = share["depth"]
+            try:
+                payloads = ray.get(refs)
+            except ray.exceptions.ObjectLostError:    # OwnerDiedError: its worker died
+                payloads = None
+            if self._any_rank(payloads is None):
+                if prefetch:                          # nothing trained yet: the step again
+                    self.accum = None
+                    if self.rank == 0:
+                        ray.get(self.queue.drop.remote(step))
+                return {"rank": self.rank, "part": part, "lost": True}
+            a.received += payload_nbytes(payloads)
+            a.prefetched = list(self.io.received(payloads))
+        piece = TrajectoryBatch.from_numpy_dict(a.prefetched.pop(0))
+        fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
-        loss, metrics = student_loss(self.engine, shard, objective,         # + on-policy check:
+        self.engine.set_gradient_accumulation_boundary(last)
+        loss, metrics = student_loss(self.engine, piece, objective,       # + on-policy check:
                                      dropout=self.cfg.learner.student_dropout, check=self.cfg)
-        gap = {k: metrics.pop(k) for k in ONPOLICY_KEYS}       # this version, before the update
-        scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
+        n = piece.num_generated_tokens                        # (this version, before the update)
+        scale = self.world_size * n / tokens
         self.engine.backward(loss * scale if scale != 1.0 else loss)
+        a.results.append({**metrics, "loss": float(loss.detach()), "tokens": float(n)})
+        a.rows += piece.batch_size
+        a.next += 1
+        if not last:
+            a.busy += time.perf_counter() - fetched
+            return {"rank": self.rank, "part": part}
+        if not prefetch and ray.get(self.queue.take.remote(step, version, self.rank)) is None:
+            raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
+                               f"not sealed in the queue after its last piece")
         set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
         norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
         self.engine.step()
@@ -162,15 +219,26 @@ class StudentLearner(Worker):
             norm = float(g) if g is not None else float("nan")
         self.engine.eval()
         self.steps += 1
-        seconds = time.perf_counter() - start
-        self.metrics.report(learner_step_seconds=seconds, learner_samples=shard.batch_size,
-                            learner_samples_per_s=shard.batch_size / seconds,
-                            **({"onpolicy_logprob_delta": gap["onpolicy_logprob_delta_max"]}
-                               if gap["onpolicy_tokens"] else {}))
-        return {**metrics, **gap, "rank": self.rank, "loss": float(loss.detach()),
-                "tokens": float(shard.num_generated_tokens), "grad_norm": norm,
-                "seconds": seconds, "rows": shard.batch_size,
-                "received_bytes": payload_nbytes(payloads), "queue_depth": share["depth"]}
+        self.accum = None
+        now = time.perf_counter()
+        a.busy += now - fetched
+        seconds = now - a.start
+        out = {**combine_metrics(a.results), "rank": self.rank, "grad_norm": norm,
+               "seconds": seconds, "busy_s": a.busy, "rows": a.rows,
+               "received_bytes": a.received, "queue_depth": a.depth}
+        self.metrics.report(learner_step_seconds=seconds, learner_samples=a.rows,
+                            learner_samples_per_s=a.rows / seconds,
+                            **({"onpolicy_logprob_delta": out["onpolicy_logprob_delta_max"]}
+                               if out["onpolicy_tokens"] else {}))
+        return out
+
+    def drop_step(self, step: int) -> bool:
+        """Forget the pieces of `step` accumulated so far (a run interrupted before its last
+        piece was made: the checkpoint is of the weights before it)."""
+        if self.accum is not None and self.accum.step == step:
+            self.accum = None
+            self.engine.zero_grad()
+        return True
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any (an all-reduce over the group)."""

@@ -92,20 +92,33 @@ class QueueCore:
 
 
 class PartStore:
-    """Delivered parts of steps not sealed yet: {step: {gen: {part: pieces by rank}}}."""
+    """Delivered parts of steps not sealed yet: {step: {gen: {part: pieces by rank}}}, and the
+    policy version of each (step, gen)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.parts: dict[int, dict[int, dict[int, list]]] = {}
+        self.versions: dict[tuple[int, int], int] = {}
         self.handed_out_below = 0          # steps < this were handed out: late parts are dropped
         self.dropped = 0
 
-    def put(self, step: int, gen: int, part: int, pieces: list) -> bool:
+    def put(self, step: int, gen: int, part: int, pieces: list, version: int = -1) -> bool:
         if step < self.handed_out_below or len(pieces) != self.world_size:
             self.dropped += 1
             return False
         self.parts.setdefault(step, {}).setdefault(gen, {})[part] = list(pieces)
+        self.versions[step, gen] = version
         return True
+
+    def get(self, step: int, gen: int, part: int) -> tuple[list, int] | None:
+        """(pieces by rank, version) of a delivered part not sealed yet (its latest delivery)."""
+        pieces = self.parts.get(step, {}).get(gen, {}).get(part)
+        return None if pieces is None else (pieces, self.versions[step, gen])
+
+    def forget(self, step: int) -> None:
+        self.parts.pop(step, None)
+        for key in [k for k in self.versions if k[0] == step]:
+            del self.versions[key]
 
     def seal(self, step: int, gen: int, parts: int) -> list[list]:
         """refs[rank][part] of generation `gen` of `step` (the step's other generations are
@@ -114,7 +127,7 @@ class PartStore:
         missing = [p for p in range(parts) if p not in have]
         if missing:
             raise KeyError(f"step {step} generation {gen}: parts {missing} were not delivered")
-        del self.parts[step]
+        self.forget(step)
         return [[have[p][r] for p in range(parts)] for r in range(self.world_size)]
 
 
@@ -136,10 +149,29 @@ class TrajectoryQueue:
     async def info(self) -> dict:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
 
-    async def put_part(self, step: int, gen: int, part: int, pieces: list) -> bool:
-        """A worker delivers part `part` of `step` (generation `gen`): one ref per learner rank
-        (None where the rank has no rows of it).  False: dropped (its step was handed out)."""
-        return self.store.put(step, gen, part, self.io.received(pieces))
+    async def put_part(self, step: int, gen: int, part: int, pieces: list,
+                       version: int = -1) -> bool:
+        """A worker delivers part `part` of `step` (generation `gen`, policy `version`): one ref
+        per learner rank (None where the rank has no rows of it).  False: dropped (its step was
+        handed out)."""
+        return self.store.put(step, gen, part, self.io.received(pieces), version)
+
+    async def take_piece(self, step: int, gen: int, part: int, rank: int,
+                         learner_version: int) -> dict | None:
+        """Learner rank `rank`'s ref of piece `part` of a streaming step (docs/STREAMING.md),
+        delivered and not necessarily sealed: its latest delivery, else the sealed item's.  None
+        if it is not there or not admissible at `learner_version` (strict: its own version
+        only).  The step leaves the queue when every rank `take`s it after its last piece."""
+        found = self.store.get(step, gen, part)
+        if found is None:
+            item = next((i for i in self.core.items if i.step == step), None)
+            if item is None:
+                return None
+            found = ([refs[part] for refs in item.refs], item.version)
+        pieces, version = found
+        if not self.core.admissible(version, learner_version):
+            return None
+        return self.io.sent({"ref": pieces[rank], "depth": len(self.core.items)})
 
     async def seal(self, item: QueueItem, gen: int, parts: int, timeout: float = 0.0) -> bool:
         """Make the delivered parts of `item.step` (generation `gen`) one item; when full, wait
@@ -171,6 +203,7 @@ class TrajectoryQueue:
             took.add(rank)
             if len(took) == self.store.world_size:
                 del self.taking[step]
+                self.store.forget(step)              # parts delivered again after the seal
             return self.io.sent({
                 "step": item.step, "batch_id": item.batch_id, "version": item.version,
                 "refs": [r for r in item.refs[rank] if r is not None], "samples": item.samples,

@@ -62,10 +62,10 @@ class RolloutWorker(Worker):
         self.version = int(version)
         return time.perf_counter() - start
 
-    def generate(self, job: RolloutJob, version: int, tag: PartTag | None = None,
+    def generate(self, job: RolloutJob, version: int, tags: list[PartTag] | None = None,
                  queue=None) -> PartReport:
         """The trajectory of `job` by the student of `version`: delivered into `queue` as the
-        learner ranks' pieces (`tag`), or, without a tag, put whole for a teacher to score; the
+        learner ranks' rows piece by piece (`tags`), or, without tags, put whole for a teacher to score; the
         report says which (actors/transport/delivery.py)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
@@ -87,4 +87,4 @@ class RolloutWorker(Worker):
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
-        return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
+        return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)

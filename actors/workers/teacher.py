@@ -12,6 +12,7 @@ from actors.workers.base import Worker
 from actors.workers.rollout import job_tokens
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
+from opd.pieces import take_rows
 from opd.pretrain import load_role_model
 from opd.steps import RolloutJob, build_engine, rollout, score
 
@@ -29,10 +30,13 @@ class TeacherWorker(Worker):
         self.engine = build_engine(self.cfg)
 
     def score(self, traj: dict, tag: PartTag, queue) -> PartReport:
-        """Attach teacher scores (full or top-k, as `teacher.transport` says) to a generated
-        part (`to_numpy_dict()`) and deliver it into `queue` as the learner ranks' pieces."""
+        """Attach teacher scores (full or top-k, as `teacher.transport` says) to one piece
+        (`tag.rows`) of a generated part (`to_numpy_dict()`) and deliver it into `queue` as the
+        learner ranks' rows."""
         start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
+        if tag.rows is not None:                 # one piece of the part
+            batch = take_rows(batch, *tag.rows)
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
         seconds = float(out.rollout_stats["teacher_seconds"])
@@ -43,7 +47,7 @@ class TeacherWorker(Worker):
         self.io.put(report.nbytes)
         return report
 
-    def generate(self, job: RolloutJob, version: int, tag: PartTag | None = None,
+    def generate(self, job: RolloutJob, version: int, tags: list[PartTag] | None = None,
                  queue=None) -> PartReport:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`;
         delivered or put whole as `RolloutWorker.generate`."""
@@ -55,4 +59,4 @@ class TeacherWorker(Worker):
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return hand_over(traj, tag, queue, time.perf_counter() - start, self.io)
+        return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)

@@ -83,6 +83,13 @@ def add_step(which: argparse._SubParsersAction) -> None:
     r.add_argument("--compile", default="false", metavar="C1,C2",
                    help="rollout.compile values, comma-separated: false,true runs every engine "
                         "eager and compiled side by side (default false)")
+    r.add_argument("--pieces", default=None, metavar="P1,P2",
+                   help="distill.pieces values, comma-separated (0 = auto, 1 = no streaming; "
+                        "default the config's)")
+    r.add_argument("--objectives", default="gkd", metavar="O1,O2",
+                   help="gkd (on-policy, every step on student rollouts) and/or kd (KD on data: "
+                        "the step an on-policy step is compared with), comma-separated "
+                        "(default gkd)")
     r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/step)")
     r.add_argument("--synthetic", action="store_true",
                    help="write random-token Parquet data and random-weight student and teacher "
@@ -209,12 +216,14 @@ def _ray_runner(cfg):
 
 
 def run_step(args: argparse.Namespace) -> int:
-    from opd.bench.step import format_step_markdown, run_step_bench, save_step_plot, \
-        check_step_args
+    from opd.bench.step import (check_step_args, format_step_markdown, parse_pieces,
+                                run_step_bench, save_step_plot)
     from opd.reference import run_reference
 
-    engines, modes, compiles = check_step_args(args.engines, args.modes, args.steps,
-                                               args.warmup_steps, args.repeats, args.compile)
+    engines, modes, compiles, objectives = check_step_args(
+        args.engines, args.modes, args.steps, args.warmup_steps, args.repeats, args.compile,
+        args.objectives)
+    pieces = None if args.pieces is None else parse_pieces(args.pieces)
     out = Path(args.out or Path("runs") / "bench" / "step")
     if args.synthetic:
         from opd.bench.synthetic import prepare_synthetic
@@ -229,7 +238,8 @@ def run_step(args: argparse.Namespace) -> int:
             closers.append(close)
         report = run_step_bench(args.cfg, out, runners, engines=engines, modes=modes,
                                 steps=args.steps, warmup_steps=args.warmup_steps,
-                                repeats=args.repeats, compiles=compiles)
+                                repeats=args.repeats, compiles=compiles, pieces=pieces,
+                                objectives=objectives)
     finally:
         for close in closers:
             close()
@@ -249,7 +259,11 @@ def run_schedules(args: argparse.Namespace) -> int:
 
     bench = load_schedules_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
-    report = run(bench, out)
+    runner = None
+    if bench.mode == "ray":
+        from actors.driver.pipeline import run_distributed
+        runner = lambda cfg, run_dir: run_distributed(cfg, run_dir, progress=False)  # noqa: E731
+    report = run(bench, out, runner=runner)
     out.mkdir(parents=True, exist_ok=True)
     text = format_markdown(report)
     print(text)

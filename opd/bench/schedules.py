@@ -43,7 +43,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -54,7 +54,8 @@ from opd.config_loader import bounded, strict_schema
 RESULT_FILE = "result.json"
 FINAL_DIR = "final"
 METRICS = ("fid", "precision", "recall", "isc", "class_acc", "kl_data", "kl_samples",
-           "exposure_gap", "steps", "wall_s", "cpu_s", "s_per_step", "student_share")
+           "exposure_gap", "steps", "wall_s", "cpu_s", "s_per_step", "student_share",
+           "rollout_busy_s", "teacher_busy_s", "learner_busy_s")
 """Per-run figures that the summary takes mean and sd of."""
 
 
@@ -65,6 +66,11 @@ class SchedulesBench:
 
     config: str | None = None
     """Run preset of every arm (a name in configs/ or a YAML path); null = the embedded default."""
+    mode: Literal["reference", "ray"] = "reference"
+    """run.mode of every arm.  reference: one process, equal time matched on its CPU seconds;
+    ray: the real system (rollout, teacher and learner workers, streaming steps), equal time
+    matched on wall seconds (the sum of metrics.parquet's step_s: the time between learner
+    steps, start-up and the final evaluation excluded)."""
     overrides: list[str] = field(default_factory=list)
     """Run overrides of every arm, before the arm's own (e.g. eval.every=50)."""
     steps: int = bounded(600, ge=1)
@@ -139,9 +145,9 @@ def arm_overrides(b: SchedulesBench, arm: str) -> list[str]:
 
 def arm_config(b: SchedulesBench, arm: str, seed: int, steps: int, run_dir: Path) -> RunConfig:
     """The run config of (arm, seed): preset, the bench's overrides, distill.steps, the arm's
-    overrides, then run.mode=reference, run.seed, run.dir."""
+    overrides, then run.mode (the bench's), run.seed, run.dir."""
     return load_config(b.config, [*b.overrides, f"distill.steps={steps}", *arm_overrides(b, arm),
-                                  "run.mode=reference", f"run.seed={seed}",
+                                  f"run.mode={b.mode}", f"run.seed={seed}",
                                   f"run.dir={run_dir}", f"run.name={arm}"])
 
 
@@ -165,10 +171,12 @@ def run_figures(run_dir: Path) -> dict:
     from opd.metrics import read_metrics
     rows = read_metrics(run_dir)
     wall = float(sum(r["step_s"] for r in rows))
-    cpu = float(sum(r["step_cpu_s"] for r in rows))
+    cpu = float(sum(r.get("step_cpu_s", 0.0) for r in rows))     # reference mode only
     student = sum(r.get("source") == "student" for r in rows)
+    busy = {f"{k}_busy_s": float(sum(r.get(f"{k}_busy_s", r.get(f"{k}_s", 0.0)) for r in rows))
+            for k in ("rollout", "teacher", "learner")}
     return {"steps": len(rows), "wall_s": wall, "cpu_s": cpu, "s_per_step": cpu / len(rows),
-            "student_share": student / len(rows)}
+            "wall_per_step": wall / len(rows), "student_share": student / len(rows), **busy}
 
 
 def final_figures(report: dict) -> dict:
@@ -179,8 +187,11 @@ def final_figures(report: dict) -> dict:
             "kl_samples": q["kl_samples"], "exposure_gap": q["kl_samples"] - q["kl_data"]}
 
 
+Runner = Callable[[RunConfig, Path], list]
+
+
 def run_arm(b: SchedulesBench, arm: str, seed: int, steps: int, out: Path,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, runner: Runner | None = None) -> dict:
     """Train (arm, seed) for `steps` steps in OUT/<arm>/seed<seed>/ and evaluate its final
     student; returns (and writes to result.json) its figures.  A finished run with the same
     spec is read back instead (b.reuse); an unfinished one is started again."""
@@ -206,7 +217,13 @@ def run_arm(b: SchedulesBench, arm: str, seed: int, steps: int, out: Path,
     save_config(cfg, run_dir / "config.yaml")
     log(f"schedules: {arm} seed {seed}: {steps} steps in {run_dir}")
     t0 = time.perf_counter()
-    run_reference(cfg, run_dir, progress=False)
+    if runner is None:
+        if b.mode != "reference":
+            raise ConfigError(f"bench preset key mode={b.mode!r}: needs a runner "
+                              f"(`opd bench schedules` passes the Ray pipeline)", "mode")
+        run_reference(cfg, run_dir, progress=False)
+    else:
+        runner(cfg, run_dir)
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     report = evaluate_checkpoint(run_dir, out_dir=run_dir / FINAL_DIR,
@@ -231,9 +248,10 @@ def equal_time_steps(match_wall_s: float, base_s_per_step: float) -> int:
 # ---- the bench -------------------------------------------------------------------------------
 
 def run_schedules(b: SchedulesBench, out: str | Path,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print, runner: Runner | None = None) -> dict:
     """Every (arm, seed), then every equal-time arm per seed; returns the report that
-    schedules.json holds: the preset, every run's figures, the summary per arm."""
+    schedules.json holds: the preset, every run's figures, the summary per arm.  `runner`
+    (cfg, run_dir) trains a run in ray mode (opd imports no actors)."""
     out = Path(out)
     timed = [a for a in b.equal_time if b.only is None or a in b.only]
     need = {a for a in b.arms if b.only is None or a in b.only}
@@ -241,20 +259,22 @@ def run_schedules(b: SchedulesBench, out: str | Path,
     arms = [a for a in b.arms if a in need]
     runs, done = [], {}
     for seed in b.seeds:
-        done[seed] = {arm: run_arm(b, arm, seed, b.steps, out, log) for arm in arms}
+        done[seed] = {arm: run_arm(b, arm, seed, b.steps, out, log, runner) for arm in arms}
         runs += done[seed].values()
     for arm in timed:
         spec = b.equal_time[arm]
-        per_seed = [equal_time_steps(done[s][spec["match"]]["cpu_s"],
-                                     done[s][spec["base"]]["s_per_step"]) for s in b.seeds]
+        clock = ("cpu_s", "s_per_step") if b.mode == "reference" else ("wall_s", "wall_per_step")
+        per_seed = [equal_time_steps(done[s][spec["match"]][clock[0]],
+                                     done[s][spec["base"]][clock[1]]) for s in b.seeds]
         steps = int(round(float(np.median(per_seed))))
-        log(f"schedules: {arm}: the {spec['base']} steps that fit {spec['match']}'s CPU time, "
+        log(f"schedules: {arm}: the {spec['base']} steps that fit {spec['match']}'s "
+            f"{'CPU' if b.mode == 'reference' else 'wall'} time, "
             f"per seed: {per_seed}; the median, {steps}, for every seed")
         for seed in b.seeds:
             base, match = done[seed][spec["base"]], done[seed][spec["match"]]
-            r = run_arm(b, arm, seed, steps, out, log)
+            r = run_arm(b, arm, seed, steps, out, log, runner)
             r["equal_time"] = {"base": base["arm"], "match": match["arm"],
-                               "match_cpu_s": match["cpu_s"],
+                               "match_cpu_s": match["cpu_s"], "match_wall_s": match["wall_s"],
                                "base_s_per_step": base["s_per_step"],
                                "per_seed_steps": per_seed}
             runs.append(r)

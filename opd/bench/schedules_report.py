@@ -34,17 +34,25 @@ def arm_label(report: dict, arm: str) -> str:
     return f"{arm} (= {et['match']}'s time)" if et else arm
 
 
+RAY_COLUMNS = [("wall s", "wall_s", 1), ("rollout busy s", "rollout_busy_s", 1),
+               ("teacher busy s", "teacher_busy_s", 1), ("learner busy s", "learner_busy_s", 1)]
+"""Ray mode's columns instead of `distill CPU s`: the steps' wall seconds (what equal time is
+matched on) and each stage's busy seconds."""
+
+
 def format_markdown(report: dict) -> str:
     """The table (one row per arm, mean ± sd over seeds) and what each arm ran."""
     b = report["bench"]
     seeds = ", ".join(str(s) for s in b["seeds"])
-    rows = [[arm_label(report, arm), *(cell(stat[k], d) for _, k, d in COLUMNS)]
+    cols = (COLUMNS if b.get("mode", "reference") == "reference" else
+            [c for c in COLUMNS if c[1] != "cpu_s"][:-1] + RAY_COLUMNS + COLUMNS[-1:])
+    rows = [[arm_label(report, arm), *(cell(stat[k], d) for _, k, d in cols)]
             for arm, stat in report["summary"].items()]
     lines = [f"# Distillation schedules: {len(b['seeds'])} seed(s) ({seeds}), "
              f"{b['steps']} steps (equal steps) or the matched arm's time (equal time)", ""]
     if b.get("note"):
         lines += [b["note"], ""]
-    lines += [markdown_table(["arm", *(h for h, _, _ in COLUMNS)], rows), "",
+    lines += [markdown_table(["arm", *(h for h, _, _ in cols)], rows), "",
               f"Mean ± sd (sample sd) over seeds. Final students: {b['final_samples']} "
               f"class-balanced samples each (FID / precision / recall against the held-out "
               f"images, digits-CNN features; class accuracy: the digits CNN's agreement with the "
@@ -52,7 +60,9 @@ def format_markdown(report: dict) -> str:
               f"the student's own completions of held-out prefixes; exposure gap = on-policy "
               f"KL − held-out KL). distill CPU s: the CPU seconds of the run's process over its "
               f"steps' rollout + teacher + learner (evaluations excluded; with one torch thread "
-              f"the wall time on an idle machine, and what equal time is matched on). Run preset: {b['config'] or 'the default'}, "
+              f"the wall time on an idle machine, and what equal time is matched on in reference "
+              f"mode; in ray mode: wall s, the sum of the steps' wall seconds, and each stage's "
+              f"busy seconds). Mode: {b.get('mode', 'reference')}. Run preset: {b['config'] or 'the default'}, "
               f"overrides: {' '.join(b['overrides']) or 'none'}.", "", "Arms:", ""]
     shown = report["summary"]
     for arm, ov in b["arms"].items():

@@ -33,6 +33,9 @@ from opd.bench.step_io import format_io_markdown, io_summary
 from opd.config import ConfigError, RunConfig, apply_overrides
 
 PARTS = ("rollout_s", "teacher_s", "learner_s", "weight_sync_s")
+STAGE_KEYS = ("rollout_busy_s", "teacher_busy_s", "learner_busy_s", "cpu_s")
+"""Ray rows: each stage's worker-busy seconds on the step's pieces, and the CPU seconds the
+whole run (driver, raylet, every worker) used during the step (actors/bench/io.py)."""
 MODES = ("reference", "ray")
 ENGINES = ("cached_ar", "sjd_sync", "sjd_independent", "hbsjd")
 Runner = Callable[[RunConfig, Path], list]
@@ -42,13 +45,36 @@ COMPILES = {"false": False, "true": True, "inductor": "inductor", "aot_eager": "
             "eager": "eager"}
 
 
+OBJECTIVES = ("gkd", "kd")
+"""Bench arms by what a step trains on: "gkd" = on-policy GKD at lambda 1 (every step on
+student rollouts; VarKD and SeqKD configs keep their own objective), "kd" = KD on data (no
+rollout, the step an on-policy step is compared with)."""
+
+
+def parse_pieces(pieces: str) -> list[int]:
+    """Comma-separated distill.pieces values (0 = auto); ConfigError naming the bad value."""
+    try:
+        out = [int(x) for x in pieces.split(",") if x]
+    except ValueError:
+        out = []
+    if not out or any(x < 0 for x in out):
+        raise ConfigError(f"--pieces {pieces!r}: must be comma-separated values of "
+                          f"distill.pieces (0 = auto, 1 = no streaming)", "pieces")
+    return out
+
+
 def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, repeats: int,
-                    compiles: str = "false") -> tuple[list[str], list[str], list]:
-    """Parse comma-separated engines, modes and rollout.compile values; ConfigError naming
-    the bad option."""
+                    compiles: str = "false", objectives: str = "gkd"
+                    ) -> tuple[list[str], list[str], list, list[str]]:
+    """Parse comma-separated engines, modes, rollout.compile values and objectives; ConfigError
+    naming the bad option."""
     e = [x for x in engines.split(",") if x]
     m = [x for x in modes.split(",") if x]
     c = [x for x in compiles.split(",") if x]
+    o = [x for x in objectives.split(",") if x]
+    if not o or any(x not in OBJECTIVES for x in o):
+        raise ConfigError(f"--objectives {objectives!r}: must be comma-separated names from "
+                          f"{', '.join(OBJECTIVES)}", "objectives")
     if not c or any(x not in COMPILES for x in c):
         raise ConfigError(f"--compile {compiles!r}: must be comma-separated values of "
                           f"rollout.compile from {', '.join(COMPILES)}", "compile")
@@ -62,30 +88,43 @@ def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, rep
                         ("--repeats", repeats, 1)):
         if v < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {v}", name)
-    return e, m, [COMPILES[x] for x in c]
+    return e, m, [COMPILES[x] for x in c], o
 
 
 def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runner], *,
                    engines: list[str], modes: list[str], steps: int = 3, warmup_steps: int = 1,
                    repeats: int = 1, compiles: list | None = None,
+                   pieces: list[int] | None = None, objectives: list[str] | None = None,
                    log: Callable = print) -> dict:
-    """Per (mode, compile, engine): the measured steps' rows and the mean split of a step."""
+    """Per (mode, compile, pieces, objective, engine): the measured steps' rows and the mean
+    split of a step.  `pieces`: values of distill.pieces (None: the config's); `objectives`:
+    OBJECTIVES arms ("kd" runs once per (mode, pieces), with no engine)."""
     missing = [m for m in modes if m not in runners]
     if missing:
         raise ConfigError(f"no runner for mode(s) {missing}", "modes")
     out = Path(out_dir)
     compiles = [False] if compiles is None else compiles
-    combos = [(m, c, e) for m in modes for c in compiles for e in engines]
+    pieces = [cfg.distill.pieces] if pieces is None else pieces
+    objectives = ["gkd"] if objectives is None else objectives
+    combos = [(m, c, p, o, e) for m in modes for c in compiles for p in pieces
+              for o in objectives for e in (engines if o == "gkd" else ["-"])
+              if o == "gkd" or c is compiles[0]]
     count = {c: 0 for c in combos}
 
-    def call(mode: str, compile, engine: str):
-        count[mode, compile, engine] += 1
+    def call(mode: str, compile, piece: int, objective: str, engine: str):
+        key = (mode, compile, piece, objective, engine)
+        count[key] += 1
         tag = "" if compile is False else f"-compile_{compile}"
-        run_dir = out / "runs" / f"{mode}-{engine}{tag}-{count[mode, compile, engine]}"
+        arm = engine if objective == "gkd" else objective
+        run_dir = out / "runs" / f"{mode}-{arm}{tag}-p{piece}-{count[key]}"
         # On-policy GKD (lambda 1) unless the objective rolls out itself (VarKD, SeqKD): the
         # bench measures rollouts inside the step, which the digits default (KD on data) has not.
-        on_policy = ([] if cfg.distill.objective in ("varkd", "seqkd")
-                     else ["distill.objective=gkd", "distill.lam=1"])
+        if objective == "kd":
+            on_policy = ["distill.objective=kd"]
+        else:
+            on_policy = ([] if cfg.distill.objective in ("varkd", "seqkd")
+                         else ["distill.objective=gkd", "distill.lam=1"])
+        engine = cfg.rollout.engine if engine == "-" else engine
         # engines that draft no candidates compare with candidate drafting off
         plain = ([] if engine in ("hbsjd", "sjd_independent") and compile is False
                  else ["rollout.candidates=0"])
@@ -93,6 +132,7 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
                                         f"rollout.compile={str(compile is not False).lower()}",
                                         *on_policy, *plain,
                                         f"distill.steps={warmup_steps + steps}",
+                                        f"distill.pieces={piece}",
                                         "run.checkpoint_every=0", "eval.track=false",
                                         f"run.dir={run_dir}"])
         if compile not in (False, True):         # a backend name (e.g. "eager" in tests)
@@ -100,32 +140,40 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
                                                                                compile=compile))
         if run_dir.exists():                        # this bench's own output of an earlier run
             shutil.rmtree(run_dir)
-        log(f"bench step: {mode} {engine} compile={compile} run "
-            f"{count[mode, compile, engine]} -> {run_dir}")
+        log(f"bench step: {mode} {arm} compile={compile} pieces={piece} run "
+            f"{count[key]} -> {run_dir}")
         rows = runners[mode](run_cfg, run_dir)
         # the run's final checkpoint is not the bench's output (2 GB at the scale preset)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return 0.0, ([float(r.get("rollout_s", 0.0)) for r in rows[:warmup_steps]],
                      [dict(r) for r in rows[warmup_steps:]])
 
-    samples = common.interleave([lambda m=m, c=c, e=e: call(m, c, e) for m, c, e in combos],
-                                repeats, 0)
+    samples = common.interleave([lambda k=k: call(*k) for k in combos], repeats, 0)
     results = []
-    for (mode, compile, engine), runs in zip(combos, samples):
+    for (mode, compile, piece, objective, engine), runs in zip(combos, samples):
         rows = [r for _, (_, run) in runs for r in run]
         first = [w[0] for _, (w, _) in runs if w]      # each run's first rollout (the compile)
-        results.append({"mode": mode, "compile": compile, "engine": engine, **summarize(rows),
+        results.append({"mode": mode, "compile": compile, "pieces": piece,
+                        "objective": objective, "engine": engine, **summarize(rows),
                         "first_rollout_s": first, "rows": rows})
-    for r in results:                       # the first engine of a (mode, compile) is the base
-        base = next(x for x in results
-                    if x["mode"] == r["mode"] and x["compile"] == r["compile"])
+    for r in results:      # the first engine of a (mode, compile, pieces) is the base
+        if r["objective"] != "gkd":
+            r["baseline"], r["rollout_speedup"], r["step_speedup"] = None, None, None
+            continue
+        base = next(x for x in results if x["objective"] == "gkd" and all(
+            x[k] == r[k] for k in ("mode", "compile", "pieces")))
         r["baseline"] = None if base is r else base["engine"]
         for part in ("rollout_s", "step_s"):
             key = part.replace("_s", "_speedup")
             r[key] = (None if base is r else
                       common.ratio([x[part] for x in base["rows"]], [x[part] for x in r["rows"]]))
+        kd = next((x for x in results if x["objective"] == "kd" and x["mode"] == r["mode"]
+                   and x["pieces"] == r["pieces"]), None)
+        r["kd_ratio"] = (None if kd is None else      # an on-policy step over a KD step
+                         r["step_s"]["mean"] / kd["step_s"]["mean"])
     return {"config": _plain(cfg), "environment": common.environment("cpu"),
-            "engines": engines, "modes": modes, "compiles": compiles, "steps": steps, "warmup_steps": warmup_steps,
+            "engines": engines, "modes": modes, "compiles": compiles, "pieces": pieces,
+            "objectives": objectives, "steps": steps, "warmup_steps": warmup_steps,
             "repeats": repeats, "results": results}
 
 
@@ -141,6 +189,8 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_committed"] = float(np.mean([r.get("mean_committed", 0.0) for r in rows]))
     out["generated_tokens"] = float(np.mean([r.get("generated_tokens", 0) for r in rows]))
     out["steps_measured"] = len(rows)
+    for k in STAGE_KEYS:                     # ray rows (actors/driver/core.py step_metrics)
+        out[k] = stat(k) if all(k in r for r in rows) and rows else None
     out["io"] = io_summary(rows)           # ray rows from actors.bench.io.run_with_io, else None
     return out
 
@@ -189,7 +239,39 @@ def format_step_markdown(report: dict) -> str:
         step = "the sum of the parts" if mode == "reference" else "wall time per step"
         out += [f"## mode={mode}", "", f"Step ms = {step}.{note}", "",
                 common.markdown_table(heads, body), ""]
-    return "\n".join(out) + "\n" + format_io_markdown(report)
+    return "\n".join(out) + "\n" + format_stages_markdown(report) + format_io_markdown(report)
+
+
+def format_stages_markdown(report: dict) -> str:
+    """Ray: what bounds a step.  Per arm, each stage's busy seconds, their sum, the step's wall
+    time (the critical path: the stages overlap on pieces), the cores the run kept busy (CPU
+    seconds of every process of the run over wall seconds) and an on-policy step over a KD step."""
+    res = [r for r in report["results"] if r["mode"] == "ray" and r.get("rollout_busy_s")]
+    if not res:
+        return ""
+    heads = ["arm", "compile", "pieces", "rollout busy ms", "teacher busy ms", "learner busy ms",
+             "busy sum ms", "step (critical path) ms", "overlap", "cores busy", "bound by",
+             "step / KD step"]
+    body = []
+    for r in res:
+        m = {k: 1e3 * r[k]["mean"] for k in STAGE_KEYS[:3]}
+        busy, step = sum(m.values()), 1e3 * r["step_s"]["mean"]
+        cores = r["cpu_s"]["mean"] / r["step_s"]["mean"] if r.get("cpu_s") else float("nan")
+        bound = max(m, key=m.get).split("_")[0] if busy else "-"
+        arm = r["engine"] if r["objective"] == "gkd" else "KD on data"
+        body.append([arm, _compile_name(r.get("compile", False)),
+                     str(r["pieces"]) if r["pieces"] else "auto",
+                     *(f"{m[k]:.0f}" for k in STAGE_KEYS[:3]), f"{busy:.0f}",
+                     f"{step:.0f} ± {1e3 * r['step_s']['std']:.0f}", f"{busy / step:.2f}",
+                     f"{cores:.2f}", bound,
+                     "1" if r["objective"] == "kd" else
+                     (f"{r['kd_ratio']:.2f}×" if r.get("kd_ratio") else "-")])
+    return "\n".join(["## Stages on Ray (what bounds a step)", "",
+                      "Busy = the workers' own seconds on the step's pieces; the step's wall time "
+                      "is its critical path (stages overlap on pieces: docs/STREAMING.md); overlap "
+                      "= busy sum / step; cores busy = CPU seconds of every process of the run "
+                      "(driver, raylet, workers) during the step / step wall time.", "",
+                      common.markdown_table(heads, body), "", ""])
 
 
 def _compile_name(compile) -> str:

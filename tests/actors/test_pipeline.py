@@ -257,9 +257,9 @@ def test_parts_lost_with_the_worker_that_owned_them_are_made_again(
         ray_session, tiny_overrides, reference, tmp_path):
     """Workers own what they put in the object store.  Step 1: the rollout worker dies after
     generating part 0 and before the teacher fetched it (the scoring finds its input lost);
-    step 3: the teacher dies after delivering every part and before the learner fetched them
-    (the learner ranks report the step lost).  Both are made again: nothing lost, nothing
-    used twice, the reference's losses."""
+    step 3: the teacher dies after delivering every part, before the learner fetched the last
+    (the learner ranks report that piece lost; the pieces they took before stay trained).  Both
+    are made again: nothing lost, nothing used twice, the reference's losses."""
     fired = []
 
     def after_part(pipeline, step, part, worker):
@@ -278,7 +278,7 @@ def test_parts_lost_with_the_worker_that_owned_them_are_made_again(
     assert_each_batch_once(rows, tmp_path)
     reissued = [r["reissued"] for r in rows]
     assert reissued[0] == 0 and reissued[1] >= 1              # part 0 of step 1 again
-    assert reissued[3] - reissued[2] >= 2                     # both parts of step 3 again
+    assert reissued[3] - reissued[2] >= 1                     # step 3's unfetched pieces again
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
 
 

@@ -13,7 +13,7 @@ from actors.driver import core
 from actors.driver.core import Retry
 from actors.driver.planner import StepPlanner
 from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind
-from actors.transport.shards import split_job
+from opd.pieces import piece_rows, split_job
 from opd.steps import RolloutJob
 
 ROLLOUT = TaskKind.ROLLOUT
@@ -25,7 +25,7 @@ def planned(plan_version: int) -> tuple[StepPlanner, StepPlan]:
     planner = StepPlanner.__new__(StepPlanner)       # no data: the plan is made by hand
     planner._gens = iter(range(1, 100))
     job = RolloutJob(7, torch.arange(4), torch.zeros(4, 6, dtype=torch.int64), 3, "student", 0)
-    plan = StepPlan(3, 7, "student", plan_version, split_job(job, 2), gen=0)
+    plan = StepPlan(3, 7, "student", plan_version, split_job(job, piece_rows(int(job.labels.shape[0]), 1, 2)), gen=0)
     plan.generated[0] = PartReport(2, 6, {}, 0)
     planner.plans = {3: plan}
     return planner, plan

@@ -46,18 +46,21 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
 
 
 def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
-    """A part of rows [2, 6) of an 8-row batch scored and cut for 2 learner ranks (rows [0, 4)
-    and [4, 8)): rank 0 gets the part's rows 2-3, rank 1 rows 4-5, each exactly what
-    opd.steps.score gives for those rows, and the report's byte count is the pieces' bytes."""
-    from actors.transport.delivery import PartTag, part_cuts, payload_nbytes
+    """Piece 0 of an 8-row batch in 2 pieces over 2 learner ranks (rows [0, 4) and [4, 8)):
+    rows 0, 1, 4, 5, scored and cut: rank 0 gets the piece's rows 0-1, rank 1 rows 2-3, each
+    exactly what opd.steps.score gives for those rows, and the report's byte count is the
+    pieces' bytes."""
+    from actors.transport.delivery import PartTag, payload_nbytes
+    from opd.pieces import piece_cuts, piece_rows, shard_rows
     from actors.workers.queue import QueueItem, TrajectoryQueue
-    from actors.transport.shards import take_rows
+    from opd.pieces import take_rows
     cfg, job, student = setup
     traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)
-    cuts = part_cuts((2, 6), [(0, 4), (4, 8)])
+    cuts = piece_cuts(piece_rows(8, 2, 2)[0], shard_rows(8, 2))
     assert cuts == ((0, 2), (2, 4))
-    report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PartTag(0, 0, 0, cuts), queue)
+    report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PartTag(0, 0, 0, cuts, 0, (0, 4)),
+                                         queue)
     want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg)
     assert ray_session.get(queue.seal.remote(QueueItem(0, job.batch_id, 0, samples=4), 0, 1))
     nbytes = 0

@@ -138,3 +138,4 @@ def test_shipped_presets_load():
         b = load_schedules_bench(name)
         assert b.final_samples >= 1000 and len(b.seeds) >= 3
         assert all(et["base"] in b.arms for et in b.equal_time.values())
+

@@ -12,16 +12,19 @@ from rollout.calibrate import read_calibration
 
 
 @pytest.mark.parametrize("extra,sizes", [
-    ([], [4]),                                               # one rollout, one teacher worker
-    (["run.mode=reference", "rollout.num_workers=3"], [4]),  # the reference loop: whole batches
-    (["rollout.num_workers=2"], [2, 4]),                     # two parts, or one while one is down
-    (["rollout.num_workers=1..3"], [1, 2, 4]),               # elastic: 1, 2 or 3 parts
-    (["teacher.num_workers=2"], [2]),                        # at least one part per teacher
-    (["rollout.sub_batches=3"], [1, 2]),                     # 4 rows in 3 parts: 2, 1, 1
-    (["data.batch_size=5", "rollout.num_workers=2"], [2, 3, 5]),
-    (["rollout.num_workers=2", "rollout.slots=3"], [2, 3]),   # 4 images through 3 rows
+    ([], [4]),                                               # one rollout, one teacher worker: 1 call
+    (["run.mode=reference", "rollout.num_workers=3"], [1, 2]),  # both modes cut alike: 2, 1, 1
+    (["rollout.num_workers=2"], [2]),                        # a rollout call per worker
+    (["rollout.num_workers=1..3"], [1, 2]),                  # elastic: a piece per worker at most
+    (["teacher.num_workers=2"], [2]),                        # at least one piece per teacher
+    (["distill.pieces=3"], [4]),                             # 3 pieces, one rollout call
+    (["data.batch_size=5", "rollout.num_workers=2"], [2, 3]),
+    (["rollout.num_workers=2", "rollout.slots=3"], [2]),     # pieces of 2 images, under 3 slots
+    (["data.batch_size=32"], [32]),                          # 4 pieces of 8, one call
+    (["data.batch_size=32", "learner.world_size=2"], [32]),
+    (["data.batch_size=32", "rollout.num_workers=2"], [16]),  # 2 calls of 2 pieces each
 ])
-def test_rollout_batch_sizes_cover_every_split_of_the_step(tiny_overrides, extra, sizes):
+def test_rollout_batch_sizes_are_the_sizes_of_the_steps_rollout_calls(tiny_overrides, extra, sizes):
     assert rollout_batch_sizes(load_config("tiny", [*tiny_overrides, *extra])) == sizes
 
 

@@ -1,13 +1,16 @@
-"""Sub-batches: split rollouts with their image ids equal the whole batch's rollout, also when
+"""A step's pieces (opd/pieces.py): split rollouts with their image ids equal the whole batch's rollout, also when
 sampling (the engines key random numbers by (seed, image id, position)); merge and learner
 shards put the rows back in order."""
+import copy
+
 import pytest
 import torch
 
-from actors.transport.shards import merge_batches, merge_stats, row_ranges, shard_rows, split_job, take_rows
+from opd.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts,
+                        piece_rows, row_ranges, shard_rows, split_job, step_pieces, take_rows)
 from opd.config import load_config
 from opd.models import create_model
-from opd.steps import RolloutJob, build_engine, rollout, score
+from opd.steps import RolloutJob, backward_piece, build_engine, build_objective, rollout, score
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     cfg, student, job = setup
     engine = build_engine(cfg)
     whole = rollout(student, engine, job, cfg, policy_version=2)
-    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, parts)]
+    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, piece_rows(5, 1, parts))]
     merged = merge_batches(subs)
     assert torch.equal(merged.tokens, whole.tokens)
     assert torch.equal(merged.labels, whole.labels)
@@ -48,7 +51,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     assert merged.rollout_stats["generated_tokens"] == whole.rollout_stats["generated_tokens"]
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
     plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
-             for j in split_job(job, parts)]
+             for j in split_job(job, piece_rows(5, 1, parts))]
     assert not torch.equal(merge_batches(plain).tokens, whole.tokens)
 
 
@@ -78,3 +81,49 @@ def test_merge_stats_reweights_mean_committed():
     m = merge_stats([a, b])
     assert m == {"generated_tokens": 40, "mean_committed": 40 / 20, "rounds": 12, "accepted": 6,
                  "engine": "hbsjd"}
+
+
+def test_every_rank_has_rows_in_every_piece():
+    rows = piece_rows(8, 2, 2)
+    assert [r.tolist() for r in rows] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    shards = shard_rows(8, 2)
+    assert [piece_cuts(r, shards) for r in rows] == [((0, 2), (2, 4)), ((0, 2), (2, 4))]
+    assert [r.tolist() for r in piece_rows(5, 1, 2)] == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="leave a rank without rows"):
+        piece_rows(8, 2, 5)
+
+
+def test_auto_pieces_are_about_eight_rows_a_rank_and_one_per_worker_at_least():
+    assert auto_pieces(32, 1, 1) == 4
+    assert auto_pieces(32, 2, 1) == 2
+    assert auto_pieces(4, 1, 1) == 1
+    assert auto_pieces(4, 1, 3) == 3                   # a piece per worker
+    assert auto_pieces(4, 2, 3) == 2                   # but a row per rank at least
+    cfg = load_config("tiny", ["data.batch_size=32", "rollout.num_workers=2..6"])
+    assert step_pieces(cfg) == 6 and step_pieces(load_config("tiny", ["distill.pieces=3"])) == 3
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup, pieces):
+    """The weights n_p / N make the pieces' accumulated gradient the gradient of the batch's
+    token mean (float32 round-off apart), and the pieces' combined loss its loss."""
+    cfg, student, job = setup
+    torch.manual_seed(5)
+    teacher = create_model("GPT-digits-S", grid_size=4).eval()
+    objective = build_objective(load_config("tiny", ["distill.objective=gkd", "distill.beta=0.3"]))
+    traj = score(teacher, rollout(student, build_engine(cfg), job, cfg, 0), cfg)
+
+    def grads(batches):
+        model = copy.deepcopy(student)
+        total = sum(b.num_generated_tokens for b in batches)
+        results = [backward_piece(model, b, objective, weight=b.num_generated_tokens / total,
+                                  dropout=False) for b in batches]
+        return [p.grad.clone() for p in model.parameters()], combine_metrics(results)
+
+    whole, m_whole = grads([traj])
+    rows = piece_rows(5, 1, pieces)
+    split, m_split = grads([take_rows(traj, int(r[0]), int(r[-1]) + 1) for r in rows])
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert m_split["loss"] == pytest.approx(m_whole["loss"], rel=1e-6)
+    assert m_split["tokens"] == m_whole["tokens"] == 5 * 12
