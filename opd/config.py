@@ -122,9 +122,9 @@ class RolloutConfig:
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = False
-    """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (README, Rollouts)."""
+    """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
     candidates: int = bounded(0, ge=0)
-    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (README, Rollouts)."""
+    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (docs/ROLLOUTS.md, "Candidate drafting")."""
     execution: Literal["full", "compact", "hybrid"] = "hybrid"
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded("auto", ge=0)
@@ -286,7 +286,7 @@ class DistillConfig:
     rest); [] = one phase, distill.* for every step.  The digits default is a KD warm start on
     data, then on-policy GKD (λ 0.75 of the batches on student rollouts, over prefix ratios 0 and
     0.5, its own learning-rate schedule from 1e-3): of the schedules compared over seeds it
-    lowered the on-policy KL below KD-only's (README, "What opd train does")."""
+    lowered the on-policy KL below KD-only's (docs/RESULTS.md, "Schedules over seeds")."""
 
 
 @dataclass

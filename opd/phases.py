@@ -12,7 +12,7 @@ is one phase with the run's values for every step.
 Everything here is a function of (config, step) alone, so the reference loop, the driver's
 planner and every learner rank agree on a step's objective, source, prefix and learning rate,
 also after a resume (invariants 5 and 8, docs/ARCHITECTURE.md).  Why the default is a KD warm
-start followed by on-policy GKD, and what it was measured against: README, "What opd train does".
+start followed by on-policy GKD, and what it was measured against: docs/RESULTS.md, "Schedules over seeds".
 """
 from __future__ import annotations
 

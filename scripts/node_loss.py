@@ -19,7 +19,7 @@ workers, cluster.role_resources=true, so each worker sits on its own node.  Mid-
   scored (in that node's store, the learner not yet given them); nothing replaces it: the step
   is made again and the run goes on with one teacher worker.
 
-"driver": a head started as README "Cluster" says (`ray start --head`, its own ports and temp
+"driver": a head started as docs/CLUSTER.md says (`ray start --head`, its own ports and temp
 dir, with the dashboard's job server); `opd train` is submitted with `ray job submit`, its
 driver process is killed (SIGKILL) after a checkpoint and a step past it, and `opd train
 --resume RUN_DIR` is submitted as a new job.  The killed job's actors die with their owner;

@@ -16,7 +16,7 @@ names the checkpoint and the `--resume` command and exits with 130 (a second Ctr
 without a checkpoint, naming the last complete one; also 130).  The run directory is locked
 while the command runs (opd/rundir.py); a full disk or an unwritable directory is one line and
 exit code 2, earlier checkpoints intact.
-Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see README "Cluster".
+Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see docs/CLUSTER.md.
 """
 from __future__ import annotations
 

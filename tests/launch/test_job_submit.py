@@ -1,6 +1,6 @@
 """`ray job submit ... -- opd train` against a running cluster, with token authentication on.
 
-The head node is started here the way README "Cluster" says (`ray start --head --node-ip-address
+The head node is started here the way docs/CLUSTER.md says (`ray start --head --node-ip-address
 127.0.0.1 --dashboard-host 127.0.0.1`, RAY_AUTH_MODE=token), with free ports, its own temp dir
 (RAY_TMPDIR, --temp-dir) and its own token file (RAY_AUTH_TOKEN_PATH), so nothing touches
 ~/.ray or any other Ray on this machine.  `--block` keeps that `ray start` in the foreground:

@@ -45,7 +45,7 @@ def verify_ops(model, B, P, W, cfg=None, **opts):
 
 
 # The verification step at batch 32, W 4 (before it was fused, sampled decoding called 190
-# operators per round, 194 with CFG, greedy 61; README "Rollouts").
+# operators per round, 194 with CFG, greedy 61; docs/RESULTS.md, "The verification step").
 BOUNDS = [(dict(decoding="sample"), None, 96), (dict(decoding="sample"), 2.0, 100),
           (dict(decoding="sample", refresh="resample"), None, 89),
           (dict(decoding="greedy"), None, 39)]
