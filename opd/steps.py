@@ -67,10 +67,13 @@ counts image-rounds that committed k + 1 tokens; 16 or more land in the last ent
 
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine: the `rollout.*` options it takes (opd.config
-    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out."""
+    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out.  `rollout.window:
+    auto` is HB-SJD's window policy; another Jacobi engine named here runs its default W."""
     name = engine or cfg.rollout.engine
     takes = engine_options(name)
     options = cfg.rollout.engine_options(takes)
+    if options.get("W") == "auto" and name != "hbsjd":
+        options["W"] = takes["W"]
     if "calibration" in takes:                      # gamma=auto: measured once, under the lock
         options.update(calibration=str(calibration_file()), calibrate_missing=True)
     return make_engine(name, **options)
