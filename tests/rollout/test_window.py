@@ -11,7 +11,7 @@ import torch
 import rollout.hbsjd
 from rollout import make_engine
 from rollout.hbsjd import full_round
-from rollout.jacobi import rewindow
+from rollout.jacobi import one_hot, rewindow
 from rollout.window import PRIOR, STRENGTH, Acceptance, CostTable, WindowPolicy
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
@@ -62,6 +62,13 @@ def test_the_policy_maximises_expected_tokens_per_second():
     sure.add([1000] * 15, [1000] * 15)
     # every draft accepted: Full W 16 gives ~16 / 1, more than Compact W 1's 1 / 0.25
     assert WindowPolicy(t, windows).choose(2, sure) == (16, False)
+
+
+def graded_table(R: int) -> CostTable:
+    """Full and Compact both dearer at larger W (Compact in proportion to its rows): the
+    windows step between several sizes >= 2 as rows finish and acceptance is measured."""
+    return CostTable.from_function(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
+                                   if compact else 1.0 + 0.1 * W)
 
 
 def engines(R: int):
@@ -192,16 +199,48 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
 @pytest.mark.parametrize("spec,P,opts,cfg,warps", VARYING)
 def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P, opts, cfg,
                                                                        warps):
-    """The policy switches W and Full / Compact between rounds (the switching table), with
+    """The policy switches W and Full / Compact between rounds (both fixture tables), with
     both refresh rules, CFG, warps and candidate drafting."""
     seed, V, grid = spec
     model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
     prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
-    counts, windows = sampled_counts(model, dict(W="auto", costs=switching_table(SAMPLES),
-                                                 **opts), prefix, cfg, **warps)
     probs = exact_distribution(model, 1, prefix, model.block_size - P, cfg, **warps)
+    seen = set()
+    for table in (switching_table(SAMPLES), graded_table(SAMPLES)):
+        counts, windows = sampled_counts(model, dict(W="auto", costs=table, **opts), prefix,
+                                         cfg, **warps)
+        assert chi2_pvalue(counts, probs) > 1e-3
+        assert {m for _, m in windows} == {"full", "compact"}
+        seen |= {w for w, _ in windows}
+    assert len(seen) >= 2, seen
+
+
+def unshifted(st, old, new):
+    """A wrong re-windowing: the old window's proposals kept by column, as if both windows
+    started at the same token (they do not once a window is clipped at the end)."""
+    if st.q is not None:
+        B, V = st.cur.shape[0], st.q.shape[-1]
+        col = new.ar.expand(B, new.W)
+        tokens = st.seq.gather(1, st.cur.clamp(max=new.T - new.W)[:, None] + new.ar)
+        q = st.q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
+        st.q = torch.where((col < old.W)[..., None], q, one_hot(tokens, V, st.q.dtype))
+    return st
+
+
+def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
+    """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics (16000
+    samples) accept the real re-windowing and reject `unshifted`."""
+    model = peaked_model(5, 4, 2, 0.6)
+    prefix = torch.zeros(1, 0, dtype=torch.long)
+    probs = exact_distribution(model, 1, prefix, 4, None)
+    opts = dict(W="auto", costs=graded_table(SAMPLES))
+    monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
+    counts, windows = sampled_counts(model, opts, prefix)
+    assert {(3, "full"), (2, "compact"), (3, "compact")} <= set(windows)
     assert chi2_pvalue(counts, probs) > 1e-3
-    assert len({w for w, _ in windows}) >= 2 and {m for _, m in windows} == {"full", "compact"}
+    monkeypatch.setattr(rollout.hbsjd, "rewindow", unshifted)
+    counts, _ = sampled_counts(model, opts, prefix)
+    assert chi2_pvalue(counts, probs) < 1e-8
 
 
 def peek(policy, active, acceptance, model, st, req, plan, plan_for):
