@@ -61,6 +61,7 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
 
 
 COMMIT_HIST_WIDTH = 16
+WINDOW_HIST_WIDTH = 16   # rollout stats "window_hist": verifier rounds by window W (entry W - 1)
 """Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
 counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
 
@@ -128,6 +129,7 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
              "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
              "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
              "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
+             "window_hist": result.window_histogram(WINDOW_HIST_WIDTH),
              "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
              "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
              "longest_single_run": int(result.longest_single_run.max())}
