@@ -1,8 +1,10 @@
 """Which γ calibration entries a run needs, and preparing them.
 
-With `rollout.gamma=auto` (the default) and Hybrid HB-SJD, every batch size an engine is called
-with needs an entry in the calibration file (`opd.cache.calibration_file()`, i.e.
-`$OPD_CACHE/calibration.json`), keyed by the model's signature, the batch, W and CFG on/off:
+With `rollout.window: auto` (the default: the window policy's cost table, rollout/window.py;
+one entry per W of `rollout.window.WINDOWS`), or `rollout.gamma=auto` and Hybrid HB-SJD at a
+fixed window, every batch size an engine is called with needs entries in the calibration file
+(`opd.cache.calibration_file()`, i.e. `$OPD_CACHE/calibration.json`), keyed by the model's
+signature, the batch, W and CFG on/off:
 
     training         the sizes of a step's rollout calls (`opd.pieces.step_layout`: one per
                      worker of the larger pool, each a run of pieces), in both run modes
@@ -23,6 +25,7 @@ from opd.config import RunConfig
 from opd.pieces import step_layout
 from rollout.calibrate import ensure_calibration
 from rollout.sampling import uses_cfg
+from rollout.window import WINDOWS
 
 
 def chunk_sizes(total: int, batch: int) -> set[int]:
@@ -61,17 +64,30 @@ def run_batch_sizes(cfg: RunConfig) -> list[int]:
 
 
 def uses_calibration(cfg: RunConfig, engine: str | None = None) -> bool:
-    """Whether `engine` (default rollout.engine) reads the calibration file in this config."""
+    """Whether `engine` (default rollout.engine) reads the calibration file in this config:
+    HB-SJD with `rollout.window: auto` (the cost table, rollout/window.py) or Hybrid
+    execution with `gamma: auto`."""
     r = cfg.rollout
-    return (engine or r.engine) == "hbsjd" and r.execution == "hybrid" and r.gamma == "auto"
+    return (engine or r.engine) == "hbsjd" and (
+        r.window == "auto" or (r.execution == "hybrid" and r.gamma == "auto"))
 
 
-def prepare_calibration(model, cfg: RunConfig, batches, **measure_kw) -> dict[int, dict]:
-    """{batch: entry} of `model` at W = rollout.window and the config's CFG for each batch in
-    `batches`, measuring only the missing ones (once, under the calibration file's lock);
-    {} when the config does not calibrate (`uses_calibration`)."""
+def calibration_windows(cfg: RunConfig) -> list[int]:
+    """The windows a run's entries are measured at: every W the policy chooses from
+    (`rollout.window.WINDOWS`) with `rollout.window: auto`, else rollout.window."""
+    return list(WINDOWS) if cfg.rollout.window == "auto" else [cfg.rollout.window]
+
+
+def prepare_calibration(model, cfg: RunConfig, batches, **measure_kw) -> dict[tuple, dict]:
+    """{(batch, W): entry} of `model` at each W of `calibration_windows` and the config's CFG
+    for each batch in `batches`, measuring only the missing ones (once, under the calibration
+    file's lock); {} when the config does not calibrate (`uses_calibration`)."""
     if not uses_calibration(cfg) or not batches:
         return {}
-    return ensure_calibration(model, batches, cfg.rollout.window,
-                              cfg=uses_cfg(cfg.rollout.cfg_scale), path=calibration_file(),
-                              preset=cfg.model.student, **measure_kw)
+    out = {}
+    for W in calibration_windows(cfg):
+        found = ensure_calibration(model, batches, W, cfg=uses_cfg(cfg.rollout.cfg_scale),
+                                   path=calibration_file(), preset=cfg.model.student,
+                                   **measure_kw)
+        out.update({(b, W): e for b, e in found.items()})
+    return out

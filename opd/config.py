@@ -111,8 +111,8 @@ class RolloutConfig:
     """Rollout engine: HB-SJD, Cached AR, batch-synchronous SJD or independent batched SJD."""
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
-    window: int = bounded(4, ge=1)
-    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts)."""
+    window: int | Literal["auto"] = bounded(4, ge=1)
+    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) from this machine's calibrated verifier costs and the acceptance seen so far (docs/WINDOW_POLICY.md)."""
     history_offset: int | None = bounded(None, ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Literal["greedy", "sample"] = "sample"
@@ -441,6 +441,17 @@ def _candidates(cfg: RunConfig) -> None:
         check_options(r.engine, r.engine_options(takes), takes)
     except ValueError as e:
         raise ConfigError(f"rollout.candidates={r.candidates}: {e}", "rollout.candidates") from None
+
+
+@cross_check
+def _window(cfg: RunConfig) -> None:
+    """`rollout.window: auto` is HB-SJD's window policy (rollout/window.py); the other Jacobi
+    engines run a fixed window."""
+    r = cfg.rollout
+    if r.window == "auto" and r.engine in ("sjd_sync", "sjd_independent"):
+        raise ConfigError(f"rollout.window=auto: only the hbsjd engine chooses its window per "
+                          f"round; set rollout.window to an int for rollout.engine={r.engine!r}",
+                          "rollout.window")
 
 
 @cross_check

@@ -167,7 +167,7 @@ def merge_stats(parts: list[dict]) -> dict:
         elif key in ("rounds", "ar_rounds", "rollout_seconds", "teacher_seconds", "image_rounds_max",
                      "longest_single_run"):
             out[key] = max(values)
-        elif key == "commit_hist":
+        elif key in ("commit_hist", "window_hist"):
             out[key] = [sum(col) for col in zip(*values)]
         elif key == "image_rounds":
             out[key] = [r for v in values for r in v]

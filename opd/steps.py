@@ -62,16 +62,20 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
 
 
 COMMIT_HIST_WIDTH = 16
+WINDOW_HIST_WIDTH = 16   # rollout stats "window_hist": verifier rounds by window W (entry W - 1)
 """Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
 counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
 
 
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine: the `rollout.*` options it takes (opd.config
-    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out."""
+    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out.  `rollout.window:
+    auto` is HB-SJD's window policy; another Jacobi engine named here runs its default W."""
     name = engine or cfg.rollout.engine
     takes = engine_options(name)
     options = cfg.rollout.engine_options(takes)
+    if options.get("W") == "auto" and name != "hbsjd":
+        options["W"] = takes["W"]
     if "calibration" in takes:                      # gamma=auto: measured once, under the lock
         options.update(calibration=str(calibration_file()), calibrate_missing=True)
     return make_engine(name, **options)
@@ -113,6 +117,7 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
              "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
              "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
              "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
+             "window_hist": result.window_histogram(WINDOW_HIST_WIDTH),
              "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
              "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
              "longest_single_run": int(result.longest_single_run.max())}

@@ -80,8 +80,10 @@ def check_options(engine: str, options: dict, allowed: dict) -> dict:
         raise ValueError(f"engine {engine!r} has no option {unknown[0]!r}; "
                          f"its options are: {', '.join(allowed) or 'none'}")
     o = {**allowed, **options}
-    if "W" in o and not (_is_int(o["W"]) and o["W"] >= 1):
-        raise ValueError(f"option W (window) must be an int >= 1, got {o['W']!r}")
+    auto = engine == "hbsjd" and o.get("W") == "auto"      # the window policy, rollout/window.py
+    if "W" in o and not auto and not (_is_int(o["W"]) and o["W"] >= 1):
+        also = " or 'auto' (HB-SJD: chosen per round)" if engine == "hbsjd" else ""
+        raise ValueError(f"option W (window) must be an int >= 1{also}, got {o['W']!r}")
     if "H" in o and o["H"] is not None and not (_is_int(o["H"]) and o["H"] >= 1):
         raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
     if "decoding" in o and o["decoding"] not in DECODINGS:

@@ -31,19 +31,23 @@ from rollout.calibrate import calibration_path
 from rollout.engine import Engine, Request, cfg_rows, prefill_token, register, synchronize
 from rollout.candidates import moves, tree_window
 from rollout.jacobi import (JacobiState, Plan, init_state, jacobi_update, make_plan,
-                            window_inputs)
+                            rewindow, window_inputs)
 from rollout.sampling import guide
 from rollout.stats import RolloutResult
+from rollout.window import WINDOWS, Acceptance, CostTable, WindowPolicy
 
 
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
-               hold=None) -> RolloutResult:
+               hold=None, policy: WindowPolicy | None = None,
+               plan_for=None) -> RolloutResult:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
     plan: the call's constants (`JacobiEngine.plan`: window, history offset, sync, refresh,
     candidate drafting).  gamma: Compact execution when fewer than gamma rows are active
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
-    eager rounds of exactly the active rows.
+    eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py): each
+    round's window and execution are `choose_round`'s, gamma unused; plan_for(W) -> the call's
+    Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
     are complete at the start of a round and images wait, the rows' tokens are kept and the
@@ -63,6 +67,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     compiled = full is not None
     if compiled:
         st = hold(st)
+    windows, seen = [0], None
+    if policy is not None:
+        seen = AcceptanceCounts(policy.largest - 1, dev)
     full, compact = full or full_round, compact or compact_round
     out = torch.empty(B, T, dtype=torch.long, device=dev)
     out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
@@ -70,7 +77,10 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     waiting = R                                               # next image to admit
     while True:
         live = st.cur < T
-        A = int(live.sum())                                   # the one sync of the round
+        if seen is None:
+            A = int(live.sum())                               # the one sync of the round
+        else:                                                 # (with the acceptance counts)
+            A, acceptance = seen.read(live)
         if A < R and waiting < B:                             # rows free and images waiting
             done = (~live).nonzero().squeeze(1)[: B - waiting]
             new = torch.arange(waiting, waiting + done.shape[0], device=dev)
@@ -88,11 +98,22 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if A == 0:
             break
         is_compact, idx = A < gamma, None
+        if policy is not None:
+            W, is_compact = choose_round(policy, A, acceptance, model, st, req, plan,
+                                         plan_for)
+            if W != plan.W:
+                st = rewindow(st, plan, plan_for(W))
+                plan = plan_for(W)
+                if compiled:
+                    st = hold(st)
         if is_compact:
             idx = bucket_rows(live, bucket(A, R)) if compiled else live.nonzero().squeeze(1)
             counts = compact(model, st, idx, req, plan)
         else:
             counts = full(model, st, req, plan)
+        if seen is not None:
+            seen.add(counts)
+        windows.append(plan.W)
         if idx is None and R == B:       # no slots, Full: row b holds image b
             # (a CUDA graph's outputs are rewritten by its next replay)
             per_image = counts.clone() if compiled else counts
@@ -107,7 +128,41 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     out[img] = st.seq[:, :T]
     out_logp[img] = st.logp[:, :T]
     return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
-                   first_round, out_logp[:, req.prefix_len:])
+                   first_round, out_logp[:, req.prefix_len:], windows)
+
+
+def choose_round(policy: WindowPolicy, active: int, acceptance: Acceptance, model,
+                 st: JacobiState, req: Request, plan: Plan, plan_for) -> tuple[int, bool]:
+    """The next round's (W, compact): `policy.choose` of the active count and this rollout's
+    acceptance counts.  model, st, req, plan and plan_for (the state before the round) are
+    passed so a
+    test can swap in a policy that looks where it must not (the round's own acceptance,
+    tests/rollout/test_window.py); this one reads none of them."""
+    return policy.choose(active, acceptance)
+
+
+class AcceptanceCounts:
+    """Per-depth acceptance counts of a rollout on the device (rollout/window.py `Acceptance`),
+    read once per round together with the active count."""
+
+    def __init__(self, depth: int, device: torch.device):
+        self.depth = torch.arange(1, depth + 1, device=device)[:, None]     # (D, 1)
+        self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
+
+    def add(self, counts: Tensor) -> None:
+        """counts: a round's (3, k) committed / accepted / rejected of its rows."""
+        acc, rej = counts[1], counts[2].bool()
+        took = acc >= self.depth                                            # (D, k)
+        reached = took | ((acc == self.depth - 1) & rej)
+        self.counts += torch.stack([reached.sum(1), took.sum(1)])
+
+    def read(self, live: Tensor) -> tuple[int, Acceptance]:
+        """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
+        host = torch.cat([live.sum().view(1), self.counts.view(-1)]).tolist()
+        D = self.counts.shape[1]
+        acceptance = Acceptance(D)
+        acceptance.add(host[1: 1 + D], host[1 + D:])
+        return int(host[0]), acceptance
 
 
 def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
@@ -219,13 +274,13 @@ def _single_token(model, req: Request, times: list) -> RolloutResult:
 
 
 def _result(req, tokens, committed, accepted, rejected, active, modes, times,
-            prefills=0, first_round=None, logprobs=None) -> RolloutResult:
+            prefills=0, first_round=None, logprobs=None, windows=None) -> RolloutResult:
     return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
                          committed=torch.stack(committed), accepted=accepted,
                          rejected=rejected, active=active, modes=modes, wall_time=0.0,
                          round_times=[b - a for a, b in zip(times, times[1:])],
                          prefills=prefills, first_round=first_round,
-                         logprobs=logprobs.contiguous())
+                         logprobs=logprobs.contiguous(), windows=list(windows or []))
 
 
 class JacobiEngine(Engine):
@@ -261,21 +316,38 @@ class JacobiEngine(Engine):
         K = self.options.get("candidates", 0)
         return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
 
-    def plan(self, model, req: Request) -> Plan:
-        """The constants of a call (`jacobi.make_plan`); the window is clipped to N - 1 tokens,
-        the most predictions a round can use."""
+    def plan(self, model, req: Request, W: int | None = None, span: int | None = None) -> Plan:
+        """The constants of a call (`jacobi.make_plan`) at window W (default option W; W
+        "auto": the largest window the policy may choose); the window is clipped to N - 1
+        tokens, the most predictions a round can use."""
         o = self.options
-        return make_plan(req.total, max(1, min(o["W"], req.num_new - 1)), self.history(model),
+        W = W or (max(WINDOWS) if o["W"] == "auto" else o["W"])
+        return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.sampled)
+                         model.vocab_size, req.sampled, span)
 
     def run(self, model, req: Request) -> RolloutResult:
-        plan, gamma, dev = self.plan(model, req), self.gamma(model, req), req.labels.device
+        dev = req.labels.device
+        policy = plan_for = None
+        if self.options["W"] == "auto":
+            policy = self.policy(model, req)
+            plans = {}
+
+            def plan_for(W: int) -> Plan:
+                if W not in plans:
+                    plans[W] = self.plan(model, req, W, span=policy.largest)
+                return plans[W]
+            plan, gamma = plan_for(policy.largest), 0
+        else:
+            plan, gamma = self.plan(model, req), self.gamma(model, req)
         if not self.compiles:
-            return run_jacobi(model, req, plan, gamma)
+            return run_jacobi(model, req, plan, gamma, policy=policy, plan_for=plan_for)
         return run_jacobi(model, req, plan, gamma, self.step(full_round_in_place, dev),
-                          self.step(compact_round, dev), self._states.hold)
+                          self.step(compact_round, dev), self._states.hold, policy, plan_for)
+
+    def policy(self, model, req: Request) -> WindowPolicy:
+        raise ValueError(f"engine {self.name!r} has no window policy: set option W to an int")
 
 
 @register("sjd_independent")
@@ -294,11 +366,51 @@ class HBSJD(JacobiEngine):
     None (uncalibrated fallback: half the batch, rounded up)."""
     DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", execution="hybrid",
                     gamma=None, calibration=None, calibrate_missing=False, candidates=0,
-                    branch=None)
+                    branch=None, costs=None)
 
     def __init__(self, **options):
         super().__init__(**options)
         self._auto: dict[tuple, int] = {}
+        self._tables: dict[tuple, CostTable] = {}
+
+    def policy(self, model, req: Request) -> WindowPolicy:
+        """W "auto" (rollout/window.py): the windows of `WINDOWS` a call of N new tokens can
+        use, the modes option execution allows (hybrid: both, chosen per round; gamma is not
+        used), candidate drafting's extra columns, and the cost table (`cost_table`)."""
+        o, R = self.options, req.rows
+        windows = tuple(sorted({max(1, min(W, req.num_new - 1)) for W in WINDOWS}))
+        modes = {"full": ("full",), "compact": ("compact",)}.get(o["execution"],
+                                                                 ("full", "compact"))
+        K = min(o.get("candidates", 0), model.vocab_size)
+        extra = (K - 1) * (o.get("branch") or 1) if K >= 2 else 0
+        return WindowPolicy(self.cost_table(model, req), windows, modes, extra,
+                            (lambda a: bucket(a, R)) if self.compiles else None)
+
+    def cost_table(self, model, req: Request) -> CostTable:
+        """Option costs (a `CostTable`: fixture tables in tests), else the calibration file's
+        entries of (this model, req.rows, each W of `WINDOWS`, CFG) -- the ones gamma is
+        chosen from; with calibrate_missing=True the missing ones are measured here, once,
+        under the file's lock, else ValueError saying how to make them."""
+        if self.options["costs"] is not None:
+            return self.options["costs"]
+        from rollout.calibrate import ensure_calibration, find_entry, model_signature
+        key = (model_signature(model), req.rows, req.cfg)
+        if key not in self._tables:
+            path = calibration_path(self.options)
+            found = {W: find_entry(path, model, req.rows, W, req.cfg) for W in WINDOWS}
+            if any(e is None for e in found.values()):
+                if not self.options["calibrate_missing"]:
+                    missing = [W for W, e in found.items() if e is None]
+                    raise ValueError(
+                        f"W='auto': calibration file {path} has no verifier costs for model "
+                        f"{key[0]} at batch={req.rows} W={missing} cfg={req.cfg}; run `opd "
+                        f"calibrate --model PRESET --batch {req.rows} --window auto"
+                        f"{' --cfg-scale 2.0' if req.cfg else ''}`")
+                for W in WINDOWS:
+                    found[W] = ensure_calibration(model, [req.rows], W, cfg=req.cfg,
+                                                  path=path)[req.rows]
+            self._tables[key] = CostTable.from_entries(found)
+        return self._tables[key]
 
     def gamma(self, model, req: Request) -> int:
         execution, g = self.options["execution"], self.options["gamma"]

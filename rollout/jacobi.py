@@ -68,14 +68,18 @@ class Plan:
     known: Tensor | None = None  # (h,) candidate drafting: the committed tokens this far
     #                              before token cur join its candidates, (H,) greedy, (1, H)
     #                              sampled (`candidates.candidates`)
+    span: int = 0        # slots of seq / logp past T (>= W; the largest window with W "auto")
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None, sampled: bool = False) -> Plan:
+              vocab_size: int | None = None, sampled: bool = False,
+              span: int | None = None) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
     each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None);
-    sampled: the decoding (which committed tokens join the candidates)."""
+    sampled: the decoding (which committed tokens join the candidates); span: the state's
+    slots past T (None: W; a call whose window changes between rounds sizes its state for the
+    largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -85,18 +89,19 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
     return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
-                known=torch.tensor([1, H] if sampled else [H], device=device))
+                known=torch.tensor([1, H] if sampled else [H], device=device),
+                span=max(W, span or W))
 
 
 @dataclass
 class JacobiState:
-    seq: Tensor          # (B, T + W) int64 committed tokens, then drafts; past T scratch
+    seq: Tensor          # (B, T + span) int64 committed tokens, then drafts; past T scratch
     cur: Tensor          # (B,) int64 committed length
     rounds: Tensor       # (B,) int64 rounds taken so far (= attempt number of the next round)
     key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
     q: Tensor | None     # (B, W, V) proposal of the token of each window column (sample
     #                      mode; the last column's is never used), else None
-    logp: Tensor | None = None  # (B, T + W) float32 behaviour log-probs of the committed
+    logp: Tensor | None = None  # (B, T + span) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
     cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.tree)
     on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.tree)
@@ -138,7 +143,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     """State of images `images` after their round 0 (prefill chose token P, with behaviour
     log-prob `first_logp`; None records no log-probs): cur = P + 1, drafts from history."""
     B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
-    seq = torch.zeros(B, T + W, dtype=torch.long, device=first.device)
+    seq = torch.zeros(B, T + plan.span, dtype=torch.long, device=first.device)
     seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
@@ -148,13 +153,37 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
         q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
     logp = None
     if first_logp is not None:
-        logp = torch.zeros(B, T + W, dtype=torch.float32, device=first.device)
+        logp = torch.zeros(B, T + plan.span, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
     cand = on_tree = None
     if plan.tree is not None:
         cand = torch.zeros(B, plan.tree.K, dtype=torch.long, device=first.device)
         on_tree = torch.zeros(B, dtype=torch.bool, device=first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
+
+
+def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
+    """The state of a round of window new.W after rounds of window old.W (W "auto"), in place
+    but for q.  Sampled: column c of the new window holds token start' + c (start' =
+    cur.clamp(max=T - new.W)); where that token was a column of the old window's layout its
+    proposal is kept, else (a token past the old drafts: filled from history or left from an
+    earlier round, a function of the past either way) the proposal is one-hot at the token
+    itself, with which speculative sampling is exact whatever the token (the draft is accepted
+    with probability p(token), else the residual is p without it).  Candidate drafting: a
+    window without a tree (W = 1) leaves no tree for the next one."""
+    if st.q is not None:
+        B = st.cur.shape[0]
+        start = st.cur.clamp(max=old.T - old.W)
+        start_new = st.cur.clamp(max=new.T - new.W)
+        col = (start_new - start)[:, None] + new.ar                      # (B, W') old column
+        kept = (col >= 0) & (col < old.W)
+        tokens = st.seq.gather(1, start_new[:, None] + new.ar)
+        V = st.q.shape[-1]
+        q = st.q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
+        st.q = torch.where(kept[..., None], q, one_hot(tokens, V, st.q.dtype))
+    if st.on_tree is not None and new.tree is None:
+        st.on_tree = torch.zeros_like(st.on_tree)
+    return st
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:

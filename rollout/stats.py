@@ -28,6 +28,8 @@ class RolloutResult:
     logprobs: Tensor | None = None  # (B, N) float32 behaviour log-prob of each generated token
     #                                 under the warped guided distribution it was committed
     #                                 from (rollout.sampling.token_logprob); every engine sets it
+    windows: list[int] = field(default_factory=list)  # (R,) window W of each round (0: the
+    #                                                   prefill; empty: not a Jacobi engine)
     engine: str = ""
     options: dict = field(default_factory=dict)
 
@@ -63,6 +65,15 @@ class RolloutResult:
         c = self.committed[self.committed > 0].clamp(max=width) - 1
         return torch.bincount(c.cpu(), minlength=width).tolist()
 
+    def window_histogram(self, width: int) -> list[int]:
+        """Verifier rounds by window: entry W - 1 counts the rounds of window W (larger ones in
+        the last entry; the W-"auto" policy's choices, rollout/window.py)."""
+        out = [0] * width
+        for W in self.windows:
+            if W > 0:
+                out[min(W, width) - 1] += 1
+        return out
+
     @property
     def longest_single_run(self) -> Tensor:
         """(B,) int64 the longest run of consecutive verifier rounds of each image that
@@ -81,13 +92,14 @@ class RolloutResult:
     def summary(self) -> dict:
         """Plain-Python statistics (JSON-serialisable)."""
         return {
-            "engine": self.engine, **{k: v for k, v in self.options.items()},
+            "engine": self.engine, **{k: v for k, v in self.options.items() if k != "costs"},
             "batch": int(self.tokens.shape[0]), "prefix_len": self.prefix_len,
             "new_tokens": self.num_new_tokens, "rounds": self.rounds,
             "image_rounds": self.image_rounds.tolist(),
             "mean_committed": self.mean_committed,
             "accepted": int(self.accepted.sum()), "rejected": int(self.rejected.sum()),
             "compact_rounds": sum(m == "compact" for m in self.modes),
+            "windows": self.window_histogram(16),
             "prefills": self.prefills,
             "wall_time_s": self.wall_time,
         }

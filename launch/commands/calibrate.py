@@ -7,7 +7,9 @@
 
 It writes the one calibration file, $OPD_CACHE/calibration.json (`opd.cache.calibration_file`),
 which training (reference loop and Ray rollout workers), evaluation and the benches read with
-`gamma="auto"` (key: model shape + dtype + device, batch, W, CFG on/off).  Latency does not
+`gamma="auto"` and the window policy's cost table with `W="auto"` (rollout/window.py: `--window
+auto`, the default config's, measures W = 1, 2, 4, 8, 16) (key: model shape + dtype + device,
+batch, W, CFG on/off).  Latency does not
 depend on the weights, so no checkpoint is loaded.
 """
 from __future__ import annotations
@@ -24,6 +26,10 @@ def _positive(text: str) -> int:
     return value
 
 
+def _window(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate", help="measure Full vs Compact verifier latency; write gamma (JSON)",
@@ -37,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "tokens for LlamaGen at 384 px)")
     p.add_argument("--batch", type=_positive, help="images per batch (default: every batch size "
                    "the run config's rollouts and evaluation use)")
-    p.add_argument("--window", type=_positive, help="window W (default rollout.window)")
+    p.add_argument("--window", type=_window, help="window W, or auto: every window the "
+                   "policy chooses from, 1 2 4 8 16 (its cost table; default rollout.window)")
     p.add_argument("--cfg-scale", type=float, metavar="SCALE",
                    help="CFG scale; only on/off matters (default rollout.cfg_scale)")
     p.add_argument("--device", help="cpu or cuda (default: with --model cuda if available, else "
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from opd.calibration import run_batch_sizes
     from opd.models import create_model
     from rollout.calibrate import calibrate, save_calibration
+    from rollout.window import WINDOWS
 
     cfg = args.cfg
     if args.threads:
@@ -77,16 +85,18 @@ def run(args: argparse.Namespace) -> int:
     model = create_model(preset, **overrides).to(device=device, dtype=dtype).eval()
     batches = [args.batch] if args.batch else run_batch_sizes(cfg)
     window = args.window or cfg.rollout.window
+    windows = list(WINDOWS) if window == "auto" else [window]
     scale = cfg.rollout.cfg_scale if args.cfg_scale is None else args.cfg_scale
     out = args.out or calibration_file()
     for batch in batches:
-        entry = calibrate(model, batch, window, cfg=scale != 1.0, preset=preset,
-                          repeats=args.repeats)
-        save_calibration(out, entry)
-        print(f"{'active':>6}  {'full ms':>8}  {'compact ms':>10}")
-        for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
-            print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
-        print(f"opd calibrate: {preset} batch {batch} W {window} cfg {scale != 1.0} on {device}: "
-              f"gamma = {entry['gamma']} (Compact below {entry['gamma']} active images) "
-              f"-> {out}")
+        for W in windows:
+            entry = calibrate(model, batch, W, cfg=scale != 1.0, preset=preset,
+                              repeats=args.repeats)
+            save_calibration(out, entry)
+            print(f"{'active':>6}  {'full ms':>8}  {'compact ms':>10}")
+            for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
+                print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
+            print(f"opd calibrate: {preset} batch {batch} W {W} cfg {scale != 1.0} on "
+                  f"{device}: gamma = {entry['gamma']} (Compact below {entry['gamma']} active "
+                  f"images) -> {out}")
     return 0

@@ -157,8 +157,8 @@ def test_unknown_key_suggests_the_closest():
 
 
 def test_wrong_type_names_key_value_and_type():
-    assert error(["rollout.window=abc"]) == "rollout.window='abc': expected int"
-    assert error(["rollout.window=2.5"]) == "rollout.window=2.5: expected int"
+    assert error(["rollout.window=abc"]) == "rollout.window='abc': expected int or 'auto'"
+    assert error(["rollout.window=2.5"]) == "rollout.window='2.5': expected int or 'auto'"
     assert error(["teacher.guided=maybe"]) == "teacher.guided='maybe': expected bool (true/false)"
     assert error(["learner.lr=fast"]) == "learner.lr='fast': expected float"
     assert error(["learner.betas=[0.9]"]) == "learner.betas=[0.9]: expected a list of 2 floats"
@@ -255,13 +255,14 @@ def test_config_hash_values_are_pinned():
     changes the whole-config values (recorded in checkpoints' state.json only; rollout.candidates
     moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, distill.phases from 54165f582cc2 /
     8ac49b394f92 / f21410ed6e7b), never a cache key's; so does a new default (the pretraining
-    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd)."""
+    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd, rollout.window: auto
+    moved f9c6facd31ff / c18f4e910c3e)."""
     tiny = load_config("tiny")
     assert config_hash(tiny) == "771512ec98a3"
-    assert config_hash(RunConfig()) == "f9c6facd31ff"
+    assert config_hash(RunConfig()) == "398f04e0ebe0"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "c18f4e910c3e"
+                                          "distill.objective_options.gate=0.5"])) == "e0eadd3b7db5"
 
 
 # --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------
@@ -288,7 +289,7 @@ def test_sections_and_strict_types():
     with pytest.raises(ConfigError, match=r"^'the config' must be a mapping of keys, got 'x'$"):
         config_from_dict("x")
     for tree, msg in [({"model": {"vocab_size": True}}, "model.vocab_size=True: expected int"),
-                      ({"rollout": {"window": "3"}}, "rollout.window='3': expected int"),
+                      ({"rollout": {"window": "3"}}, "rollout.window='3': expected int or 'auto'"),
                       ({"cluster": {"num_cpus": 2.0}}, "cluster.num_cpus=2.0: expected int or null"),
                       ({"teacher": {"guided": 1}}, "teacher.guided=1: expected bool (true/false)")]:
         with pytest.raises(ConfigError) as e:
@@ -305,7 +306,7 @@ def test_first_problem_in_file_order_is_reported():
     assert first({"rollout": {"window": 0, "engine": "x"}}) == "rollout.window=0: must be >= 1"
     assert first({"rollout": {"engine": "x", "window": 0}}).startswith("rollout.engine='x'")
     assert first({"rollout": {"windw": 1, "window": "a"}}).startswith("unknown config key")
-    assert first({"rollout": {"window": "a", "windw": 1}}) == "rollout.window='a': expected int"
+    assert first({"rollout": {"window": "a", "windw": 1}}) == "rollout.window='a': expected int or 'auto'"
 
 
 def test_bench_preset_schemas_have_docstrings_and_use_the_loader():

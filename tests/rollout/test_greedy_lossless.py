@@ -84,3 +84,23 @@ def test_model_in_train_mode_is_rolled_out_without_label_dropout(tiny, batch):
     finally:
         model.eval()
     assert torch.equal(res.tokens, ref.tokens)
+
+
+@pytest.mark.parametrize("cfg", [None, 2.0])
+@pytest.mark.parametrize("P", [0, 5, T - 1])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_the_window_policy_returns_cached_ar_tokens(tiny, batch, B, P, cfg):
+    """W="auto" (rollout/window.py) with fixture cost tables under which W and Full / Compact
+    change between rounds (tests/rollout/test_window.py has the policy's own tests)."""
+    from rollout.window import CostTable
+    model = tiny(2)
+    labels, prefix = batch(model, B, P, 1)
+    ref = make_engine("cached_ar").generate(model, labels, prefix, T - P, cfg_scale=cfg)
+    tables = [CostTable.from_function(B, lambda c, rows, W: rows * W / B if c else 1.0),
+              CostTable.from_function(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
+    for costs in tables:
+        for execution in ("full", "compact", "hybrid"):
+            res = make_engine("hbsjd", W="auto", costs=costs, execution=execution).generate(
+                model, labels, prefix, T - P, cfg_scale=cfg)
+            assert torch.equal(res.tokens, ref.tokens), (costs, execution)
+            assert res.committed.sum(0).tolist() == [T - P] * B

@@ -1,0 +1,154 @@
+"""HB-SJD's window policy (W = "auto"): each round's window W, and Full or Compact execution,
+chosen from this machine's measured verifier costs and the acceptance seen so far.
+
+Why per machine: a round of window W costs one verifier forward of W tokens per row, and what
+that costs against a 1-token forward depends on the device and on how many rows run (a CPU is
+compute-bound, so a (32, 4) forward costs several (32, 1) ones; a GPU at small batch is
+memory-bound, so a (16, 16) forward costs about a (16, 1) one).  One fixed W cannot be right
+everywhere (docs/WINDOW_POLICY.md).
+
+The rule, before each verification round with A active rows out of R physical ones:
+
+    choose (W, mode) maximising  E[tokens committed per active row | W] / cost(mode, rows, W)
+
+over W in `WINDOWS` (clipped to N - 1) and the modes the execution option allows (hybrid: Full
+and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/hbsjd.py).
+
+    cost       `CostTable`: seconds of one verifier forward, measured by `opd calibrate` in the
+               calibration file (rollout/calibrate.py; the same entries gamma is chosen from,
+               one per W), interpolated linearly over rows and over width.
+    E[tokens]  1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft k of a
+               window is accepted given drafts 1..k-1 were: estimated from this rollout's counts
+               (`Acceptance`: rows that reached draft k, rows that accepted it), each shrunk
+               towards alpha_{k-1} (alpha_0 = PRIOR) with weight STRENGTH rows, so the first
+               rounds and depths never tried yet follow the shallower ones.
+
+W = 1 is Cached AR's round (no draft): the policy picks a longer window only where the table
+says its expected tokens pay for its forward, so HB-SJD is not slower than Cached AR beyond the
+verification step and the policy's own overhead (neither is in the table).
+
+The choice is a pure function of the rollout state (active count, physical rows, acceptance
+counts, N) and the table -- never of time measured during the rollout -- so a rollout is
+reproducible and a Ray run equals the reference loop for the same piece jobs.  It depends on
+the number of active rows of the call: the same images rolled out in a call of a different
+size may take other windows (the tokens of greedy decoding do not change; sampled tokens are
+distributed exactly as the target either way, but are not the same draws).
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass
+
+WINDOWS = (1, 2, 4, 8, 16)
+"""The windows the policy chooses from (and `opd calibrate` measures)."""
+PRIOR = 0.5                 # acceptance of draft 1 before any round
+STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
+
+
+def _interp(xs: list, ys: list, x: float) -> float:
+    """Piecewise-linear y(x) through sorted points xs, extrapolated along the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-12)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds of one verifier forward of `rows` rows (without the CFG copies) and width W.
+    full: {W: seconds of a Full forward at the table's R rows}; compact: {W: (active counts,
+    seconds)} (Compact forwards of that many rows)."""
+    rows: int
+    full: dict
+    compact: dict
+
+    @classmethod
+    def from_entries(cls, entries: dict) -> CostTable:
+        """{W: calibration entry of (model, R, W, cfg)} (rollout/calibrate.py) -> the table."""
+        rows = {int(e["batch"]) for e in entries.values()}
+        if len(rows) != 1:
+            raise ValueError(f"a cost table needs entries of one batch size, got {sorted(rows)}")
+        full = {int(W): statistics.median(e["full_s"]) for W, e in entries.items()}
+        compact = {int(W): (list(e["active"]), list(e["compact_s"])) for W, e in entries.items()}
+        return cls(rows.pop(), full, compact)
+
+    @classmethod
+    def from_function(cls, rows: int, seconds, windows=WINDOWS) -> CostTable:
+        """A table from seconds(compact: bool, rows, W): fixture tables for tests."""
+        active = list(range(1, rows + 1))
+        return cls(rows, {W: seconds(False, rows, W) for W in windows},
+                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows})
+
+    def cost(self, compact: bool, rows: int, width: int) -> float:
+        """Seconds of a forward over `rows` rows (Compact; Full: the table's R) of `width`
+        tokens each, interpolated over rows, then over the measured windows."""
+        Ws = sorted(self.full)
+        if compact:
+            ys = [_interp(*self.compact[W], rows) for W in Ws]
+        else:
+            ys = [self.full[W] for W in Ws]
+        return _interp(Ws, ys, width)
+
+
+class Acceptance:
+    """Per-depth acceptance counts of a rollout so far: reached[k - 1] rows whose draft k was
+    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth)."""
+
+    def __init__(self, depth: int):
+        self.reached = [0] * depth
+        self.accepted = [0] * depth
+
+    def add(self, reached: list[int], accepted: list[int]) -> None:
+        self.reached = [a + b for a, b in zip(self.reached, reached)]
+        self.accepted = [a + b for a, b in zip(self.accepted, accepted)]
+
+    def rates(self) -> list[float]:
+        """alpha_k for k = 1..depth (module docstring)."""
+        out, prev = [], PRIOR
+        for n, a in zip(self.reached, self.accepted):
+            prev = (a + STRENGTH * prev) / (n + STRENGTH)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, W: int) -> float:
+        """E[tokens committed by a row in a round of window W] (the accepted drafts and one)."""
+        total, run = 1.0, 1.0
+        for alpha in self.rates()[: W - 1]:
+            run *= alpha
+            total += run
+        return total
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """Chooses each round's (W, compact) (module docstring).  windows: the candidates (already
+    clipped to the call's N - 1); modes: of ("full", "compact"); extra: columns each window
+    carries besides W (candidate drafting's branches); bucket: rows -> the rows a compiled
+    Compact round runs (None: exactly the active rows)."""
+    table: CostTable
+    windows: tuple
+    modes: tuple = ("full", "compact")
+    extra: int = 0
+    bucket: object = None
+
+    @property
+    def largest(self) -> int:
+        return max(self.windows)
+
+    def choose(self, active: int, acceptance: Acceptance) -> tuple[int, bool]:
+        """-> (W, compact) for a round with `active` rows; ties go to the smaller W, then to
+        Full."""
+        best, choice = -1.0, (min(self.windows), self.modes[0] == "compact")
+        for W in sorted(self.windows):
+            tokens = acceptance.expected_tokens(W)
+            for mode in self.modes:
+                compact = mode == "compact"
+                rows = (self.bucket(active) if self.bucket else active) if compact else None
+                rate = tokens / self.table.cost(compact, rows or self.table.rows,
+                                                W + (self.extra if W > 1 else 0))
+                if rate > best * (1 + 1e-9):
+                    best, choice = rate, (W, compact)
+        return choice
+

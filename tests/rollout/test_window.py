@@ -1,0 +1,271 @@
+"""The window policy (W="auto", rollout/window.py): its rule in numbers, greedy tokens equal to
+Cached AR's while W and Full / Compact change between rounds, execution-mode invariance for a
+given policy, determinism, and a policy that peeks at the round it chooses for (the round's
+own acceptance) caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
+
+Every test uses a fixture cost table (`CostTable.from_function`), never a timed one, so the
+choices are the same on every machine."""
+import pytest
+import torch
+
+import rollout.hbsjd
+from rollout import make_engine
+from rollout.hbsjd import full_round
+from rollout.jacobi import one_hot, rewindow
+from rollout.window import PRIOR, STRENGTH, Acceptance, CostTable, WindowPolicy
+
+from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
+
+T = 16
+
+
+def switching_table(R: int) -> CostTable:
+    """Full costs the same at every W; Compact costs its rows times W: all rows active -> Full
+    at the largest W; once few enough rows are active -> Compact at W = 1 (or 2 when drafts are
+    likely accepted); in between the windows change with the acceptance seen."""
+    return CostTable.from_function(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
+
+
+def test_cost_table_interpolates_over_rows_and_width():
+    t = CostTable.from_function(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
+    assert t.cost(False, 8, 4) == 8 * 5 and t.cost(True, 3, 2) == 3 * 3
+    assert t.cost(True, 3, 3) == pytest.approx(3 * 4)            # between W 2 and 4
+    assert t.cost(True, 3, 6) == pytest.approx(3 * 7)            # between W 4 and 8
+    assert t.cost(False, 8, 20) == pytest.approx(8 * 21)         # past W 16: the last segment
+
+
+def test_acceptance_rates_and_expected_tokens_by_hand():
+    a = Acceptance(3)
+    assert a.rates() == [PRIOR] * 3 and a.expected_tokens(1) == 1.0
+    assert a.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25)
+    a.add([10, 6, 0], [6, 3, 0])            # depth 1: 6 of 10, depth 2: 3 of 6, depth 3: none
+    r1 = (6 + STRENGTH * PRIOR) / (10 + STRENGTH)
+    r2 = (3 + STRENGTH * r1) / (6 + STRENGTH)
+    assert a.rates() == pytest.approx([r1, r2, r2])               # untried depth: the last
+    assert a.expected_tokens(4) == pytest.approx(1 + r1 + r1 * r2 + r1 * r2 * r2)
+
+
+def test_the_policy_maximises_expected_tokens_per_second():
+    flat = CostTable.from_function(8, lambda c, rows, W: 1.0)
+    linear = CostTable.from_function(8, lambda c, rows, W: float(W))
+    windows = (1, 2, 4, 8, 16)
+    a = Acceptance(15)
+    assert WindowPolicy(flat, windows).choose(8, a) == (16, False)      # free drafts: longest
+    assert WindowPolicy(linear, windows).choose(8, a) == (1, False)     # W costs W: Cached AR
+    # Full costs 1 at every W, Compact rows * W / 8: with 2 rows active Compact W 1 costs 0.25,
+    # W 2 costs 0.5: (1 + 0.5) / 0.5 = 3 < 1 / 0.25 = 4 -> W 1; Full W 16 gives < 2 / 1
+    t = switching_table(8)
+    assert WindowPolicy(t, windows).choose(8, a) == (16, False)
+    assert WindowPolicy(t, windows).choose(2, a) == (1, True)
+    assert WindowPolicy(t, windows, modes=("full",)).choose(2, a) == (16, False)
+    sure = Acceptance(15)
+    sure.add([1000] * 15, [1000] * 15)
+    # every draft accepted: Full W 16 gives ~16 / 1, more than Compact W 1's 1 / 0.25
+    assert WindowPolicy(t, windows).choose(2, sure) == (16, False)
+
+
+def graded_table(R: int) -> CostTable:
+    """Full and Compact both dearer at larger W (Compact in proportion to its rows): the
+    windows step between several sizes >= 2 as rows finish and acceptance is measured."""
+    return CostTable.from_function(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
+                                   if compact else 1.0 + 0.1 * W)
+
+
+def engines(R: int):
+    table = switching_table(R)
+    yield dict(W="auto", costs=table)
+    yield dict(W="auto", costs=table, execution="full")
+    yield dict(W="auto", costs=table, execution="compact")
+    yield dict(W="auto", costs=table, candidates=3)
+    yield dict(W="auto", costs=CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W))
+
+
+@pytest.mark.parametrize("cfg", [None, 2.0])
+@pytest.mark.parametrize("P,B,slots", [(0, 1, None), (0, 8, None), (5, 6, None), (3, 8, 3)])
+def test_policy_returns_cached_ar_tokens(tiny, batch, cfg, P, B, slots):
+    model = tiny(2)
+    labels, prefix = batch(model, B, P, 1)
+    ref = make_engine("cached_ar").generate(model, labels, prefix, T - P, cfg_scale=cfg)
+    seen = set()
+    for opts in engines(min(B, slots or B)):
+        res = make_engine("hbsjd", **opts).generate(model, labels, prefix, T - P,
+                                                    cfg_scale=cfg, slots=slots)
+        assert torch.equal(res.tokens, ref.tokens), opts
+        assert res.committed.sum(0).tolist() == [T - P] * B
+        assert len(res.windows) == res.rounds and res.windows[0] == 0
+        seen |= set(res.windows[1:])
+    assert len(seen) >= 2                                # the windows did change
+
+
+def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
+    model = tiny(2)
+    labels, prefix = batch(model, 8, 0, 1)
+    res = make_engine("hbsjd", W="auto", costs=switching_table(8)).generate(model, labels,
+                                                                            prefix, T)
+    pairs = set(zip(res.windows[1:], res.modes[1:]))
+    assert (15, "full") in pairs and any(m == "compact" for _, m in pairs), pairs
+    assert len({w for w, _ in pairs}) >= 2, pairs
+    assert sum(res.window_histogram(16)) == res.rounds - 1
+
+
+@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch, decoding):
+    """Costs that depend on W only: Full, Compact and Hybrid choose the same windows, so their
+    tokens are the same (invariant 3 for a given policy); a second call repeats the first."""
+    model = tiny(1)
+    labels, prefix = batch(model, 6, 2, 1)
+    table = CostTable.from_function(6, lambda c, rows, W: 1.0 + 0.1 * W)
+    out = {}
+    for execution in ("full", "compact", "hybrid", "hybrid"):
+        out.setdefault(execution, []).append(make_engine(
+            "hbsjd", W="auto", costs=table, execution=execution, decoding=decoding).generate(
+                model, labels, prefix, T - 2, cfg_scale=2.0, seed=3, temperature=0.9, top_k=8))
+    full = out["full"][0]
+    assert len(set(full.windows[1:])) >= 2, full.windows
+    for res in (out["compact"][0], *out["hybrid"]):
+        assert torch.equal(res.tokens, full.tokens) and res.windows == full.windows
+        assert torch.equal(res.logprobs, full.logprobs)
+
+
+def test_a_fixed_window_is_unchanged(tiny, batch):
+    model = tiny(2)
+    labels, prefix = batch(model, 5, 1, 1)
+    res = make_engine("hbsjd", W=4, decoding="sample").generate(model, labels, prefix, T - 1,
+                                                                seed=2)
+    assert set(res.windows[1:]) == {4}
+    assert res.window_histogram(16)[3] == res.rounds - 1
+
+
+def test_w_auto_without_a_calibration_names_the_command(tiny, batch, tmp_path):
+    model = tiny(0)
+    labels, prefix = batch(model, 2, 0)
+    engine = make_engine("hbsjd", W="auto", calibration=str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match=r"--window auto"):
+        engine.generate(model, labels, prefix, T)
+    with pytest.raises(ValueError, match=r"'auto' \(HB-SJD"):
+        make_engine("hbsjd", W="automatic")
+    with pytest.raises(ValueError, match=r"must be an int >= 1, got 'auto'"):
+        make_engine("sjd_independent", W="auto")
+
+
+def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkeypatch):
+    import rollout.calibrate as rc
+    from rollout.window import WINDOWS
+    measured = []
+    real = rc.measure_verifier_latency
+    monkeypatch.setattr(rc, "measure_verifier_latency", lambda model, batch, W, **kw:
+                        measured.append((batch, W)) or real(model, batch, W, repeats=1,
+                                                            warmup=0, active=[1, batch]))
+    model = tiny(0)
+    labels, prefix = batch(model, 3, 0)
+    path = tmp_path / "cal.json"
+    for _ in range(2):
+        engine = make_engine("hbsjd", W="auto", calibration=str(path), calibrate_missing=True)
+        engine.generate(model, labels, prefix, T)
+    assert measured == [(3, W) for W in WINDOWS]
+    assert {(e["batch"], e["W"]) for e in rc.read_calibration(path)} == {(3, W) for W in WINDOWS}
+
+
+# ---- sampled decoding: exact distribution with W changing, and a policy that peeks -----------
+
+SAMPLES = 4000
+
+
+def sampled_counts(model, opts, prefix, cfg=None, seed=11, batch=SAMPLES, **warps):
+    V, P = model.vocab_size, prefix.shape[1]
+    N = model.block_size - P
+    counts = torch.zeros(V ** N, dtype=torch.float64)
+    windows = []
+    for s in range(SAMPLES // batch):
+        res = make_engine("hbsjd", decoding="sample", **opts).generate(
+            model, torch.full((batch,), 1), prefix.expand(batch, -1), N, cfg_scale=cfg,
+            seed=seed + s, **warps)
+        code = (res.tokens[:, P:] * V ** torch.arange(N - 1, -1, -1)).sum(1)
+        counts += torch.bincount(code, minlength=V ** N).double()
+        windows += list(zip(res.windows[1:], res.modes[1:]))
+    return counts, windows
+
+
+VARYING = [  # model (seed, V, grid), P, options, cfg, warps
+    ((7, 3, 2), 0, dict(), None, {}),
+    ((7, 3, 2), 0, dict(refresh="resample"), 2.0, dict(temperature=0.8)),
+    ((3, 2, 3), 0, dict(), None, {}),
+    ((3, 2, 3), 2, dict(), 1.5, dict(top_p=0.9)),
+    ((5, 4, 2), 0, dict(candidates=3), None, {}),
+    ((3, 3, 3), 4, dict(candidates=3, branch=2), None, dict(temperature=1.2)),
+]
+
+
+@pytest.mark.parametrize("spec,P,opts,cfg,warps", VARYING)
+def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P, opts, cfg,
+                                                                       warps):
+    """The policy switches W and Full / Compact between rounds (both fixture tables), with
+    both refresh rules, CFG, warps and candidate drafting."""
+    seed, V, grid = spec
+    model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
+    prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
+    probs = exact_distribution(model, 1, prefix, model.block_size - P, cfg, **warps)
+    seen = set()
+    for table in (switching_table(SAMPLES), graded_table(SAMPLES)):
+        counts, windows = sampled_counts(model, dict(W="auto", costs=table, **opts), prefix,
+                                         cfg, **warps)
+        assert chi2_pvalue(counts, probs) > 1e-3
+        assert {m for _, m in windows} == {"full", "compact"}
+        seen |= {w for w, _ in windows}
+    assert len(seen) >= 2, seen
+
+
+def unshifted(st, old, new):
+    """A wrong re-windowing: the old window's proposals kept by column, as if both windows
+    started at the same token (they do not once a window is clipped at the end)."""
+    if st.q is not None:
+        B, V = st.cur.shape[0], st.q.shape[-1]
+        col = new.ar.expand(B, new.W)
+        tokens = st.seq.gather(1, st.cur.clamp(max=new.T - new.W)[:, None] + new.ar)
+        q = st.q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
+        st.q = torch.where((col < old.W)[..., None], q, one_hot(tokens, V, st.q.dtype))
+    return st
+
+
+def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
+    """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics (16000
+    samples) accept the real re-windowing and reject `unshifted`."""
+    model = peaked_model(5, 4, 2, 0.6)
+    prefix = torch.zeros(1, 0, dtype=torch.long)
+    probs = exact_distribution(model, 1, prefix, 4, None)
+    opts = dict(W="auto", costs=graded_table(SAMPLES))
+    monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
+    counts, windows = sampled_counts(model, opts, prefix)
+    assert {(3, "full"), (2, "compact"), (3, "compact")} <= set(windows)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    monkeypatch.setattr(rollout.hbsjd, "rewindow", unshifted)
+    counts, _ = sampled_counts(model, opts, prefix)
+    assert chi2_pvalue(counts, probs) < 1e-8
+
+
+def peek(policy, active, acceptance, model, st, req, plan, plan_for):
+    """A wrong policy: it runs the coming round at the largest window on a copy of the state
+    and, where the first draft would be rejected, chooses W = 1 for it -- the token then comes
+    from p instead of the residual, so a rejected draft is drawn again from p."""
+    big = plan_for(policy.largest)
+    trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
+    counts = full_round(model, trial, req, big)
+    first_rejected = bool(((counts[1] == 0) & (counts[2] == 1)).any())
+    return (1 if first_rejected else policy.largest), False
+
+
+def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
+    """One image per call (the window is per call), 1000 of them: the real policy passes the
+    statistics, the peeking one fails them."""
+    model = peaked_model(7, 3, 2, 0.6)
+    prefix = torch.zeros(1, 0, dtype=torch.long)
+    probs = exact_distribution(model, 1, prefix, 4, None)
+    opts = dict(W="auto", costs=CostTable.from_function(1, lambda c, rows, W: 1.0))
+    monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 1000)
+    counts, windows = sampled_counts(model, opts, prefix, batch=1)
+    assert {w for w, _ in windows} == {3}
+    assert chi2_pvalue(counts, probs) > 1e-3
+    monkeypatch.setattr(rollout.hbsjd, "choose_round", peek)
+    counts, windows = sampled_counts(model, opts, prefix, batch=1)
+    assert {w for w, _ in windows} == {1, 3}
+    assert chi2_pvalue(counts, probs) < 1e-8
