@@ -115,11 +115,14 @@ class Layout:
         return a, a + len(self.rows[p])
 
 
-def step_layout(cfg: RunConfig) -> Layout:
-    """The layout of every step of run `cfg` (the same in both run modes)."""
-    P = step_pieces(cfg)
+def step_layout(cfg: RunConfig, source: str = "student") -> Layout:
+    """The layout of a step of run `cfg` whose sequences come from `source` (the same in both
+    run modes).  A step on data is one piece: it depends on no policy, so its scoring runs ahead
+    of the learner anyway and pieces would only add per-piece costs."""
+    P = 1 if source == "data" else step_pieces(cfg)
     rows = piece_rows(cfg.data.batch_size, cfg.learner.world_size, P)
-    return Layout(rows, [list(range(a, b)) for a, b in row_ranges(P, step_parts(cfg))])
+    C = 1 if source == "data" else step_parts(cfg)
+    return Layout(rows, [list(range(a, b)) for a, b in row_ranges(P, C)])
 
 
 def piece_rows(batch: int, world_size: int, pieces: int) -> list[Tensor]:

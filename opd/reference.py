@@ -97,8 +97,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     train = open_dataset(cfg, "train")
     batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
     optimizer = make_optimizer(student, cfg)
-    layout = step_layout(cfg)
-    parts = [layout.part_rows(c) for c in range(len(layout.parts))]
+    layouts = {src: step_layout(cfg, src) for src in ("student", "teacher", "data")}
     start = 0
     if resume:
         last = ckpt.latest_checkpoint(run_dir)
@@ -123,6 +122,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                              batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
             seconds = {"rollout": 0.0, "teacher": 0.0}
             cpu0 = time.process_time()
+            layout = layouts[source]
+            parts = [layout.part_rows(c) for c in range(len(layout.parts))]
             scored, part_stats = [], []
             for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
                 t0 = time.perf_counter()

@@ -22,9 +22,9 @@ class StepPlanner:
     def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
         self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
         B, R = cfg.data.batch_size, cfg.learner.world_size
-        self.layout = layout = step_layout(cfg)              # every step's pieces and parts
-        self.cuts = [piece_cuts(r, shard_rows(B, R)) for r in layout.rows]
-        self.ranges = [layout.within_part(p) for p in range(len(layout.rows))]
+        self.layouts = {src: step_layout(cfg, src) for src in ("student", "teacher", "data")}
+        self.cuts = {src: [piece_cuts(r, shard_rows(B, R)) for r in lay.rows]
+                     for src, lay in self.layouts.items()}
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, StepPlan] = {}
         self.next_step = start
@@ -43,15 +43,17 @@ class StepPlanner:
             if s - version > cfg.distill.staleness:
                 return None
         pb = next(self.batcher)
+        lay = self.layouts[source]
         self.cursor[s + 1] = self.batcher.state_dict()
         job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
                          batch_prefix_len(cfg, pb.batch_id, self.seq_len, s), source,
                          cfg.run.seed)
         plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version,
-                                        split_job(job, [self.layout.part_rows(c) for c in
-                                                        range(len(self.layout.parts))]),
-                                        gen=next(self._gens), pieces_of=self.layout.parts,
-                                        ranges=self.ranges, cuts=self.cuts,
+                                        split_job(job, [lay.part_rows(c) for c in
+                                                        range(len(lay.parts))]),
+                                        gen=next(self._gens), pieces_of=lay.parts,
+                                        ranges=[lay.within_part(p) for p in range(len(lay.rows))],
+                                        cuts=self.cuts[source],
                                         scored=needs_teacher_scores(objective),
                                         phase=phase_at(cfg, s).name)
         self.next_step += 1

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from opd.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts,
+from opd.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts, step_layout,
                         piece_rows, row_ranges, shard_rows, split_job, step_pieces, take_rows)
 from opd.config import load_config
 from opd.models import create_model
@@ -127,3 +127,12 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert m_split["loss"] == pytest.approx(m_whole["loss"], rel=1e-6)
     assert m_split["tokens"] == m_whole["tokens"] == 5 * 12
+
+
+def test_a_step_on_data_is_one_piece_and_rollout_calls_are_runs_of_pieces():
+    cfg = load_config("tiny", ["data.batch_size=32", "rollout.num_workers=2"])
+    student, data = step_layout(cfg, "student"), step_layout(cfg, "data")
+    assert student.parts == [[0, 1], [2, 3]] and len(student.rows) == 4
+    assert [len(student.part_rows(c)) for c in range(2)] == [16, 16]
+    assert [student.within_part(p) for p in range(4)] == [(0, 8), (8, 16), (0, 8), (8, 16)]
+    assert data.parts == [[0]] and data.rows[0].tolist() == list(range(32))
