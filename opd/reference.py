@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from opd import checkpoints as ckpt
+from opd import precision
 from opd.artifacts import plot_training
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
@@ -86,8 +87,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
     torch.manual_seed(seed)
-    teacher = load_role_model(cfg, "teacher", progress=progress)
+    teacher = precision.to_role(load_role_model(cfg, "teacher", progress=progress), cfg, "teacher")
     student = load_role_model(cfg, "student", progress=progress)
+    policy = precision.RolloutCopy(cfg, student)          # the student in model.dtype
+    autocast = precision.learner_autocast(cfg, next(student.parameters()).device)
     check_objectives(cfg)
     engine = build_engine(cfg) if rolls_out(cfg) or _teacher_rollouts(cfg) else None
     train = open_dataset(cfg, "train")
@@ -118,7 +121,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             seconds = {}
             cpu0 = time.process_time()
             t0 = time.perf_counter()
-            traj = rollout(teacher if source == "teacher" else student, engine, job, cfg,
+            traj = rollout(teacher if source == "teacher" else policy(student), engine, job, cfg,
                            policy_version=step)
             seconds["rollout"] = time.perf_counter() - t0
             if needs_teacher_scores(objective):
@@ -128,7 +131,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             t0 = time.perf_counter()
             metrics = learn(student, optimizer, traj, objective, grad_clip=cfg.learner.grad_clip,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
-                            check=cfg)         # on-policy check: version `step`, before the update
+                            check=cfg, autocast=autocast)  # on-policy check: version `step`, before the update
             seconds["learner"] = time.perf_counter() - t0
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from opd import precision
 from opd.batch import TrajectoryBatch, index_dtype
 from opd.cache import calibration_file
 from opd.config import RunConfig
@@ -172,34 +173,40 @@ def needs_teacher_scores(objective: Objective) -> bool:
 
 
 def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
-                 dropout: bool, check: RunConfig | None = None) -> tuple[Tensor, dict]:
+                 dropout: bool, check: RunConfig | None = None,
+                 autocast: torch.dtype | None = None) -> tuple[Tensor, dict]:
     """The objective on the student's teacher-forced logits of the batch.  With
     `dropout=False` the forward runs in eval mode (no label or residual dropout), so the
     student sees the same conditions as during its rollout and the teacher's scoring.
     `check` (the run config): the metrics also hold the on-policy check of the batch with these
-    weights (opd/onpolicy.py), reusing this forward's logits when it ran in eval mode."""
+    weights (opd/onpolicy.py), reusing this forward's logits when it ran in eval mode.
+    `autocast`: the forwards' autocast dtype (`opd.precision.learner_autocast`); the loss itself
+    is computed from the float32 logits outside it."""
     student.train(dropout)
     device = next(student.parameters()).device
     batch = batch.to(device)
-    logits = student(batch.labels, batch.tokens[:, :-1])
+    with precision.autocast(autocast, device):
+        logits = student(batch.labels, batch.tokens[:, :-1])
     loss, metrics = objective.loss(logits, batch)
     if check is not None:
         module = getattr(student, "module", student)         # a DeepSpeed engine's model
-        metrics = {**metrics, **logprob_gap(module, batch, check,
-                                            None if dropout else logits)}
+        with precision.autocast(autocast, device):
+            gap = logprob_gap(module, batch, check, None if dropout else logits)
+        metrics = {**metrics, **gap}
     return loss, metrics
 
 
 def learn(student, optimizer, batch: TrajectoryBatch, objective: Objective, *,
           grad_clip: float, dropout: bool, lr: float | None = None,
-          check: RunConfig | None = None) -> dict:
+          check: RunConfig | None = None, autocast: torch.dtype | None = None) -> dict:
     """One optimizer step on one scored batch (the reference learner; the DeepSpeed learner
     does the same through its engine), at learning rate `lr` (None: the optimizer's).
     Returns the objective's metrics plus grad_norm (and the on-policy check with `check`,
-    see `student_loss`)."""
+    see `student_loss`; `autocast` as there)."""
     if lr is not None:
         set_learning_rate(optimizer, lr)
-    loss, metrics = student_loss(student, batch, objective, dropout=dropout, check=check)
+    loss, metrics = student_loss(student, batch, objective, dropout=dropout, check=check,
+                                 autocast=autocast)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     norm = (torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip) if grad_clip > 0

@@ -3,7 +3,8 @@
 `learner.world_size` actors form one torch.distributed group (gloo on CPU, nccl on GPU): rank 0
 picks a free port (`master_address`), every rank calls `setup(host, port)` at the same time.
 Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.zero_stage`,
-torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
+torch AdamW as client optimizer, float32 weights with the forward in `opd.precision`'s
+autocast (bf16 when learner.precision resolves to it), gradient clipping
 `learner.grad_clip`, micro batch = global batch / world size, no gradient accumulation).
 
 `train_step(step, version)` takes this rank's refs of the step's batch from the trajectory
@@ -32,6 +33,7 @@ from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_bu
                                       state_dict_to_numpy, tag_weights, weights_nbytes)
 from actors.workers.base import Worker
 from opd import checkpoints as ckpt
+from opd import precision
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
 from opd.onpolicy import KEYS as ONPOLICY_KEYS
@@ -40,7 +42,7 @@ from opd.steps import (build_objective, learning_rate, make_optimizer, set_learn
                        student_loss)
 
 
-def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
+def deepspeed_config(cfg: RunConfig, device: torch.device) -> dict:
     lr = cfg.learner
     micro = cfg.data.batch_size // lr.world_size
     return {
@@ -49,19 +51,11 @@ def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": lr.grad_clip,
         "zero_optimization": {"stage": lr.zero_stage},
-        "bf16": {"enabled": bf16},
-        "fp16": {"enabled": False},
+        **precision.deepspeed_precision(cfg, device),      # float32 weights, bf16 autocast
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-
-
-def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
-    p = cfg.learner.precision
-    if p == "auto":
-        return device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return p == "bf16"
 
 
 class StudentLearner(Worker):
@@ -73,6 +67,7 @@ class StudentLearner(Worker):
         super().__init__(cfg, rank)
         self.rank, self.world_size = rank, self.cfg.learner.world_size
         self.engine = None
+        self.autocast: torch.dtype | None = None
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
@@ -105,9 +100,9 @@ class StudentLearner(Worker):
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
         student = load_role_model(self.cfg, "student", progress=False).to(self.device)
         optimizer = make_optimizer(student, self.cfg)
-        self.bf16 = use_bf16(self.cfg, self.device)
+        self.autocast = precision.learner_autocast(self.cfg, self.device)
         self.engine, *_ = deepspeed.initialize(model=student, optimizer=optimizer,
-                                               config=deepspeed_config(self.cfg, self.bf16))
+                                               config=deepspeed_config(self.cfg, self.device))
         self.engine.eval()
         return self.info()
 
@@ -150,12 +145,13 @@ class StudentLearner(Worker):
         shard = merge_batches([TrajectoryBatch.from_numpy_dict(p) for p in self.io.received(payloads)])
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         loss, metrics = student_loss(self.engine, shard, objective,         # + on-policy check:
-                                     dropout=self.cfg.learner.student_dropout, check=self.cfg)
+                                     dropout=self.cfg.learner.student_dropout, check=self.cfg,
+                                     autocast=self.autocast)
         gap = {k: metrics.pop(k) for k in ONPOLICY_KEYS}       # this version, before the update
         scale = self.world_size * shard.num_generated_tokens / share["generated_tokens"]
         self.engine.backward(loss * scale if scale != 1.0 else loss)
         set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
-        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
+        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 else None
         self.engine.step()
         if norm is None:
             g = self.engine.get_global_grad_norm()
