@@ -315,7 +315,7 @@ RUN_MUTATIONS = ["lock_live", "lock_dead", "lock_garbage", "tmp_dir", "edit_conf
 def mutate_run(run: Path, mutation: str, rng: np.random.Generator, live_pid: int) -> None:
     import socket
     ck = run / "checkpoints"
-    steps = sorted(p for p in ck.glob("step_*") if p.is_dir())
+    steps = sorted(p for p in ck.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
     last = steps[-1] if steps else None
     if mutation == "lock_live":
         (run / "lock").write_text(f"{live_pid} {socket.gethostname()}\n")
@@ -325,7 +325,7 @@ def mutate_run(run: Path, mutation: str, rng: np.random.Generator, live_pid: int
         (run / "lock").write_bytes(bytes(rng.integers(0, 256, 20).astype(np.uint8)))
     elif mutation == "tmp_dir":
         t = ck / f"step_{99 + int(rng.integers(100)):06d}.tmp"
-        t.mkdir(parents=True)
+        t.mkdir(parents=True, exist_ok=True)
         (t / "student.pt").write_bytes(b"partial")
     elif mutation == "edit_config":
         text = (run / "config.yaml").read_text()
@@ -336,10 +336,13 @@ def mutate_run(run: Path, mutation: str, rng: np.random.Generator, live_pid: int
         (run / "config.yaml").write_text(text[:cut] + rng.choice(["\n: [", "\n\tx", "\nnew_key: 1\n", ""]))
     elif mutation == "no_metrics":
         (run / "metrics.parquet").unlink(missing_ok=True)
-    elif mutation == "latest_nowhere":
+    elif mutation == "latest_nowhere" and ck.is_dir():
         (ck / "latest").write_text(f"step_{int(rng.integers(10 ** 6)):06d}\n")
     elif mutation in ("state_size", "state_crc", "state_garbage") and last is not None:
-        state = json.loads((last / "state.json").read_text())
+        try:
+            state = json.loads((last / "state.json").read_text())
+        except ValueError:                   # garbled by an earlier mutation already
+            return
         text = json.dumps(state)
         if mutation == "state_garbage":
             text = text[: int(rng.integers(0, len(text)))]
@@ -350,7 +353,7 @@ def mutate_run(run: Path, mutation: str, rng: np.random.Generator, live_pid: int
         (last / "state.json").write_text(text)
     elif mutation == "drop_student" and last is not None:
         (last / "student.pt").unlink()
-    elif mutation == "truncate_student" and last is not None:
+    elif mutation == "truncate_student" and last is not None and (last / "student.pt").is_file():
         b = (last / "student.pt").read_bytes()
         (last / "student.pt").write_bytes(b[: int(rng.integers(0, len(b)))])
     elif mutation == "no_checkpoints":
