@@ -22,8 +22,8 @@ the default — so the check costs no conditional forward of its own) and report
 staleness k ≥ 1 it measures how far the weights moved over the lag.  Prefix tokens (data) and
 batches whose suffix is not the student's (sources "data", "teacher") carry no behaviour
 log-prob: mean and max are NaN (metrics.parquet: empty), never 0.  With top-k / top-p a token
-outside the current weights' support gives Δ = inf.  A learner in bf16 (GPU) against float32
-rollout copies measures bf16 round-off as well.
+outside the current weights' support gives Δ = inf.  In bf16 (opd/precision.py: bf16 rollout
+copies, a learner whose forward autocasts) it measures bf16 round-off as well.
 """
 from __future__ import annotations
 

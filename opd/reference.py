@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from opd import checkpoints as ckpt
+from opd import precision
 from opd.artifacts import plot_training
 from opd.config import RunConfig
 from opd.data import PrefixBatcher
@@ -90,8 +91,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
     torch.manual_seed(seed)
-    teacher = load_role_model(cfg, "teacher", progress=progress)
+    teacher = precision.to_role(load_role_model(cfg, "teacher", progress=progress), cfg, "teacher")
     student = load_role_model(cfg, "student", progress=progress)
+    policy = precision.RolloutCopy(cfg, student)          # the student in model.dtype
+    autocast = precision.learner_autocast(cfg, next(student.parameters()).device)
     check_objectives(cfg)
     engine = build_engine(cfg) if rolls_out(cfg) or _teacher_rollouts(cfg) else None
     train = open_dataset(cfg, "train")
@@ -125,10 +128,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             layout = layouts[source]
             parts = [layout.part_rows(c) for c in range(len(layout.parts))]
             scored, part_stats = [], []
+            model = teacher if source == "teacher" else policy(student)   # version `step`
             for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
                 t0 = time.perf_counter()
-                traj = rollout(teacher if source == "teacher" else student, engine, part, cfg,
-                               policy_version=step)
+                traj = rollout(model, engine, part, cfg, policy_version=step)
                 seconds["rollout"] += time.perf_counter() - t0
                 part_stats.append(traj.rollout_stats)
                 for p in layout.parts[c]:                      # its pieces, in order
@@ -141,7 +144,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             t0 = time.perf_counter()
             metrics = learn(student, optimizer, scored, objective, grad_clip=cfg.learner.grad_clip,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
-                            check=cfg)         # on-policy check: version `step`, before the update
+                            check=cfg, autocast=autocast)  # on-policy check: version `step`,
+            #                                                 before the update
             seconds["learner"] = time.perf_counter() - t0
             traj = merge_batches(scored)
             traj.rollout_stats = merge_stats(part_stats)       # the rollout calls' own stats

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from opd import precision
 from opd.batch import TrajectoryBatch, index_dtype
 from opd.cache import calibration_file
 from opd.config import RunConfig
@@ -165,31 +166,39 @@ def needs_teacher_scores(objective: Objective) -> bool:
 
 
 def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
-                 dropout: bool, check: RunConfig | None = None) -> tuple[Tensor, dict]:
+                 dropout: bool, check: RunConfig | None = None,
+                 autocast: torch.dtype | None = None) -> tuple[Tensor, dict]:
     """The objective on the student's teacher-forced logits of the batch.  With
     `dropout=False` the forward runs in eval mode (no label or residual dropout), so the
     student sees the same conditions as during its rollout and the teacher's scoring.
     `check` (the run config): the metrics also hold the on-policy check of the batch with these
-    weights (opd/onpolicy.py), reusing this forward's logits when it ran in eval mode."""
+    weights (opd/onpolicy.py), reusing this forward's logits when it ran in eval mode.
+    `autocast`: the forwards' autocast dtype (`opd.precision.learner_autocast`); the loss itself
+    is computed from the float32 logits outside it."""
     student.train(dropout)
     device = next(student.parameters()).device
     batch = batch.to(device)
-    logits = student(batch.labels, batch.tokens[:, :-1])
+    with precision.autocast(autocast, device):
+        logits = student(batch.labels, batch.tokens[:, :-1])
     loss, metrics = objective.loss(logits, batch)
     if check is not None:
         module = getattr(student, "module", student)         # a DeepSpeed engine's model
-        metrics = {**metrics, **logprob_gap(module, batch, check,
-                                            None if dropout else logits)}
+        with precision.autocast(autocast, device):
+            gap = logprob_gap(module, batch, check, None if dropout else logits)
+        metrics = {**metrics, **gap}
     return loss, metrics
 
 
 def backward_piece(student, piece: TrajectoryBatch, objective: Objective, *, weight: float,
-                   dropout: bool, check: RunConfig | None = None) -> dict:
+                   dropout: bool, check: RunConfig | None = None,
+                   autocast: torch.dtype | None = None) -> dict:
     """Forward and backward of one piece of a step (opd/pieces.py): the objective's loss on the
     piece (its token mean) times `weight`, the piece's share n_p / N of the step's loss tokens,
     so the gradients the pieces accumulate add up to the gradient of the step's token mean.
-    Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`)."""
-    loss, metrics = student_loss(student, piece, objective, dropout=dropout, check=check)
+    Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`;
+    `autocast` as `student_loss`)."""
+    loss, metrics = student_loss(student, piece, objective, dropout=dropout, check=check,
+                                 autocast=autocast)
     (loss * weight if weight != 1.0 else loss).backward()
     return {**metrics, "loss": float(loss.detach()), "tokens": float(piece.num_generated_tokens)}
 
@@ -213,16 +222,16 @@ def optimizer_step(student, optimizer: torch.optim.Optimizer, *, grad_clip: floa
 
 def learn(student, optimizer, pieces: TrajectoryBatch | list[TrajectoryBatch],
           objective: Objective, *, grad_clip: float, dropout: bool, lr: float | None = None,
-          check: RunConfig | None = None) -> dict:
+          check: RunConfig | None = None, autocast: torch.dtype | None = None) -> dict:
     """One optimizer step on a scored batch, or on its pieces accumulated in order (the
     reference learner; the DeepSpeed learner does the same through its engine, piece by piece
     as they arrive).  Returns the objective's metrics over the step (token means), tokens,
-    grad_norm, and the on-policy check with `check` (see `student_loss`)."""
+    grad_norm, and the on-policy check with `check` (see `student_loss`; `autocast` as there)."""
     pieces = [pieces] if isinstance(pieces, TrajectoryBatch) else pieces
     total = sum(p.num_generated_tokens for p in pieces)
     optimizer.zero_grad(set_to_none=True)
     results = [backward_piece(student, p, objective, weight=p.num_generated_tokens / total,
-                              dropout=dropout, check=check) for p in pieces]
+                              dropout=dropout, check=check, autocast=autocast) for p in pieces]
     norm = optimizer_step(student, optimizer, grad_clip=grad_clip, lr=lr)
     return {**combine_metrics(results), "grad_norm": norm}
 

@@ -11,4 +11,6 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# scripts/soak.sh --memory [...]: the long run whose memory must stay flat (scripts/memory_soak.py)
+if [ "${1:-}" = "--memory" ]; then shift; exec "$PY" scripts/memory_soak.py "$@"; fi
 exec "$PY" scripts/soak.py "$@"

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import ray
-import torch
 
 from actors.workers.base import Worker
+from opd import precision
 from opd.config import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.pretrain import load_role_model
@@ -35,9 +35,8 @@ class EvaluationWorker(Worker):
     def __init__(self, cfg: RunConfig | dict, run_dir: str):
         super().__init__(cfg, 0)
         self.run_dir = Path(run_dir)
-        dtype = getattr(torch, self.cfg.model.dtype)
-        teacher = load_role_model(self.cfg, "teacher", progress=False)
-        teacher = teacher.to(self.device, dtype).eval().requires_grad_(False)
+        teacher = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
+                                    self.cfg, "teacher", self.device)
         self.evaluator = Evaluator(self.cfg, teacher)
         self.model = self.evaluator.student
 

@@ -3,8 +3,9 @@
 `learner.world_size` actors form one torch.distributed group (gloo on CPU, nccl on GPU): rank 0
 picks a free port (`master_address`), every rank calls `setup(host, port)` at the same time.
 Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.zero_stage`,
-torch AdamW as client optimizer, fp32 on CPU, bf16 on GPU, gradient clipping
-`learner.grad_clip`; a step's pieces accumulate gradients up to one boundary).
+torch AdamW as client optimizer, float32 weights with the forward in `opd.precision`'s
+autocast (bf16 when learner.precision resolves to it), gradient clipping `learner.grad_clip`; a
+step's pieces accumulate gradients up to one boundary).
 
 `train_piece(step, version, gen, part, ...)` takes this rank's ref of one piece of the step
 from the trajectory queue as soon as the piece is there and fetches only its rows,
@@ -38,6 +39,7 @@ from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_bu
                                       state_dict_to_numpy, tag_weights, weights_nbytes)
 from actors.workers.base import Worker
 from opd import checkpoints as ckpt
+from opd import precision
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
 from opd.pretrain import load_role_model
@@ -45,7 +47,7 @@ from opd.steps import (build_objective, learning_rate, make_optimizer, set_learn
                        student_loss)
 
 
-def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
+def deepspeed_config(cfg: RunConfig, device: torch.device) -> dict:
     lr = cfg.learner
     micro = cfg.data.batch_size // lr.world_size
     return {
@@ -54,19 +56,11 @@ def deepspeed_config(cfg: RunConfig, bf16: bool) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": lr.grad_clip,
         "zero_optimization": {"stage": lr.zero_stage},
-        "bf16": {"enabled": bf16},
-        "fp16": {"enabled": False},
+        **precision.deepspeed_precision(cfg, device),      # float32 weights, bf16 autocast
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-
-
-def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
-    p = cfg.learner.precision
-    if p == "auto":
-        return device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return p == "bf16"
 
 
 @dataclass
@@ -92,6 +86,7 @@ class StudentLearner(Worker):
         super().__init__(cfg, rank)
         self.rank, self.world_size = rank, self.cfg.learner.world_size
         self.engine = None
+        self.autocast: torch.dtype | None = None
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
         self.queue = None
@@ -125,9 +120,9 @@ class StudentLearner(Worker):
                                    auto_mpi_discovery=False, distributed_port=port, verbose=False)
         student = load_role_model(self.cfg, "student", progress=False).to(self.device)
         optimizer = make_optimizer(student, self.cfg)
-        self.bf16 = use_bf16(self.cfg, self.device)
+        self.autocast = precision.learner_autocast(self.cfg, self.device)
         self.engine, *_ = deepspeed.initialize(model=student, optimizer=optimizer,
-                                               config=deepspeed_config(self.cfg, self.bf16))
+                                               config=deepspeed_config(self.cfg, self.device))
         self.engine.eval()
         return self.info()
 
@@ -198,7 +193,8 @@ class StudentLearner(Worker):
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         self.engine.set_gradient_accumulation_boundary(last)
         loss, metrics = student_loss(self.engine, piece, objective,       # + on-policy check:
-                                     dropout=self.cfg.learner.student_dropout, check=self.cfg)
+                                     dropout=self.cfg.learner.student_dropout, check=self.cfg,
+                                     autocast=self.autocast)
         n = piece.num_generated_tokens                        # (this version, before the update)
         scale = self.world_size * n / tokens
         self.engine.backward(loss * scale if scale != 1.0 else loss)
@@ -212,7 +208,7 @@ class StudentLearner(Worker):
             raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
                                f"not sealed in the queue after its last piece")
         set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
-        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 and not self.bf16 else None
+        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 else None
         self.engine.step()
         if norm is None:
             g = self.engine.get_global_grad_norm()

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from actors.transport.delivery import PartReport, PartTag, hand_over
 from actors.transport.weights import BroadcastGroup, Bucket
 from actors.workers.base import Worker
+from opd import precision
 from opd.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config import RunConfig
 from opd.models import create_model
@@ -37,9 +36,8 @@ class RolloutWorker(Worker):
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0):
         super().__init__(cfg, index)
-        dtype = getattr(torch, self.cfg.model.dtype)
-        self.model = create_model(self.cfg.model.student, **model_overrides(self.cfg))
-        self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
+        self.model = precision.to_role(create_model(self.cfg.model.student, **model_overrides(self.cfg)),
+                                       self.cfg, "rollout", self.device)
         self.engine = build_engine(self.cfg)
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         # gamma=auto: every sub-batch size of the run, measured once by the first worker

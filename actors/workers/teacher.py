@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
 from actors.workers.base import Worker
 from actors.workers.rollout import job_tokens
+from opd import precision
 from opd.batch import TrajectoryBatch
 from opd.config import RunConfig
 from opd.pieces import take_rows
@@ -24,9 +23,8 @@ class TeacherWorker(Worker):
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0):
         super().__init__(cfg, index)
-        dtype = getattr(torch, self.cfg.model.dtype)
-        self.model = load_role_model(self.cfg, "teacher", progress=False)
-        self.model = self.model.to(self.device, dtype).eval().requires_grad_(False)
+        self.model = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
+                                       self.cfg, "teacher", self.device)
         self.engine = build_engine(self.cfg)
 
     def score(self, traj: dict, tag: PartTag, queue) -> PartReport:

@@ -87,5 +87,15 @@ def load_into(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
                   ("mis-shaped keys", shapes)) if items]
         raise CheckpointError(f"{source} does not fit the model: " + "; ".join(parts)
                               + "; check that the preset (and vocab/grid overrides) match the file")
+    dtypes = sorted(f"{k}: {str(v.dtype).replace('torch.', '')}" for k, v in state.items()
+                    if own[k].is_floating_point() and not v.is_floating_point())
+    if dtypes:                  # a cast would drop imaginary parts or load integer codes silently
+        raise CheckpointError(f"{source} holds tensors that are not real floating point "
+                              f"[{', '.join(dtypes[:6])}]; pass a checkpoint of float weights")
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if bad:
+        raise CheckpointError(f"{source} holds NaN or infinite weights in [{', '.join(bad[:6])}"
+                              f"{f' (+{len(bad) - 6} more)' if len(bad) > 6 else ''}]; pass "
+                              f"another checkpoint (an earlier step of the run that wrote it)")
     with torch.no_grad():
         model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)

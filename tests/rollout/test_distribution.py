@@ -352,3 +352,45 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
     counts, probs = candidate_counts(model, engine, prefix, None)
     assert chi2_pvalue(counts, probs) < 1e-8
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
+
+
+# ---- a bf16 model (the LlamaGen presets' model.dtype, opd/precision.py) --------------------
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return peaked_model(7, V, GRID, 0.6).to(torch.bfloat16)
+
+
+BF16_CASES = [  # engine, options, P, cfg, warps
+    ("sjd_independent", dict(W=4), 0, None, {}),
+    ("hbsjd", dict(W=4, execution="compact"), 0, 2.0, {}),
+    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2), 1, 1.5, dict(temperature=0.8)),
+]
+
+
+@pytest.mark.parametrize("name,opts,P,cfg,warps", BF16_CASES)
+def test_bf16_model_samples_follow_its_exact_distribution(bf16_model, name, opts, P, cfg, warps):
+    """Weights and matmuls in bf16, distributions and acceptance in float32 (uniforms float64):
+    the samples follow the exact enumeration of the same bf16 model's teacher-forced forwards
+    (cached and uncached bf16 forwards differ by round-off only, far below what 4000 samples
+    resolve)."""
+    prefix = torch.tensor([[2]])[:, :P]
+    N = GRID * GRID - P
+    engine = make_engine(name, decoding="sample", **opts)
+    counts, res = sample_counts(bf16_model, engine, 1, prefix, N, cfg, seed=11, **warps)
+    probs = exact_distribution(bf16_model, 1, prefix, N, cfg, **warps)
+    assert torch.isclose(probs.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-5)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert 0.5 * (counts / SAMPLES - probs).abs().sum() < 0.05
+    assert int(res.accepted.sum()) > SAMPLES // 4 and int(res.rejected.sum()) > SAMPLES // 10
+    assert res.logprobs.dtype == torch.float32
+
+
+def test_bf16_model_with_a_wrong_resampling_rule_is_detected(bf16_model, monkeypatch):
+    """The same statistics still reject the wrong rule on the bf16 model: they have the power."""
+    prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
+    probs = exact_distribution(bf16_model, 1, prefix, N, None)
+    monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
+    counts, _ = sample_counts(bf16_model, make_engine("hbsjd", W=4, decoding="sample"), 1,
+                              prefix, N, None, seed=11)
+    assert chi2_pvalue(counts, probs) < 1e-8
