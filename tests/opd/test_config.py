@@ -255,14 +255,14 @@ def test_config_hash_values_are_pinned():
     changes the whole-config values (recorded in checkpoints' state.json only; rollout.candidates
     moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, distill.phases from 54165f582cc2 /
     8ac49b394f92 / f21410ed6e7b), never a cache key's; so does a new default (the pretraining
-    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd, rollout.window: auto
-    moved f9c6facd31ff / c18f4e910c3e)."""
+    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd; distill.pieces and the
+    window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "771512ec98a3"
-    assert config_hash(RunConfig()) == "398f04e0ebe0"
+    assert config_hash(tiny) == "232263d05b20"
+    assert config_hash(RunConfig()) == "f674b91eb8d0"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "e0eadd3b7db5"
+                                          "distill.objective_options.gate=0.5"])) == "52fffcd1a52b"
 
 
 # --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------
