@@ -113,8 +113,9 @@ CASES = [
      "This can happen if the checkpoint was not saved properly, was transferred incorrectly, or "
      "the file was modified after saving."),
     ("a file that is not a checkpoint", ["TINY", "model.student_ckpt={B}/notes.txt"],
-     "opd: error: {B}/notes.txt is not a checkpoint (not a file written by torch.save); pass a "
-     "LlamaGen c2i_*.pt, a run's checkpoints/step_N/student.pt or a run directory"),
+     "opd: error: {B}/notes.txt is not a checkpoint (neither a file written by torch.save nor "
+     "safetensors); pass a LlamaGen c2i_*.pt, a .safetensors file, a run's "
+     "checkpoints/step_N/student.pt or a run directory"),
     ("a missing checkpoint", ["TINY", "model.student_ckpt={B}/nope.pt"],
      "opd: error: model.student_ckpt={B}/nope.pt does not exist; download the LlamaGen c2i_*.pt "
      "file there, or set the key to null to pretrain a student on the configured data"),
