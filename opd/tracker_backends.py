@@ -23,6 +23,8 @@ from opd.config import RunConfig
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_DIR = "mlflow"
 EXPERIMENT = "opd"
+STAGES = ("loss", "rollout", "teacher", "learner", "onpolicy", "queue")
+"""The stages a metrics.parquet column is grouped under (opd.trackers.tag)."""
 
 
 def _png(path: Path):
@@ -139,7 +141,6 @@ class WandbTracker:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, run_id: str | None, start: int):
         import wandb
-        from opd.trackers import STAGES
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", EXPERIMENT), name=run_dir.name,
             id=run_id or uuid.uuid4().hex[:8], resume="allow", dir=str(run_dir),

@@ -40,12 +40,12 @@ from pathlib import Path
 
 from opd.config import ConfigError, RunConfig, config_to_dict
 from opd.phases import phases
+from opd.tracker_backends import BACKENDS, STAGES
 
 STATE_FILE = "trackers.json"
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """run.loggers entry -> the module it imports (also the name of its pyproject extra)."""
 
-STAGES = ("loss", "rollout", "teacher", "learner", "onpolicy", "queue")
 STAGE_OF = {
     "rollout": ("prefix_len", "rounds", "ar_rounds", "mean_committed", "commit_hist",
                 "image_rounds_max", "image_rounds_mean", "longest_single_run",
@@ -172,7 +172,6 @@ class RunTrackers:
     """The trackers of run.loggers for steps [start, ...) of the run in `run_dir`."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, start: int, resume: bool):
-        from opd.tracker_backends import BACKENDS
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.phase_names = [p.name for p in phases(cfg)]
         self.state = read_state(self.run_dir) if resume else {}

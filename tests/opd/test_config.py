@@ -253,15 +253,15 @@ def test_config_hash_values_are_pinned():
     """Cache keys (pretrained models, runs) hash the config: these values were computed on the
     hand-written loader, before validation moved onto pydantic, and must not change.  A new key
     changes the whole-config values (recorded in checkpoints' state.json only; rollout.candidates
-    moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, distill.phases from 54165f582cc2 /
+    moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, run.loggers from 771512ec98a3 / f9c6facd31ff / c18f4e910c3e, distill.phases from 54165f582cc2 /
     8ac49b394f92 / f21410ed6e7b), never a cache key's; so does a new default (the pretraining
     defaults and the default schedule moved 77cde6e47966 / 0db64339dabd)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "771512ec98a3"
-    assert config_hash(RunConfig()) == "f9c6facd31ff"
+    assert config_hash(tiny) == "6ce60fc73525"
+    assert config_hash(RunConfig()) == "9e65fc7ab809"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "c18f4e910c3e"
+                                          "distill.objective_options.gate=0.5"])) == "b237f1c9035b"
 
 
 # --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------
