@@ -46,6 +46,7 @@ from opd.config_loader import ConfigError, bounded, strict_schema  # noqa: F401
 
 DType = Literal["float32", "bfloat16", "float64"]
 Engine = Literal["hbsjd", "cached_ar", "sjd_sync", "sjd_independent"]
+Logger = Literal["tensorboard", "mlflow", "wandb"]
 
 
 @dataclass
@@ -378,6 +379,19 @@ class RunOptions:
     log_every: int = bounded(1, ge=1)
     """Log metrics every this many steps."""
 
+    # -- experiment trackers (opd/trackers.py, docs/TRACKERS.md) --
+    loggers: tuple[Logger, ...] = ("tensorboard",)
+    """Experiment trackers that receive every metrics.parquet and quality.parquet row, the sample
+    grids, the resolved config and the phases: any of `tensorboard`, `mlflow`, `wandb`; () = none.
+    TensorBoard by default: it is what the field's trainers (torchtitan, verl, OpenRLHF) write
+    without an account or a server, it writes event files into the run directory (offline), and
+    `tensorboard --logdir runs/` overlays every run.  mlflow and wandb need their pyproject
+    extras (`pip install -e ".[mlflow]"`, `".[wandb]"`); wandb runs offline unless WANDB_MODE
+    says otherwise."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI for run.loggers=[mlflow]: "" = a local store in the run directory
+    (sqlite:///<run_dir>/mlflow/mlflow.db), or a tracking server such as http://127.0.0.1:5000."""
+
 
 @strict_schema
 @dataclass
@@ -522,10 +536,11 @@ RETIRED_KEYS = {
 """Keys that earlier versions wrote into config.yaml but nothing read: a run directory's old
 config.yaml still loads (they are dropped); setting one names what to do instead."""
 
-RESUME_SAFE_KEYS = ("distill.steps", "run.checkpoint_every", "run.log_every", "eval.")
+RESUME_SAFE_KEYS = ("distill.steps", "run.checkpoint_every", "run.log_every", "eval.",
+                    "run.loggers", "run.mlflow_uri")
 """What `opd train --resume RUN key=value` may change: how long the run goes on (a new
 distill.steps also stretches the learning-rate decay from the resumed step on), how often it
-checkpoints and logs, and its evaluations (a key ending in "." is a section).  Anything else
+checkpoints and logs, which trackers it logs to, and its evaluations (a key ending in "." is a section).  Anything else
 would make the resumed steps another run's."""
 
 
@@ -536,8 +551,9 @@ def check_resume_overrides(overrides: list[str] | tuple[str, ...]) -> None:
         if not any(key == k or (k.endswith(".") and key.startswith(k))
                    for k in RESUME_SAFE_KEYS):
             raise ConfigError(f"--resume cannot change {key}: the resumed steps would be another "
-                              f"run's; only distill.steps, run.checkpoint_every, run.log_every "
-                              f"and eval.* change on resume (start a new run for the rest)", key)
+                              f"run's; only distill.steps, run.checkpoint_every, run.log_every, "
+                              f"run.loggers, run.mlflow_uri and eval.* change on resume (start a "
+                              f"new run for the rest)", key)
 
 
 def check_retired_keys(overrides: list[str] | tuple[str, ...]) -> None:

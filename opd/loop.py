@@ -21,6 +21,7 @@ from opd.config import ConfigError, RunConfig
 from opd.metrics import MetricsLog
 from opd.phases import objectives, phases
 from opd.steps import needs_teacher_scores
+from opd.trackers import RunTrackers
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -40,7 +41,9 @@ def checkpoint_due(cfg: RunConfig, version: int) -> bool:
 
 class StepLog:
     """Steps [start, end) of a run: metrics.parquet rows (a resumed run keeps the rows before
-    `start`), a tqdm bar over all cfg.distill.steps, and when a checkpoint is due."""
+    `start`), a tqdm bar over all cfg.distill.steps, when a checkpoint is due, and the run's
+    experiment trackers (`trackers`, opd/trackers.py: every row, and the quality rows of the
+    log passed to `follow`)."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, start: int, stop_after: int | None,
                  resume: bool, desc: str, progress: bool):
@@ -52,6 +55,7 @@ class StepLog:
         self.bar = tqdm(total=cfg.distill.steps, initial=start, desc=desc, disable=not progress,
                         dynamic_ncols=True)
         self.rollout_figures: dict[str, str] = {}    # of the last step on student rollouts
+        self.trackers = RunTrackers(cfg, run_dir, start=start, resume=resume)
 
     def __enter__(self) -> StepLog:
         return self
@@ -60,14 +64,21 @@ class StepLog:
         """A step that failed: end the bar's line, so the error is a line of its own."""
         if exc_type is not None:
             self.bar.close()
+            self.trackers.close()
 
     @property
     def rows(self) -> list[dict]:
         return self.log.rows
 
+    def follow(self, quality_log) -> None:
+        """Send the rows of quality.parquet's log (opd/eval/tracking.py) to the trackers too."""
+        self.trackers.follow(quality_log)
+
     def record(self, row: dict) -> None:
-        """One step's row: into the log (flushed every run.log_every rows) and the bar."""
+        """One step's row: into the log (flushed every run.log_every rows), the trackers and
+        the bar."""
         self.log.append(row)
+        self.trackers.step(self.log.rows[-1])
         self.bar.update(1)
         if row.get("source") == "student":        # rollout figures only where there are rollouts
             ar = row.get("ar_rounds") or 0
@@ -83,6 +94,7 @@ class StepLog:
     def close(self) -> list[dict]:
         self.bar.close()
         self.log.flush()
+        self.trackers.close()
         return self.log.rows
 
     def interrupted(self, version: int, checkpoint: str | Path) -> RunInterrupted:

@@ -62,9 +62,12 @@ def check_tracking(cfg: RunConfig) -> None:
 
 def check_inputs(cfg: RunConfig, *, evaluation: bool = False) -> None:
     """Raise ConfigError for the first missing input file (all of them are listed), then for
-    quality tracking that cannot measure the data."""
+    quality tracking that cannot measure the data, then for a run.loggers entry whose package is
+    not installed."""
     problems = missing_inputs(cfg, evaluation=evaluation)
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise ConfigError(problems[0] + more)
     check_tracking(cfg)
+    from opd.trackers import check_loggers
+    check_loggers(cfg)

@@ -109,6 +109,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     steps = StepLog(cfg, run_dir, start=start, stop_after=stop_after, resume=resume,
                     desc="opd reference", progress=progress)
     quality = quality_log(run_dir, resume=resume, start=start)
+    steps.follow(quality)
     evaluator = Evaluator(cfg, teacher) if cfg.eval.track else None
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))

@@ -110,6 +110,8 @@ class Pipeline:
         self.quality = (None if groups.evaluator is None else
                         QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
                                         start=start))
+        if self.quality is not None:
+            self.steps.follow(self.quality.log)
 
     # -- what the hooks see ---------------------------------------------------------------------
 

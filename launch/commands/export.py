@@ -2,6 +2,7 @@
 
     opd export --ckpt runs/digits-kd-gkd-… --out student.pt            # newest complete checkpoint
     opd export --ckpt runs/x/checkpoints/step_000200 --out c2i_S.pt --force
+    opd export --ckpt runs/x --out student.safetensors --format safetensors  # + student.json
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="run directory (its newest complete checkpoint) or a "
                         "checkpoints/step_N directory")
     p.add_argument("--out", metavar="FILE", required=True, help="the .pt file to write")
+    p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
+                   help="pt: LlamaGen's {\"model\": state dict} (default); safetensors: the "
+                        "state dict as safetensors, plus FILE's .json with the model's shape")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     return p
 
@@ -24,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from opd.export import export_student
 
-    info = export_student(args.ckpt, args.out, force=args.force)
+    info = export_student(args.ckpt, args.out, force=args.force, format=args.format)
     model = f", {info['preset']}" if info["preset"] else ""
     print(f"opd export: wrote {info['path']} (step {info['step']}, {info['params']:,} params"
-          f"{model}) from {info['checkpoint']}")
+          f"{model}) from {info['checkpoint']}"
+          + (f"; model shape in {info['shape']}" if "shape" in info else ""))
     return 0

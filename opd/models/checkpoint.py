@@ -31,17 +31,38 @@ def _looks_like_torch_save(path: Path) -> bool:
     return head[:1] == b"\x80" or head == b"PK\x03\x04"
 
 
+def _looks_like_safetensors(path: Path) -> bool:
+    """safetensors: an 8-byte little-endian header length, then the header's JSON object."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return (len(head) == 9 and head[8:9] == b"{"
+            and 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8)
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read safetensors file {path}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
 def load_state_dict_safely(path: str | Path) -> dict[str, Tensor]:
     """Return the weights of a LlamaGen-style file: under `model`, else `module`, else
-    `state_dict`, else the file itself; DDP/compile prefixes stripped, `freqs_cis` dropped."""
+    `state_dict`, else the file itself; DDP/compile prefixes stripped, `freqs_cis` dropped.
+    A safetensors file (`opd export --format safetensors`) is read as it is: tensors only."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path "
                               "(model.student_ckpt / model.teacher_ckpt in the config)")
+    if _looks_like_safetensors(path):
+        return _strip(_load_safetensors(path))
     if not _looks_like_torch_save(path):
-        raise CheckpointError(f"{path} is not a checkpoint (not a file written by torch.save); "
-                              "pass a LlamaGen c2i_*.pt, a run's checkpoints/step_N/student.pt "
-                              "or a run directory")
+        raise CheckpointError(f"{path} is not a checkpoint (neither a file written by torch.save "
+                              "nor safetensors); pass a LlamaGen c2i_*.pt, a .safetensors file, "
+                              "a run's checkpoints/step_N/student.pt or a run directory")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -62,6 +83,11 @@ def load_state_dict_safely(path: str | Path) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path} holds no state dict of tensors (looked under "
                               f"{', '.join(WEIGHT_KEYS)} and at the top level)")
+    return _strip(state)
+
+
+def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """DDP/compile prefixes removed, IGNORED_KEYS dropped."""
     out = {}
     for key, value in state.items():
         for prefix in STRIP_PREFIXES:

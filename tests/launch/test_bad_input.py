@@ -113,8 +113,9 @@ CASES = [
      "This can happen if the checkpoint was not saved properly, was transferred incorrectly, or "
      "the file was modified after saving."),
     ("a file that is not a checkpoint", ["TINY", "model.student_ckpt={B}/notes.txt"],
-     "opd: error: {B}/notes.txt is not a checkpoint (not a file written by torch.save); pass a "
-     "LlamaGen c2i_*.pt, a run's checkpoints/step_N/student.pt or a run directory"),
+     "opd: error: {B}/notes.txt is not a checkpoint (neither a file written by torch.save nor "
+     "safetensors); pass a LlamaGen c2i_*.pt, a .safetensors file, a run's "
+     "checkpoints/step_N/student.pt or a run directory"),
     ("a missing checkpoint", ["TINY", "model.student_ckpt={B}/nope.pt"],
      "opd: error: model.student_ckpt={B}/nope.pt does not exist; download the LlamaGen c2i_*.pt "
      "file there, or set the key to null to pretrain a student on the configured data"),
@@ -342,7 +343,8 @@ def test_resume_applies_safe_overrides_and_refuses_the_others(existing, tmp_path
     for argv, line in [
             (["rollout.window=8"], "opd: error: --resume cannot change rollout.window: the "
              "resumed steps would be another run's; only distill.steps, run.checkpoint_every, "
-             "run.log_every and eval.* change on resume (start a new run for the rest)"),
+             "run.log_every, run.loggers, run.mlflow_uri and eval.* change on resume (start a "
+             "new run for the rest)"),
             (["--config", "tiny"], f"opd: error: --resume takes the run's own config.yaml, not "
              f"--config tiny; pass only key=value overrides of what may change"),
             (["run.deterministic=false"], "opd: error: config key 'run.deterministic' was "

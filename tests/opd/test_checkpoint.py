@@ -98,5 +98,5 @@ def test_a_file_that_is_not_a_checkpoint_is_named_as_such(tmp_path):
                        ("data.parquet", b"PAR1\x00\x01")):
         path = tmp_path / name
         path.write_bytes(data)
-        with pytest.raises(CheckpointError, match=r"is not a checkpoint \(not a file written by torch.save\)"):
+        with pytest.raises(CheckpointError, match=r"is not a checkpoint \(neither a file written by torch.save nor safetensors\)"):
             load_state_dict_safely(path)

@@ -255,7 +255,7 @@ def test_config_hash_values_are_pinned():
     changes the whole-config values (recorded in checkpoints' state.json only; rollout.candidates
     moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, distill.phases from 54165f582cc2 /
     8ac49b394f92 / f21410ed6e7b), never a cache key's; so does a new default (the pretraining
-    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd; distill.pieces and the
+    defaults and the default schedule moved 77cde6e47966 / 0db64339dabd; distill.pieces, run.loggers and the
     window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e)."""
     tiny = load_config("tiny")
     assert config_hash(tiny) == "232263d05b20"

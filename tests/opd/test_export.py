@@ -61,3 +61,53 @@ def test_a_student_that_does_not_fit_the_run_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="student.pt does not fit the model"):
         export_student(tmp_path / "run", tmp_path / "s.pt")
     assert not (tmp_path / "s.pt").exists()
+
+
+def test_safetensors_export_round_trips_bit_exactly(tmp_path, tiny_overrides, capsys, monkeypatch):
+    """`opd export --format safetensors`: the state dict tensor for tensor, the model's shape in
+    the JSON beside it, read without pickle by LlamaGen-shaped models, model.student_ckpt /
+    model.teacher_ckpt and `opd eval --ckpt` (the same figures as the .pt export)."""
+    import json
+    import pickle
+
+    from safetensors.torch import load_file
+
+    from launch import cli
+    from opd.pretrain import load_role_model
+    states = make_run(tmp_path / "run")
+    st, pt = tmp_path / "student.safetensors", tmp_path / "student.pt"
+    assert cli.main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(st),
+                     "--format", "safetensors"]) == 0
+    assert cli.main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(pt)]) == 0
+    assert f"model shape in {tmp_path / 'student.json'}" in capsys.readouterr().out
+    n = sum(v.numel() for v in states[3].values())
+    assert json.loads((tmp_path / "student.json").read_text()) == {
+        "model": "GPT-digits-S", "vocab_size": 17, "num_classes": 10, "grid_size": 8, "step": 3,
+        "params": n, "weights": "student.safetensors", "layout": "LlamaGen GPT state dict"}
+    blob = load_file(st)
+    assert blob.keys() == states[3].keys()
+    assert all(torch.equal(blob[k], v) and blob[k].dtype == v.dtype for k, v in states[3].items())
+    assert cli.main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(st),
+                     "--format", "safetensors"]) == 2                    # never overwritten
+
+    def no_pickle(*a, **k):
+        raise AssertionError("safetensors must load without pickle")
+    monkeypatch.setattr(torch, "load", no_pickle)
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    model = load_llamagen_checkpoint(st, "GPT-digits-S", **model_overrides(load_config("tiny")))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in states[3].items())
+    for role in ("student", "teacher"):
+        cfg = load_config("tiny", [*tiny_overrides, f"model.{role}_ckpt={st}",
+                                   f"model.{role}=GPT-digits-S"])
+        loaded = load_role_model(cfg, role, progress=False)
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in states[3].items())
+    monkeypatch.undo()
+
+    reports = []
+    for path in (pt, st):
+        out = tmp_path / f"eval-{path.suffix[1:]}"
+        assert cli.main(["eval", "--ckpt", str(path), "--config", "tiny", *tiny_overrides,
+                         "--num-samples", "8", "--engine", "cached_ar", "--out", str(out)]) == 0
+        reports.append(json.loads((out / "eval.json").read_text()))
+    assert reports[0]["metrics"] == reports[1]["metrics"]
+    assert reports[1]["checkpoint"] == str(st)
