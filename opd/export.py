@@ -52,7 +52,7 @@ def export_student(ckpt: str | os.PathLike, out: str | os.PathLike, *,
                                 f"{out / 'student.pt'}")
     for path in (out, shape_path(out)) if format == "safetensors" else (out,):
         if path.exists() and not force:
-            raise FileExistsError(f"--out: {path} already exists; pass --force to overwrite it "
+            raise FileExistsError(f"--out {path} already exists; pass --force to overwrite it "
                                   f"or choose another file")
     source = ckpt_dir / STUDENT_FILE
     state = load_state_dict_safely(source)

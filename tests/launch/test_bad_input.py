@@ -80,7 +80,7 @@ CASES = [
     ("unknown key", ["TINY", "rollout.windw=8"],
      "opd: error: unknown config key 'rollout.windw'; did you mean 'rollout.window'?"),
     ("mistyped value", ["TINY", "rollout.window=abc"],
-     "opd: error: rollout.window='abc': expected int"),
+     "opd: error: rollout.window='abc': expected int or 'auto'"),
     ("data of another vocabulary", ["TINY", "data.dataset=parquet", "data.data_dir={B}/vocab"],
      "opd: error: {B}/vocab/train.parquet: the data was tokenized with vocab_size=1024 "
      "(other-vq) but vocab_size=17 is expected; use a dataset and model that share one "

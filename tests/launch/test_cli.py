@@ -107,7 +107,7 @@ def test_config_command_gets_validated_config():
 
 @pytest.mark.parametrize("argv, message", [
     (["rollout.windw=3"], "opd: error: unknown config key 'rollout.windw'; did you mean 'rollout.window'?"),
-    (["rollout.window=abc"], "opd: error: rollout.window='abc': expected int"),
+    (["rollout.window=abc"], "opd: error: rollout.window='abc': expected int or 'auto'"),
     (["rollout.window=0"], "opd: error: rollout.window=0: must be >= 1"),
     (["--config", "nope"], "opd: error: config 'nope' not found"),
     (["run.name=explode"], "opd: error: deep problem second line"),
