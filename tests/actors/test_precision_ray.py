@@ -33,4 +33,4 @@ def test_ray_equals_reference_in_bf16(ray_session, tiny_overrides, tmp_path, dec
     assert [r["rounds"] for r in rows] == [r["rounds"] for r in ref]        # the same tokens
     assert [r["onpolicy_logprob_delta_max"] for r in rows] == pytest.approx(
         [r["onpolicy_logprob_delta_max"] for r in ref], abs=1e-6)         # the same bf16 copies
-    assert all(r["onpolicy_logprob_delta_max"] > 0 for r in rows)        # (not float32's ~0)
+    assert all(r["onpolicy_logprob_delta_max"] > 1e-5 for r in rows)     # bf16's, not float32's ~2e-7
