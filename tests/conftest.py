@@ -72,3 +72,39 @@ def fresh_calibration(opd_cache, tiny_overrides, tmp_path, monkeypatch) -> Path:
             (mine / p.name).symlink_to(p)
     monkeypatch.setenv("OPD_CACHE", str(mine))
     return mine
+
+
+@pytest.fixture(scope="session")
+def check_tensorboard():
+    """check(run_dir, steps) -> EventAccumulator: asserts that the run's TensorBoard events hold
+    every metrics.parquet column at its steps (the last value written for a step) and every
+    student quality row with the teacher's levels at `steps`, the evaluation steps; returns the
+    reader for what a test checks beyond that."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from opd.eval.tracking import read_quality
+    from opd.metrics import read_metrics
+    from opd.trackers import quality_scalars, step_scalars
+
+    def check(run_dir: Path, steps: list[int]):
+        acc = EventAccumulator(str(run_dir / "tensorboard"),
+                               size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+        acc.Reload()
+        rows = read_metrics(run_dir)
+        expected = {int(r["step"]): step_scalars(r, [rows[0]["phase"]]) for r in rows}
+        tags = set().union(*expected.values())
+        assert tags <= set(acc.Tags()["scalars"])
+        for t in tags:
+            assert {e.step: e.value for e in acc.Scalars(t)} == \
+                {s: np.float32(v[t]) for s, v in expected.items() if t in v}, t
+        quality = read_quality(run_dir)
+        teacher = next(r for r in quality if r["role"] == "teacher")
+        students = [r for r in quality if r["role"] == "student"]
+        assert [r["step"] for r in students] == steps
+        for r in students:
+            for t, v in quality_scalars(r, teacher).items():
+                assert [e.value for e in acc.Scalars(t) if e.step == r["step"]] == \
+                    [np.float32(v)], t
+        return acc
+    return check
