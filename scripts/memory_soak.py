@@ -57,7 +57,7 @@ def rss_mb(pid: int) -> float | None:
 
 def sample(pids: dict[str, int]) -> dict[str, float]:
     """RSS (MiB) of each role process and the driver, object-store MiB in use."""
-    from scripts.soak import store_usage
+    from scripts.ray_store import store_usage
     out = {name: rss_mb(pid) for name, pid in pids.items()}
     out["driver"] = rss_mb(os.getpid())
     out["object_store"] = store_usage()["bytes"] / MB

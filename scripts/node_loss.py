@@ -128,7 +128,7 @@ class NodeFaults:
             self._remove("teacher", node, step)
 
     def after_step(self, pipeline, step: int, row: dict) -> None:
-        from scripts.soak import store_usage
+        from scripts.ray_store import store_usage
         if step == 0:                                     # where Ray placed the queue
             import ray._private.state as state
             self.queue_node = next(a["Address"]["NodeID"] for a in state.actors().values()
@@ -170,7 +170,7 @@ def nodes_scenario(args, data_dir: str, reference: list[dict], log) -> list[dict
         start = time.monotonic()
         rows = run_distributed(cfg, run_dir, progress=False, hooks=faults.hooks())
         seconds = time.monotonic() - start
-        from scripts.soak import store_usage
+        from scripts.ray_store import store_usage
         faults.memory["after"] = store_usage()
     finally:
         ray.shutdown()

@@ -46,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from scripts import node_loss  # noqa: E402  (needs ROOT on the path)
+from scripts.ray_store import store_usage  # noqa: E402
 
 LOSS_TOL = 1e-5          # as tests/actors/test_pipeline.py
 MEMORY_BOUND_MB = 32     # object-store growth allowed over the first step's use
@@ -76,15 +77,6 @@ def is_ours(pid: int) -> bool:
         return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
     except psutil.Error:
         return False
-
-
-def store_usage() -> dict:
-    """Object-store bytes in use and objects held on this (one-node) Ray."""
-    import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-    stats = get_memory_info_reply(
-        get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
-    return {"bytes": int(stats.object_store_bytes_used), "objects": int(stats.num_local_objects)}
 
 
 def alive_actors() -> list[str]:
