@@ -38,6 +38,34 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+STAGES = ("rollout", "teacher", "learner")
+
+
+def stage_lines(rows: list[dict]) -> list[str]:
+    """How a Ray run's stages overlapped, per kind of step (on student rollouts, on data): the
+    median busy seconds of each stage (rollout_busy_s, ...), their sum, and the step's wall time,
+    its critical path; a step whose wall time is below the busy sum ran its stages at once.
+    Nothing for the reference loop, which records no busy time."""
+    lines = []
+    for label, on_student in (("on student rollouts", True), ("on data", False)):
+        rs = [r for r in rows if (r.get("source") == "student") == on_student
+              and any(r.get(f"{st}_busy_s") for st in STAGES)]
+        if not rs:
+            continue
+        busy = {st: float(np.median([r.get(f"{st}_busy_s") or 0.0 for r in rs])) for st in STAGES}
+        total = float(np.median([sum(r.get(f"{st}_busy_s") or 0.0 for st in STAGES) for r in rs]))
+        wall = float(np.median([r["step_s"] for r in rs]))
+        pieces = int(np.median([r.get("pieces") or 1 for r in rs]))
+        used = [st for st in STAGES if busy[st] > 0]
+        ratio = wall / max(total, 1e-9)
+        lines.append(f"steps {label} ({len(rs)}, {pieces} piece{'s' * (pieces != 1)}): "
+                     f"{' + '.join(used)} busy "
+                     f"{' + '.join(f'{busy[st]:.3f}' for st in used)} = {total:.3f} s; "
+                     f"a step took {wall:.3f} s, {ratio:.2f}x the busy sum: the stages "
+                     f"{'overlapped' if ratio < 0.95 else 'ran one after another'} (medians)")
+    return lines
+
+
 def phase_spans(rows: list[dict]) -> list[tuple[str, int, int, int]]:
     """(phase name, first step, last step, steps on student rollouts) of each run of rows of
     one phase, in step order."""
@@ -63,7 +91,7 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
               f"{on} on student rollouts")
     for k, v in s.items():
         print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
-    for line in node_lines(run_dir):
+    for line in stage_lines(rows) + node_lines(run_dir):
         print(f"  {line}")
     return s
 

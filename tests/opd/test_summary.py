@@ -80,3 +80,21 @@ def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_pa
                 "rounds_vs_ar"} & set(summarize(kd))
     assert plot_training(kd + on, tmp_path / "a.png") == tmp_path / "a.png"
     assert plot_training(kd, tmp_path / "b.png") == tmp_path / "b.png"
+
+
+def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
+    from opd.summary import stage_lines
+    student = dict(source="student", pieces=4, rollout_busy_s=0.1, teacher_busy_s=0.05,
+                   learner_busy_s=0.05)
+    data = dict(source="data", pieces=1, rollout_busy_s=0.0, teacher_busy_s=0.1,
+                learner_busy_s=0.1)
+    rows = [{**student, "step_s": s} for s in (0.1, 0.12, 0.5)] + \
+           [{**data, "step_s": s} for s in (0.25, 0.3)]
+    assert stage_lines(rows) == [
+        "steps on student rollouts (3, 4 pieces): rollout + teacher + learner busy "
+        "0.100 + 0.050 + 0.050 = 0.200 s; a step took 0.120 s, 0.60x the busy sum: the stages "
+        "overlapped (medians)",
+        "steps on data (2, 1 piece): teacher + learner busy 0.100 + 0.100 = 0.200 s; a step "
+        "took 0.275 s, 1.38x the busy sum: the stages ran one after another (medians)"]
+    reference = [{"source": "student", "step_s": 0.1, "rollout_s": 0.05}]   # no busy columns
+    assert stage_lines(reference) == []
