@@ -14,9 +14,12 @@ The rule, before each verification round with A active rows out of R physical on
 over W in `WINDOWS` (clipped to N - 1) and the modes the execution option allows (hybrid: Full
 and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/hbsjd.py).
 
-    cost       `CostTable`: seconds of one verifier forward, measured by `opd calibrate` in the
-               calibration file (rollout/calibrate.py; the same entries gamma is chosen from,
-               one per W), interpolated linearly over rows and over width.
+    cost       `CostTable`: seconds of one round = the verifier forward, measured by `opd
+               calibrate` in the calibration file (rollout/calibrate.py; the same entries gamma
+               is chosen from, one per W), interpolated linearly over rows and over width,
+               plus the round's fixed part at that W (the verification step, the loop's Python,
+               the round's sync: a measured Full round of the engine minus its forward,
+               `overhead_s` per decoding), which W = 1 pays too per committed token.
     E[tokens]  1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft k of a
                window is accepted given drafts 1..k-1 were: estimated from this rollout's counts
                (`Acceptance`: rows that reached draft k, rows that accepted it), each shrunk
@@ -24,8 +27,13 @@ and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/h
                rounds and depths never tried yet follow the shallower ones.
 
 W = 1 is Cached AR's round (no draft): the policy picks a longer window only where the table
-says its expected tokens pay for its forward, so HB-SJD is not slower than Cached AR beyond the
-verification step and the policy's own overhead (neither is in the table).
+says its expected tokens pay for its round.
+
+Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
+of W = 1 made on the prior would never be revisited.  So every PROBE-th verification round
+(round index r, r % PROBE == 0) where the rule picks W = 1, the policy takes the best window
+>= 2 instead (a probe): at most one round in PROBE pays the difference, and the acceptance
+estimate learns from it.
 
 The choice is a pure function of the rollout state (active count, physical rows, acceptance
 counts, N) and the table -- never of time measured during the rollout -- so a rollout is
@@ -44,6 +52,7 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
 PRIOR = 0.5                 # acceptance of draft 1 before any round
 STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
+PROBE = 8                   # a W >= 2 probe replaces a W = 1 choice every PROBE-th round
 
 
 def _interp(xs: list, ys: list, x: float) -> float:
@@ -57,48 +66,58 @@ def _interp(xs: list, ys: list, x: float) -> float:
 
 @dataclass(frozen=True)
 class CostTable:
-    """Seconds of one verifier forward of `rows` rows (without the CFG copies) and width W.
+    """Seconds of one round of `rows` rows (without the CFG copies) and width W.
     full: {W: seconds of a Full forward at the table's R rows}; compact: {W: (active counts,
-    seconds)} (Compact forwards of that many rows)."""
+    seconds)} (Compact forwards of that many rows); fixed: {W: seconds of the rest of a round
+    at R rows (verification step, Python, sync)}, the same for Full and Compact (None: 0)."""
     rows: int
     full: dict
     compact: dict
+    fixed: dict | None = None
 
     @classmethod
-    def from_entries(cls, entries: dict) -> CostTable:
-        """{W: calibration entry of (model, R, W, cfg)} (rollout/calibrate.py) -> the table."""
+    def from_entries(cls, entries: dict, decoding: str = "greedy") -> CostTable:
+        """{W: calibration entry of (model, R, W, cfg)} (rollout/calibrate.py) -> the table of
+        a rollout with `decoding` (the entries' `overhead_s[decoding]`)."""
         rows = {int(e["batch"]) for e in entries.values()}
         if len(rows) != 1:
             raise ValueError(f"a cost table needs entries of one batch size, got {sorted(rows)}")
         full = {int(W): statistics.median(e["full_s"]) for W, e in entries.items()}
         compact = {int(W): (list(e["active"]), list(e["compact_s"])) for W, e in entries.items()}
-        return cls(rows.pop(), full, compact)
+        fixed = {int(W): float(e["overhead_s"][decoding]) for W, e in entries.items()}
+        return cls(rows.pop(), full, compact, fixed)
 
     @classmethod
-    def from_function(cls, rows: int, seconds, windows=WINDOWS) -> CostTable:
-        """A table from seconds(compact: bool, rows, W): fixture tables for tests."""
+    def from_function(cls, rows: int, seconds, windows=WINDOWS, fixed=None) -> CostTable:
+        """A table from seconds(compact: bool, rows, W) and fixed(W) (None: 0): fixture tables
+        for tests."""
         active = list(range(1, rows + 1))
         return cls(rows, {W: seconds(False, rows, W) for W in windows},
-                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows})
+                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows},
+                   None if fixed is None else {W: fixed(W) for W in windows})
 
     def cost(self, compact: bool, rows: int, width: int) -> float:
-        """Seconds of a forward over `rows` rows (Compact; Full: the table's R) of `width`
-        tokens each, interpolated over rows, then over the measured windows."""
+        """Seconds of a round over `rows` rows (Compact; Full: the table's R) of `width`
+        tokens each: the forward, interpolated over rows, then over the measured windows,
+        plus the round's fixed part, interpolated over the windows."""
         Ws = sorted(self.full)
         if compact:
             ys = [_interp(*self.compact[W], rows) for W in Ws]
         else:
             ys = [self.full[W] for W in Ws]
-        return _interp(Ws, ys, width)
+        fixed = _interp(Ws, [self.fixed[W] for W in Ws], width) if self.fixed else 0.0
+        return _interp(Ws, ys, width) + fixed
 
 
 class Acceptance:
     """Per-depth acceptance counts of a rollout so far: reached[k - 1] rows whose draft k was
-    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth)."""
+    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth); rounds: the
+    verification rounds so far."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, rounds: int = 0):
         self.reached = [0] * depth
         self.accepted = [0] * depth
+        self.rounds = rounds
 
     def add(self, reached: list[int], accepted: list[int]) -> None:
         self.reached = [a + b for a, b in zip(self.reached, reached)]
@@ -138,10 +157,18 @@ class WindowPolicy:
         return max(self.windows)
 
     def choose(self, active: int, acceptance: Acceptance) -> tuple[int, bool]:
-        """-> (W, compact) for a round with `active` rows; ties go to the smaller W, then to
-        Full."""
-        best, choice = -1.0, (min(self.windows), self.modes[0] == "compact")
-        for W in sorted(self.windows):
+        """-> (W, compact) for the next verification round (r = acceptance.rounds + 1) with
+        `active` rows; ties go to the smaller W, then to Full.  A W = 1 choice on a round
+        with r % PROBE == 0 becomes the best W >= 2 (a probe, module docstring)."""
+        W, compact = self._best(active, acceptance, self.windows)
+        probes = tuple(w for w in self.windows if w >= 2)
+        if W == 1 and probes and (acceptance.rounds + 1) % PROBE == 0:
+            return self._best(active, acceptance, probes)
+        return W, compact
+
+    def _best(self, active: int, acceptance: Acceptance, windows) -> tuple[int, bool]:
+        best, choice = -1.0, (min(windows), self.modes[0] == "compact")
+        for W in sorted(windows):
             tokens = acceptance.expected_tokens(W)
             for mode in self.modes:
                 compact = mode == "compact"
