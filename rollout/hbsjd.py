@@ -112,7 +112,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         else:
             counts = full(model, st, req, plan)
         if seen is not None:
-            seen.add(counts)
+            seen.add(counts, windows[-1] - 1)
         windows.append(plan.W)
         if idx is None and R == B:       # no slots, Full: row b holds image b
             # (a CUDA graph's outputs are rewritten by its next replay)
@@ -150,12 +150,15 @@ class AcceptanceCounts:
         self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
         self.rounds = 0
 
-    def add(self, counts: Tensor) -> None:
-        """counts: a round's (3, k) committed / accepted / rejected of its rows."""
+    def add(self, counts: Tensor, proposed: int) -> None:
+        """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
+        drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
+        it are counted (rollout/window.py, Exploration)."""
         acc, rej = counts[1], counts[2].bool()
         took = acc >= self.depth                                            # (D, k)
         reached = took | ((acc == self.depth - 1) & rej)
-        self.counts += torch.stack([reached.sum(1), took.sum(1)])
+        keep = self.depth <= proposed                                       # (D, 1)
+        self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
         self.rounds += 1
 
     def read(self, live: Tensor) -> tuple[int, Acceptance]:

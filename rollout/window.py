@@ -19,7 +19,8 @@ and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/h
                is chosen from, one per W), interpolated linearly over rows and over width,
                plus the round's fixed part at that W (the verification step, the loop's Python,
                the round's sync: a measured Full round of the engine minus its forward,
-               `overhead_s` per decoding), which W = 1 pays too per committed token.
+               `overhead_s` per decoding), which W = 1 pays too per committed token; each
+               made non-decreasing in W (`monotone`: a shared machine's load spikes).
     E[tokens]  1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft k of a
                window is accepted given drafts 1..k-1 were: estimated from this rollout's counts
                (`Acceptance`: rows that reached draft k, rows that accepted it), each shrunk
@@ -30,10 +31,14 @@ W = 1 is Cached AR's round (no draft): the policy picks a longer window only whe
 says its expected tokens pay for its round.
 
 Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
-of W = 1 made on the prior would never be revisited.  So every PROBE-th verification round
-(round index r, r % PROBE == 0) where the rule picks W = 1, the policy takes the best window
->= 2 instead (a probe): at most one round in PROBE pays the difference, and the acceptance
-estimate learns from it.
+of W = 1 made on the prior would never be revisited.  So on verification rounds r with
+r % PROBE in (0, 1), r > 1, where the rule picks W = 1, the policy takes the best window >= 2
+instead (a probe of two rounds): at most two rounds in PROBE pay the difference.  Two, because
+only drafts a previous round proposed are counted (the engine counts depth k of a round only
+when the round before had k drafts or more, rollout/hbsjd.py `AcceptanceCounts`): the drafts
+of the first round after a narrower one are history fill or left-overs (sampled: proposal
+one-hot at the token), accepted far less often than the round's steady drafts, and would
+teach the estimate that speculation does not pay.
 
 The choice is a pure function of the rollout state (active count, physical rows, acceptance
 counts, N) and the table -- never of time measured during the rollout -- so a rollout is
@@ -52,7 +57,7 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
 PRIOR = 0.5                 # acceptance of draft 1 before any round
 STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
-PROBE = 8                   # a W >= 2 probe replaces a W = 1 choice every PROBE-th round
+PROBE = 8                   # a W >= 2 probe of 2 rounds replaces W = 1 choices every PROBE
 
 
 def _interp(xs: list, ys: list, x: float) -> float:
@@ -62,6 +67,20 @@ def _interp(xs: list, ys: list, x: float) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-12)
+
+
+def monotone(ys: list) -> list:
+    """The non-decreasing sequence nearest ys in least squares (pool adjacent violators): a
+    wider round never costs less, so a measurement a shared machine's load made cheap or dear
+    is averaged with its neighbours instead of steering the choice."""
+    blocks = []                                   # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -82,10 +101,18 @@ class CostTable:
         rows = {int(e["batch"]) for e in entries.values()}
         if len(rows) != 1:
             raise ValueError(f"a cost table needs entries of one batch size, got {sorted(rows)}")
-        full = {int(W): statistics.median(e["full_s"]) for W, e in entries.items()}
-        compact = {int(W): (list(e["active"]), list(e["compact_s"])) for W, e in entries.items()}
-        fixed = {int(W): float(e["overhead_s"][decoding]) for W, e in entries.items()}
-        return cls(rows.pop(), full, compact, fixed)
+        Ws = sorted(entries, key=int)
+        active = list(entries[Ws[0]]["active"])
+        if any(list(entries[W]["active"]) != active for W in Ws):
+            raise ValueError("a cost table needs entries measured at the same active counts")
+        # each made non-decreasing in W (`monotone`): Full, Compact at each active count, fixed
+        full = monotone([statistics.median(entries[W]["full_s"]) for W in Ws])
+        compact = list(zip(*[monotone([entries[W]["compact_s"][i] for W in Ws])
+                             for i in range(len(active))]))
+        fixed = monotone([float(entries[W]["overhead_s"][decoding]) for W in Ws])
+        return cls(rows.pop(), {int(W): f for W, f in zip(Ws, full)},
+                   {int(W): (active, list(c)) for W, c in zip(Ws, compact)},
+                   {int(W): f for W, f in zip(Ws, fixed)})
 
     @classmethod
     def from_function(cls, rows: int, seconds, windows=WINDOWS, fixed=None) -> CostTable:
@@ -159,10 +186,12 @@ class WindowPolicy:
     def choose(self, active: int, acceptance: Acceptance) -> tuple[int, bool]:
         """-> (W, compact) for the next verification round (r = acceptance.rounds + 1) with
         `active` rows; ties go to the smaller W, then to Full.  A W = 1 choice on a round
-        with r % PROBE == 0 becomes the best W >= 2 (a probe, module docstring)."""
+        with r % PROBE in (0, 1), r > 1, becomes the best W >= 2 (a probe, module
+        docstring)."""
         W, compact = self._best(active, acceptance, self.windows)
         probes = tuple(w for w in self.windows if w >= 2)
-        if W == 1 and probes and (acceptance.rounds + 1) % PROBE == 0:
+        r = acceptance.rounds + 1
+        if W == 1 and probes and r > 1 and r % PROBE in (0, 1):
             return self._best(active, acceptance, probes)
         return W, compact
 

@@ -304,7 +304,8 @@ def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
     linear = CostTable.from_function(8, lambda c, rows, W: W + 0.5)
     policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
     chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
-    assert chosen == ([1] * (PROBE - 1) + [2]) * 3          # the probe: the best W >= 2, W 2
+    # rounds 8, 9, 16, 17, 24: the probes, the best W >= 2 (W 2)
+    assert chosen == [1] * 7 + [2, 2] + [1] * 6 + [2, 2] + [1] * 6 + [2]
     assert PROBE == 8
     sure = Acceptance(15, rounds=2)                          # a probe saw every draft accepted:
     sure.add([50] * 15, [50] * 15)                           # W 16's ~15 / 16.5 beats 1 / 1.5
@@ -325,4 +326,34 @@ def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
         model, labels, prefix, T) for _ in range(2)]
     res = runs[0]
     assert torch.equal(res.tokens, ref.tokens) and runs[1].windows == res.windows
-    assert res.windows[PROBE] >= 2 and set(res.windows[1:PROBE]) == {1}, res.windows
+    assert set(res.windows[1:PROBE]) == {1}, res.windows
+    assert min(res.windows[PROBE: PROBE + 2]) >= 2, res.windows
+
+
+def test_the_table_is_made_non_decreasing_in_w():
+    from rollout.window import monotone
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0] and monotone([1.0, 2.0]) == [1.0, 2.0]
+    entry = lambda f, c, o: dict(batch=2, active=[1, 2], full_s=[f], compact_s=c,  # noqa: E731
+                                 overhead_s=dict(greedy=o, sample=o))
+    # a load spike made W 1's Full forward dearer than W 2's, and W 2's Compact-at-1 cheaper
+    t = CostTable.from_entries({1: entry(3.0, [1.0, 2.0], 0.5), 2: entry(1.0, [0.5, 3.0], 0.3),
+                                4: entry(4.0, [2.0, 4.0], 1.0)})
+    assert t.full == {1: 2.0, 2: 2.0, 4: 4.0} and t.fixed == {1: 0.4, 2: 0.4, 4: 1.0}
+    assert t.compact[1] == ([1, 2], [0.75, 2.0]) and t.compact[2] == ([1, 2], [0.75, 3.0])
+
+
+def test_only_drafts_a_previous_round_proposed_are_counted():
+    """A round's depth k counts only when the round before had k drafts (W - 1) or more: the
+    first round after W 1 (drafts from history, no proposal) teaches nothing."""
+    from rollout.hbsjd import AcceptanceCounts
+    counts = torch.tensor([[3, 1, 2], [2, 0, 1], [0, 1, 1]])   # accepted 2, 0, 1; rej 0, 1, 1
+    seen = AcceptanceCounts(3, torch.device("cpu"))
+    seen.add(counts, 0)
+    assert seen.read(torch.ones(3, dtype=torch.bool))[1].reached == [0, 0, 0]
+    seen.add(counts, 1)
+    a = seen.read(torch.ones(3, dtype=torch.bool))[1]
+    assert (a.reached, a.accepted, a.rounds) == ([3, 0, 0], [2, 0, 0], 2)
+    seen.add(counts, 3)          # depth 1: all 3 reached, 2 took; depth 2: rows 0 and 2
+    a = seen.read(torch.ones(3, dtype=torch.bool))[1]
+    assert (a.reached, a.accepted) == ([6, 2, 0], [4, 1, 0])   # row 0 took both: no depth 3
