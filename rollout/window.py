@@ -31,9 +31,12 @@ W = 1 is Cached AR's round (no draft): the policy picks a longer window only whe
 says its expected tokens pay for its round.
 
 Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
-of W = 1 made on the prior would never be revisited.  So on verification rounds r with
-r % PROBE in (0, 1), r > 1, where the rule picks W = 1, the policy takes the best window >= 2
-instead (a probe of two rounds): at most two rounds in PROBE pay the difference.  Two, because
+of W = 1 made on the prior would never be revisited; likewise a window of W never measures
+depths >= W, which the estimate extrapolates from the shallower ones (acceptance often grows
+with depth: conditionally on the earlier drafts).  So on verification rounds r with
+r % PROBE in (0, 1), r > 1, the policy takes the next wider window than the rule's choice
+(a probe of two rounds, in the better mode): at most two rounds in PROBE pay the difference,
+and a probe that pays moves the rule itself one window wider.  Two, because
 only drafts a previous round proposed are counted (the engine counts depth k of a round only
 when the round before had k drafts or more, rollout/hbsjd.py `AcceptanceCounts`): the drafts
 of the first round after a narrower one are history fill or left-overs (sampled: proposal
@@ -57,7 +60,7 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
 PRIOR = 0.5                 # acceptance of draft 1 before any round
 STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
-PROBE = 8                   # a W >= 2 probe of 2 rounds replaces W = 1 choices every PROBE
+PROBE = 8                   # every PROBE rounds, 2 rounds at the next wider window
 
 
 def _interp(xs: list, ys: list, x: float) -> float:
@@ -186,13 +189,13 @@ class WindowPolicy:
     def choose(self, active: int, acceptance: Acceptance) -> tuple[int, bool]:
         """-> (W, compact) for the next verification round (r = acceptance.rounds + 1) with
         `active` rows; ties go to the smaller W, then to Full.  A W = 1 choice on a round
-        with r % PROBE in (0, 1), r > 1, becomes the best W >= 2 (a probe, module
+        with r % PROBE in (0, 1), r > 1, becomes the next wider window (a probe, module
         docstring)."""
         W, compact = self._best(active, acceptance, self.windows)
-        probes = tuple(w for w in self.windows if w >= 2)
+        wider = tuple(w for w in sorted(self.windows) if w > W)[:1]
         r = acceptance.rounds + 1
-        if W == 1 and probes and r > 1 and r % PROBE in (0, 1):
-            return self._best(active, acceptance, probes)
+        if wider and r > 1 and r % PROBE in (0, 1):
+            return self._best(active, acceptance, wider)
         return W, compact
 
     def _best(self, active: int, acceptance: Acceptance, windows) -> tuple[int, bool]:

@@ -227,6 +227,13 @@ def unshifted(st, old, new):
     return st
 
 
+def stepped(policy, active, acceptance, *rest):
+    """A schedule of the round index only (a function of the past, so lossless): Full W 3,
+    then Compact W 2, then Compact W 3."""
+    r = acceptance.rounds + 1
+    return (2 if r == 2 else 3), r >= 2
+
+
 def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
     """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics (16000
     samples) accept the real re-windowing and reject `unshifted`."""
@@ -235,6 +242,7 @@ def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
     probs = exact_distribution(model, 1, prefix, 4, None)
     opts = dict(W="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
+    monkeypatch.setattr(rollout.hbsjd, "choose_round", stepped)
     counts, windows = sampled_counts(model, opts, prefix)
     assert {(3, "full"), (2, "compact"), (3, "compact")} <= set(windows)
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -304,9 +312,16 @@ def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
     linear = CostTable.from_function(8, lambda c, rows, W: W + 0.5)
     policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
     chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
-    # rounds 8, 9, 16, 17, 24: the probes, the best W >= 2 (W 2)
+    # rounds 8, 9, 16, 17, 24: the probes, the next wider window (W 2)
     assert chosen == [1] * 7 + [2, 2] + [1] * 6 + [2, 2] + [1] * 6 + [2]
     assert PROBE == 8
+    # depth 1 measured at ~0.9 (902 / 1004 with the prior), deeper depths extrapolated from
+    # it: W 4's 3.43 / 4.5 = 0.762 beats W 2's 1.90 / 2.5 = 0.759 and W 8's 5.66 / 8.5; on a
+    # probe round (16) the next wider window, W 8
+    for rounds, W in ((14, 4), (15, 8), (16, 8), (17, 4)):
+        some = Acceptance(15, rounds=rounds)
+        some.add([1000] + [0] * 14, [900] + [0] * 14)
+        assert policy.choose(8, some) == (W, False), rounds
     sure = Acceptance(15, rounds=2)                          # a probe saw every draft accepted:
     sure.add([50] * 15, [50] * 15)                           # W 16's ~15 / 16.5 beats 1 / 1.5
     assert policy.choose(8, sure) == (16, False)
