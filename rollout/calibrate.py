@@ -11,6 +11,11 @@ synchronised) and choose
 so Hybrid runs Compact exactly where Compact measured faster (active < gamma).  gamma = B + 1
 means Compact was faster even with every image active; gamma = 1 means never Compact.
 
+Each entry also holds `overhead_s` {decoding: seconds}: the rest of a round at (B, W) -- the
+verification step, the loop's Python, the round's sync -- measured as the median round of a
+Full-execution HB-SJD rollout at W minus the Full forward at B (`measure_round_overhead`), the
+window policy's fixed cost per round (rollout/window.py).
+
 The JSON file holds a list of entries keyed by (model signature, batch, W, cfg); writing an
 entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` uses.
 
@@ -147,12 +152,37 @@ def choose_gamma(active: list[int], full_s: list[float], compact_s: list[float])
     return gamma
 
 
+def measure_round_overhead(model, batch: int, W: int, forward_s: float, *, cfg: bool = False,
+                           seed: int = 0) -> dict:
+    """{decoding: seconds}: the median round of an eager Full-execution HB-SJD rollout of
+    `batch` whole images at window W (after a warm-up rollout), minus forward_s (the Full
+    forward at that batch, the cost table's), at least 0."""
+    from rollout.engine import make_engine        # rollout.hbsjd imports this module
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, model.num_classes, (batch,), generator=g).to(_device(model))
+    out = {}
+    for decoding in ("greedy", "sample"):
+        engine = make_engine("hbsjd", W=W, decoding=decoding, execution="full")
+        rounds = []
+        for rep in range(2):                                  # the first is a warm-up
+            res = engine.generate(model, labels, None, model.block_size,
+                                  cfg_scale=2.0 if cfg else None, seed=seed + rep)
+            rounds = res.round_times[1:]                      # [0] is the prefill
+        out[decoding] = max(statistics.median(rounds) - forward_s, 0.0) if rounds else 0.0
+    return out
+
+
 def calibrate(model, batch: int, W: int, *, cfg: bool = False, preset: str | None = None,
               **measure_kw) -> dict:
-    """Measure and choose gamma -> one calibration entry (JSON-serialisable)."""
+    """Measure and choose gamma, and the round's fixed cost -> one calibration entry
+    (JSON-serialisable)."""
     curves = measure_verifier_latency(model, batch, W, cfg=cfg, **measure_kw)
+    # a Full forward's cost does not depend on the active count: the median over all of them
+    overhead = measure_round_overhead(model, batch, W, statistics.median(curves["full_s"]),
+                                      cfg=cfg)
     return {"model": model_signature(model), "preset": preset, "batch": batch, "W": W,
             "cfg": bool(cfg), "gamma": choose_gamma(**curves), **curves,
+            "overhead_s": overhead,
             "device": str(_device(model)), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -216,20 +246,23 @@ def find_entry(path: str | Path, model, batch: int, W: int, cfg: bool) -> dict |
 
 def ensure_calibration(model, batches, W: int, *, cfg: bool = False,
                        path: str | Path | None = None, preset: str | None = None,
-                       repeats: int = 3, **measure_kw) -> dict[int, dict]:
+                       repeats: int = 3, need: tuple = (), **measure_kw) -> dict[int, dict]:
     """{batch: entry} for (this model, each batch, W, cfg) from the calibration file (default
-    `calibration_file()`), measuring and saving only the entries it lacks.  The measuring
+    `calibration_file()`), measuring and saving only the entries it lacks (or whose entry
+    lacks a key of `need`, e.g. an older file's entry without "overhead_s").  The measuring
     happens under `file_lock(path)` after reading the file again, so of several processes
     that need the same entry one measures it and the others read it."""
     path = Path(path or calibration_file())
     batches = sorted(set(int(b) for b in batches))
+    def complete(e):
+        return e is not None and all(k in e for k in need)
     found = {b: find_entry(path, model, b, W, cfg) for b in batches}
-    if all(e is not None for e in found.values()):
+    if all(complete(e) for e in found.values()):
         return found
     with file_lock(path):
         for b in batches:
             found[b] = find_entry(path, model, b, W, cfg)
-            if found[b] is None:
+            if not complete(found[b]):
                 found[b] = calibrate(model, b, W, cfg=cfg, preset=preset, repeats=repeats,
                                      **measure_kw)
                 _write_entry(path, found[b])

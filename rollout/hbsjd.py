@@ -112,7 +112,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         else:
             counts = full(model, st, req, plan)
         if seen is not None:
-            seen.add(counts)
+            seen.add(counts, windows[-1] - 1)
         windows.append(plan.W)
         if idx is None and R == B:       # no slots, Full: row b holds image b
             # (a CUDA graph's outputs are rewritten by its next replay)
@@ -148,19 +148,24 @@ class AcceptanceCounts:
     def __init__(self, depth: int, device: torch.device):
         self.depth = torch.arange(1, depth + 1, device=device)[:, None]     # (D, 1)
         self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.rounds = 0
 
-    def add(self, counts: Tensor) -> None:
-        """counts: a round's (3, k) committed / accepted / rejected of its rows."""
+    def add(self, counts: Tensor, proposed: int) -> None:
+        """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
+        drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
+        it are counted (rollout/window.py, Exploration)."""
         acc, rej = counts[1], counts[2].bool()
         took = acc >= self.depth                                            # (D, k)
         reached = took | ((acc == self.depth - 1) & rej)
-        self.counts += torch.stack([reached.sum(1), took.sum(1)])
+        keep = self.depth <= proposed                                       # (D, 1)
+        self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
+        self.rounds += 1
 
     def read(self, live: Tensor) -> tuple[int, Acceptance]:
         """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
         host = torch.cat([live.sum().view(1), self.counts.view(-1)]).tolist()
         D = self.counts.shape[1]
-        acceptance = Acceptance(D)
+        acceptance = Acceptance(D, self.rounds)
         acceptance.add(host[1: 1 + D], host[1 + D:])
         return int(host[0]), acceptance
 
@@ -389,27 +394,28 @@ class HBSJD(JacobiEngine):
     def cost_table(self, model, req: Request) -> CostTable:
         """Option costs (a `CostTable`: fixture tables in tests), else the calibration file's
         entries of (this model, req.rows, each W of `WINDOWS`, CFG) -- the ones gamma is
-        chosen from; with calibrate_missing=True the missing ones are measured here, once,
+        chosen from, with their round overheads of req's decoding; with calibrate_missing=True the missing ones are measured here, once,
         under the file's lock, else ValueError saying how to make them."""
         if self.options["costs"] is not None:
             return self.options["costs"]
         from rollout.calibrate import ensure_calibration, find_entry, model_signature
-        key = (model_signature(model), req.rows, req.cfg)
+        key = (model_signature(model), req.rows, req.cfg, req.sampled)
         if key not in self._tables:
             path = calibration_path(self.options)
             found = {W: find_entry(path, model, req.rows, W, req.cfg) for W in WINDOWS}
-            if any(e is None for e in found.values()):
+            missing = [W for W, e in found.items() if e is None or "overhead_s" not in e]
+            if missing:
                 if not self.options["calibrate_missing"]:
-                    missing = [W for W, e in found.items() if e is None]
                     raise ValueError(
-                        f"W='auto': calibration file {path} has no verifier costs for model "
+                        f"W='auto': calibration file {path} has no round costs for model "
                         f"{key[0]} at batch={req.rows} W={missing} cfg={req.cfg}; run `opd "
                         f"calibrate --model PRESET --batch {req.rows} --window auto"
                         f"{' --cfg-scale 2.0' if req.cfg else ''}`")
                 for W in WINDOWS:
                     found[W] = ensure_calibration(model, [req.rows], W, cfg=req.cfg,
-                                                  path=path)[req.rows]
-            self._tables[key] = CostTable.from_entries(found)
+                                                  path=path, need=("overhead_s",))[req.rows]
+            self._tables[key] = CostTable.from_entries(
+                found, "sample" if req.sampled else "greedy")
         return self._tables[key]
 
     def gamma(self, model, req: Request) -> int:

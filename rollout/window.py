@@ -14,9 +14,13 @@ The rule, before each verification round with A active rows out of R physical on
 over W in `WINDOWS` (clipped to N - 1) and the modes the execution option allows (hybrid: Full
 and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/hbsjd.py).
 
-    cost       `CostTable`: seconds of one verifier forward, measured by `opd calibrate` in the
-               calibration file (rollout/calibrate.py; the same entries gamma is chosen from,
-               one per W), interpolated linearly over rows and over width.
+    cost       `CostTable`: seconds of one round = the verifier forward, measured by `opd
+               calibrate` in the calibration file (rollout/calibrate.py; the same entries gamma
+               is chosen from, one per W), interpolated linearly over rows and over width,
+               plus the round's fixed part at that W (the verification step, the loop's Python,
+               the round's sync: a measured Full round of the engine minus its forward,
+               `overhead_s` per decoding), which W = 1 pays too per committed token; each
+               made non-decreasing in W (`monotone`: a shared machine's load spikes).
     E[tokens]  1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft k of a
                window is accepted given drafts 1..k-1 were: estimated from this rollout's counts
                (`Acceptance`: rows that reached draft k, rows that accepted it), each shrunk
@@ -24,8 +28,20 @@ and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/h
                rounds and depths never tried yet follow the shallower ones.
 
 W = 1 is Cached AR's round (no draft): the policy picks a longer window only where the table
-says its expected tokens pay for its forward, so HB-SJD is not slower than Cached AR beyond the
-verification step and the policy's own overhead (neither is in the table).
+says its expected tokens pay for its round.
+
+Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
+of W = 1 made on the prior would never be revisited; likewise a window of W never measures
+depths >= W, which the estimate extrapolates from the shallower ones (acceptance often grows
+with depth: conditionally on the earlier drafts).  So on verification rounds r with
+r % PROBE in (0, 1), r > 1, the policy takes the next wider window than the rule's choice
+(a probe of two rounds, in the better mode): at most two rounds in PROBE pay the difference,
+and a probe that pays moves the rule itself one window wider.  Two, because
+only drafts a previous round proposed are counted (the engine counts depth k of a round only
+when the round before had k drafts or more, rollout/hbsjd.py `AcceptanceCounts`): the drafts
+of the first round after a narrower one are history fill or left-overs (sampled: proposal
+one-hot at the token), accepted far less often than the round's steady drafts, and would
+teach the estimate that speculation does not pay.
 
 The choice is a pure function of the rollout state (active count, physical rows, acceptance
 counts, N) and the table -- never of time measured during the rollout -- so a rollout is
@@ -44,6 +60,7 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
 PRIOR = 0.5                 # acceptance of draft 1 before any round
 STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
+PROBE = 8                   # every PROBE rounds, 2 rounds at the next wider window
 
 
 def _interp(xs: list, ys: list, x: float) -> float:
@@ -55,50 +72,82 @@ def _interp(xs: list, ys: list, x: float) -> float:
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-12)
 
 
+def monotone(ys: list) -> list:
+    """The non-decreasing sequence nearest ys in least squares (pool adjacent violators): a
+    wider round never costs less, so a measurement a shared machine's load made cheap or dear
+    is averaged with its neighbours instead of steering the choice."""
+    blocks = []                                   # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
+
+
 @dataclass(frozen=True)
 class CostTable:
-    """Seconds of one verifier forward of `rows` rows (without the CFG copies) and width W.
+    """Seconds of one round of `rows` rows (without the CFG copies) and width W.
     full: {W: seconds of a Full forward at the table's R rows}; compact: {W: (active counts,
-    seconds)} (Compact forwards of that many rows)."""
+    seconds)} (Compact forwards of that many rows); fixed: {W: seconds of the rest of a round
+    at R rows (verification step, Python, sync)}, the same for Full and Compact (None: 0)."""
     rows: int
     full: dict
     compact: dict
+    fixed: dict | None = None
 
     @classmethod
-    def from_entries(cls, entries: dict) -> CostTable:
-        """{W: calibration entry of (model, R, W, cfg)} (rollout/calibrate.py) -> the table."""
+    def from_entries(cls, entries: dict, decoding: str = "greedy") -> CostTable:
+        """{W: calibration entry of (model, R, W, cfg)} (rollout/calibrate.py) -> the table of
+        a rollout with `decoding` (the entries' `overhead_s[decoding]`)."""
         rows = {int(e["batch"]) for e in entries.values()}
         if len(rows) != 1:
             raise ValueError(f"a cost table needs entries of one batch size, got {sorted(rows)}")
-        full = {int(W): statistics.median(e["full_s"]) for W, e in entries.items()}
-        compact = {int(W): (list(e["active"]), list(e["compact_s"])) for W, e in entries.items()}
-        return cls(rows.pop(), full, compact)
+        Ws = sorted(entries, key=int)
+        active = list(entries[Ws[0]]["active"])
+        if any(list(entries[W]["active"]) != active for W in Ws):
+            raise ValueError("a cost table needs entries measured at the same active counts")
+        # each made non-decreasing in W (`monotone`): Full, Compact at each active count, fixed
+        full = monotone([statistics.median(entries[W]["full_s"]) for W in Ws])
+        compact = list(zip(*[monotone([entries[W]["compact_s"][i] for W in Ws])
+                             for i in range(len(active))]))
+        fixed = monotone([float(entries[W]["overhead_s"][decoding]) for W in Ws])
+        return cls(rows.pop(), {int(W): f for W, f in zip(Ws, full)},
+                   {int(W): (active, list(c)) for W, c in zip(Ws, compact)},
+                   {int(W): f for W, f in zip(Ws, fixed)})
 
     @classmethod
-    def from_function(cls, rows: int, seconds, windows=WINDOWS) -> CostTable:
-        """A table from seconds(compact: bool, rows, W): fixture tables for tests."""
+    def from_function(cls, rows: int, seconds, windows=WINDOWS, fixed=None) -> CostTable:
+        """A table from seconds(compact: bool, rows, W) and fixed(W) (None: 0): fixture tables
+        for tests."""
         active = list(range(1, rows + 1))
         return cls(rows, {W: seconds(False, rows, W) for W in windows},
-                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows})
+                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows},
+                   None if fixed is None else {W: fixed(W) for W in windows})
 
     def cost(self, compact: bool, rows: int, width: int) -> float:
-        """Seconds of a forward over `rows` rows (Compact; Full: the table's R) of `width`
-        tokens each, interpolated over rows, then over the measured windows."""
+        """Seconds of a round over `rows` rows (Compact; Full: the table's R) of `width`
+        tokens each: the forward, interpolated over rows, then over the measured windows,
+        plus the round's fixed part, interpolated over the windows."""
         Ws = sorted(self.full)
         if compact:
             ys = [_interp(*self.compact[W], rows) for W in Ws]
         else:
             ys = [self.full[W] for W in Ws]
-        return _interp(Ws, ys, width)
+        fixed = _interp(Ws, [self.fixed[W] for W in Ws], width) if self.fixed else 0.0
+        return _interp(Ws, ys, width) + fixed
 
 
 class Acceptance:
     """Per-depth acceptance counts of a rollout so far: reached[k - 1] rows whose draft k was
-    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth)."""
+    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth); rounds: the
+    verification rounds so far."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, rounds: int = 0):
         self.reached = [0] * depth
         self.accepted = [0] * depth
+        self.rounds = rounds
 
     def add(self, reached: list[int], accepted: list[int]) -> None:
         self.reached = [a + b for a, b in zip(self.reached, reached)]
@@ -133,21 +182,46 @@ class WindowPolicy:
     extra: int = 0
     bucket: object = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "_costs", {})    # (compact, rows, width) -> table seconds
+
     @property
     def largest(self) -> int:
         return max(self.windows)
 
+    def _cost(self, compact: bool, rows: int, width: int) -> float:
+        """`table.cost`, remembered: a rollout asks the same few points every round (the
+        interpolation in Python cost ~0.3 ms a round on this CPU)."""
+        key = (compact, rows, width)
+        if key not in self._costs:
+            self._costs[key] = self.table.cost(compact, rows, width)
+        return self._costs[key]
+
     def choose(self, active: int, acceptance: Acceptance) -> tuple[int, bool]:
-        """-> (W, compact) for a round with `active` rows; ties go to the smaller W, then to
-        Full."""
-        best, choice = -1.0, (min(self.windows), self.modes[0] == "compact")
-        for W in sorted(self.windows):
-            tokens = acceptance.expected_tokens(W)
+        """-> (W, compact) for the next verification round (r = acceptance.rounds + 1) with
+        `active` rows; ties go to the smaller W, then to Full.  A W = 1 choice on a round
+        with r % PROBE in (0, 1), r > 1, becomes the next wider window (a probe, module
+        docstring)."""
+        W, compact = self._best(active, acceptance, self.windows)
+        wider = tuple(w for w in sorted(self.windows) if w > W)[:1]
+        r = acceptance.rounds + 1
+        if wider and r > 1 and r % PROBE in (0, 1):
+            return self._best(active, acceptance, wider)
+        return W, compact
+
+    def _best(self, active: int, acceptance: Acceptance, windows) -> tuple[int, bool]:
+        best, choice = -1.0, (min(windows), self.modes[0] == "compact")
+        rates, expected, run = acceptance.rates(), [1.0], 1.0
+        for alpha in rates[: max(windows) - 1]:                 # E[tokens] for W = 1, 2, ...
+            run *= alpha
+            expected.append(expected[-1] + run)
+        for W in sorted(windows):
+            tokens = expected[min(W, len(expected)) - 1]
             for mode in self.modes:
                 compact = mode == "compact"
                 rows = (self.bucket(active) if self.bucket else active) if compact else None
-                rate = tokens / self.table.cost(compact, rows or self.table.rows,
-                                                W + (self.extra if W > 1 else 0))
+                rate = tokens / self._cost(compact, rows or self.table.rows,
+                                           W + (self.extra if W > 1 else 0))
                 if rate > best * (1 + 1e-9):
                     best, choice = rate, (W, compact)
         return choice

@@ -16,6 +16,10 @@
 #                 per student more, past the 8 minutes) for every STUDENTS model
 #        STUDENTS models of the PAPER runs (default "GPT-B GPT-L"; GPT-tiny with DEVICE=cpu)
 #        PAPER_ARGS  overrides of the PAPER preset;  PYTHON (default python)
+#        WINDOW   1 (default on cuda; 0 with DEVICE=cpu): also run `opd bench rollout` with the
+#                 window policy's rows (W auto, their chosen windows W:rounds) beside fixed W 4
+#                 and W 16 and Cached AR, greedy and sampled, batch 1..64 (window.{md,json};
+#                 docs/WINDOW_POLICY.md); WINDOW_ARGS: overrides of that preset
 #
 #   DEVICE=cpu scripts/gpu_bench.sh /tmp/suite          # what tests/opd/test_bench_table1.py runs
 set -euo pipefail
@@ -38,6 +42,17 @@ start=$(date +%s)
 echo "== Table 1 ($TABLE1) =="
 "$PY" -m launch.cli bench table1 --config "$TABLE1" --out "$OUT" "$@" 2>&1 | tee "$OUT/table1.log"
 cp "$OUT/table1.md" "$OUT/summary.md"
+if [ "${WINDOW:-$([ "${DEVICE:-cuda}" = cpu ] && echo 0 || echo 1)}" = 1 ]; then
+  echo "== window policy: W auto beside W 4, W 16 and Cached AR (opd bench rollout) =="
+  if [ "${DEVICE:-cuda}" = cpu ]; then WPRESET=cpu_tiny; WDEV=cpu; else WPRESET=digits; WDEV=cuda; fi
+  # shellcheck disable=SC2086  # WINDOW_ARGS: several key=value words
+  "$PY" -m launch.cli bench rollout --config "$WPRESET" --out "$OUT/window" \
+    --json "$OUT/window.json" "device=$WDEV" "threads=null" "windows=[4,16,auto]" \
+    "engines=[hbsjd-hybrid]" "decodings=[greedy,sample]" "batch_sizes=[1,4,16,32,64]" \
+    ${WINDOW_ARGS:-} 2>&1 | tee "$OUT/window.log"
+  { echo; echo "## window policy (opd bench rollout --config $WPRESET, W auto vs fixed)"; echo
+    echo '```'; grep -v -e '^wrote ' -e '^batch .* done' "$OUT/window.log"; echo '```'; } >> "$OUT/summary.md"
+fi
 for student in ${PAPER:+$STUDENTS}; do
   echo "== paper ablations: $student ($PAPER) =="
   # shellcheck disable=SC2086  # PAPER_ARGS: several key=value words

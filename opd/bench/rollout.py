@@ -46,6 +46,7 @@ from opd.config_loader import bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 from rollout.roundcost import round_costs
+from rollout.window import WINDOWS
 
 VARIANTS = {
     "sjd_sync": ("sjd_sync", {}),
@@ -83,8 +84,9 @@ class RolloutBench:
     """Fraction of the sequence given as the prefix; the engines generate the rest."""
     batch_sizes: list[int] = bounded(lambda: [1, 4, 16], ge=1, factory=True)
     """Batch sizes swept (images per engine call)."""
-    windows: list[int] = bounded(lambda: [2, 4, 8, 16], ge=1, factory=True)
-    """Jacobi windows W swept."""
+    windows: list[int | Literal["auto"]] = field(default_factory=lambda: [2, 4, 8, 16])
+    """Jacobi windows W swept; auto: HB-SJD's window policy (rollout/window.py), its rows
+    report the chosen windows (`windows` column: W:rounds)."""
     H: int | None = bounded(None, ge=1)
     """Draft-initialization history offset; null = one grid row."""
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))
@@ -128,6 +130,11 @@ def check_bench(b: RolloutBench) -> RolloutBench:
     for key in ("batch_sizes", "windows"):
         if not getattr(b, key):
             raise _fail(key, getattr(b, key), "must be a non-empty list of ints >= 1")
+    if any(W != "auto" and (not isinstance(W, int) or W < 1) for W in b.windows):
+        raise _fail("windows", b.windows, "must be ints >= 1 or auto")
+    if "auto" in b.windows and any(e in ("sjd_sync", "sjd_independent") for e in b.engines):
+        raise _fail("windows", b.windows, "auto is HB-SJD's policy: drop sjd_sync and "
+                    "sjd_independent from engines, or auto from windows")
     for key, allowed in (("engines", VARIANTS), ("decodings", ("greedy", "sample")),
                          ("refreshes", ("coupled", "resample"))):
         v = getattr(b, key)
@@ -178,7 +185,7 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
                         opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
                         if K:
                             opts["candidates"] = K
-                        if label == "hbsjd-hybrid":
+                        if label == "hbsjd-hybrid" and W != "auto":
                             opts["gamma"] = gammas[B, W]
                         out.append((label, d, W, dict(name=name, **opts)))
     return out
@@ -194,7 +201,11 @@ def run_bench(b: RolloutBench, log=print) -> dict:
     for B in b.batch_sizes:
         gammas = {}
         R = B if b.slots is None else min(b.slots, B)             # physical rows
-        for W in b.windows:
+        if "auto" in b.windows:                 # the policy's cost table, every W it chooses
+            for W in WINDOWS:
+                ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
+                                   repeats=b.calibration_repeats, need=("overhead_s",))
+        for W in (W for W in b.windows if W != "auto"):
             e = ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
                                    repeats=b.calibration_repeats)[R]
             c = {k: e[k] for k in ("active", "full_s", "compact_s")}
@@ -218,7 +229,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 enumerate(configs) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = last[i], np.asarray(times[i])
-            cost = ({} if label == "cached_ar" or N < 2 else
+            cost = ({} if label == "cached_ar" or N < 2 or W == "auto" else
                     round_costs(model, engines[i], labels, prefix, N, cfg_scale=b.cfg_scale,
                                 temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
                                 seed=b.seed))
@@ -240,8 +251,11 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "compact_rounds": sum(m == "compact" for m in res.modes),
                 "verify_ops": cost.get("verify_ops"), "forward_ms": cost.get("forward_ms"),
                 "verify_ms": cost.get("verify_ms"),
+                "windows": (None if label == "cached_ar" else
+                            " ".join(f"{w}:{n}" for w, n in
+                                     enumerate(res.window_histogram(max(WINDOWS)), 1) if n)),
             })
-            if label == "hbsjd-hybrid":
+            if label == "hbsjd-hybrid" and W != "auto":
                 progress[B, W, d, kw.get("candidates", 0)] = res.progress.cpu().tolist()
         log(f"batch {B}: {len(configs)} configurations x {b.repeats} repeats done")
     env = common.environment(b.device)
@@ -253,7 +267,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
 
 def best_progress(rows: list[dict], progress: dict) -> dict | None:
     """The fastest hbsjd-hybrid run at the largest batch: its per-image progress."""
-    cand = [r for r in rows if r["engine"] == "hbsjd-hybrid"]
+    cand = [r for r in rows if r["engine"] == "hbsjd-hybrid" and r["W"] != "auto"]
     if not cand:
         return None
     B = max(r["batch"] for r in cand)
@@ -273,7 +287,7 @@ COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "v
            ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
            ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}"),
            ("verify_ops", "ops/rnd", "{}"), ("forward_ms", "fwd ms/rnd", "{:.2f}"),
-           ("verify_ms", "verify ms/rnd", "{:.2f}")]
+           ("verify_ms", "verify ms/rnd", "{:.2f}"), ("windows", "windows W:rounds", "{}")]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -227,6 +227,13 @@ def unshifted(st, old, new):
     return st
 
 
+def stepped(policy, active, acceptance, *rest):
+    """A schedule of the round index only (a function of the past, so lossless): Full W 3,
+    then Compact W 2, then Compact W 3."""
+    r = acceptance.rounds + 1
+    return (2 if r == 2 else 3), r >= 2
+
+
 def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
     """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics (16000
     samples) accept the real re-windowing and reject `unshifted`."""
@@ -235,6 +242,7 @@ def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
     probs = exact_distribution(model, 1, prefix, 4, None)
     opts = dict(W="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
+    monkeypatch.setattr(rollout.hbsjd, "choose_round", stepped)
     counts, windows = sampled_counts(model, opts, prefix)
     assert {(3, "full"), (2, "compact"), (3, "compact")} <= set(windows)
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -269,3 +277,98 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {1, 3}
     assert chi2_pvalue(counts, probs) < 1e-8
+
+
+# ---- the round's fixed cost and the probe rounds (hand-made tables) ---------------------------
+
+def test_a_rounds_fixed_cost_makes_longer_windows_pay():
+    """Forward W * 1 ms at every row count; prior acceptance 0.5 -> E[tokens] 1, 1.5, 1.875,
+    ~2, ~2.  Without a fixed cost W 1 wins (1 / 1 against 1.5 / 2); with 3 ms per round W 2
+    wins (1.5 / 5 = 0.3 against 1 / 4 = 0.25 and 1.875 / 7 = 0.27); with 20 ms W 4 (1.875 /
+    24 against 1.5 / 22 and 1.99 / 28)."""
+    fwd = lambda compact, rows, W: 1e-3 * W                                       # noqa: E731
+    windows, a = (1, 2, 4, 8, 16), Acceptance(15)
+    for fixed, W in ((None, 1), (3e-3, 2), (20e-3, 4)):
+        t = CostTable.from_function(8, fwd, fixed=None if fixed is None else lambda W: fixed)
+        assert WindowPolicy(t, windows, modes=("full",)).choose(8, a) == (W, False), fixed
+    t = CostTable.from_function(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
+    assert t.cost(False, 8, 4) == pytest.approx(4e-3 + 6e-3)
+    assert t.cost(True, 3, 3) == pytest.approx(3e-3 + 5e-3)              # interpolated over W
+
+
+def test_calibration_entries_carry_the_decodings_fixed_cost():
+    entry = lambda W, g, s: dict(batch=4, active=[1, 4], full_s=[W, W, W],       # noqa: E731
+                                 compact_s=[W / 4, W], overhead_s=dict(greedy=g, sample=s))
+    entries = {1: entry(1.0, 0.5, 2.0), 2: entry(2.0, 0.5, 2.5)}
+    greedy, sample = (CostTable.from_entries(entries, d) for d in ("greedy", "sample"))
+    assert greedy.cost(False, 4, 1) == 1.5 and sample.cost(False, 4, 2) == 4.5
+    assert sample.cost(True, 1, 1) == 0.25 + 2.0
+
+
+def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
+    from rollout.window import PROBE
+    # a round costs W + 0.5: on the prior W 1's 1 / 1.5 beats W 2's 1.5 / 2.5 and W 4's
+    # 1.875 / 4.5
+    linear = CostTable.from_function(8, lambda c, rows, W: W + 0.5)
+    policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
+    chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
+    # rounds 8, 9, 16, 17, 24: the probes, the next wider window (W 2)
+    assert chosen == [1] * 7 + [2, 2] + [1] * 6 + [2, 2] + [1] * 6 + [2]
+    assert PROBE == 8
+    # depth 1 measured at ~0.9 (902 / 1004 with the prior), deeper depths extrapolated from
+    # it: W 4's 3.43 / 4.5 = 0.762 beats W 2's 1.90 / 2.5 = 0.759 and W 8's 5.66 / 8.5; on a
+    # probe round (16) the next wider window, W 8
+    for rounds, W in ((14, 4), (15, 8), (16, 8), (17, 4)):
+        some = Acceptance(15, rounds=rounds)
+        some.add([1000] + [0] * 14, [900] + [0] * 14)
+        assert policy.choose(8, some) == (W, False), rounds
+    sure = Acceptance(15, rounds=2)                          # a probe saw every draft accepted:
+    sure.add([50] * 15, [50] * 15)                           # W 16's ~15 / 16.5 beats 1 / 1.5
+    assert policy.choose(8, sure) == (16, False)
+    only = WindowPolicy(linear, (1,))                        # nothing to probe with: W 1
+    assert only.choose(8, Acceptance(0, rounds=PROBE - 1)) == (1, False)
+
+
+def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
+    """A table on which W 1 wins on the prior: the rollout still runs a W >= 2 round every
+    PROBE-th round (greedy tokens unchanged), and its windows are the same on a second call."""
+    from rollout.window import PROBE
+    model = tiny(2)
+    labels, prefix = batch(model, 4, 0, 1)
+    ref = make_engine("cached_ar").generate(model, labels, prefix, T)
+    table = CostTable.from_function(4, lambda c, rows, W: float(W) ** 2)
+    runs = [make_engine("hbsjd", W="auto", costs=table, execution="full").generate(
+        model, labels, prefix, T) for _ in range(2)]
+    res = runs[0]
+    assert torch.equal(res.tokens, ref.tokens) and runs[1].windows == res.windows
+    assert set(res.windows[1:PROBE]) == {1}, res.windows
+    assert min(res.windows[PROBE: PROBE + 2]) >= 2, res.windows
+
+
+def test_the_table_is_made_non_decreasing_in_w():
+    from rollout.window import monotone
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0] and monotone([1.0, 2.0]) == [1.0, 2.0]
+    entry = lambda f, c, o: dict(batch=2, active=[1, 2], full_s=[f], compact_s=c,  # noqa: E731
+                                 overhead_s=dict(greedy=o, sample=o))
+    # a load spike made W 1's Full forward dearer than W 2's, and W 2's Compact-at-1 cheaper
+    t = CostTable.from_entries({1: entry(3.0, [1.0, 2.0], 0.5), 2: entry(1.0, [0.5, 3.0], 0.3),
+                                4: entry(4.0, [2.0, 4.0], 1.0)})
+    assert t.full == {1: 2.0, 2: 2.0, 4: 4.0} and t.fixed == {1: 0.4, 2: 0.4, 4: 1.0}
+    assert t.compact[1] == ([1, 2], [0.75, 2.0]) and t.compact[2] == ([1, 2], [0.75, 3.0])
+
+
+def test_only_drafts_a_previous_round_proposed_are_counted():
+    """A round's depth k counts only when the round before had k drafts (W - 1) or more: the
+    first round after W 1 (drafts from history, no proposal) teaches nothing."""
+    from rollout.hbsjd import AcceptanceCounts
+    counts = torch.tensor([[3, 1, 2], [2, 0, 1], [0, 1, 1]])   # accepted 2, 0, 1; rej 0, 1, 1
+    seen = AcceptanceCounts(3, torch.device("cpu"))
+    seen.add(counts, 0)
+    assert seen.read(torch.ones(3, dtype=torch.bool))[1].reached == [0, 0, 0]
+    seen.add(counts, 1)
+    a = seen.read(torch.ones(3, dtype=torch.bool))[1]
+    assert (a.reached, a.accepted, a.rounds) == ([3, 0, 0], [2, 0, 0], 2)
+    seen.add(counts, 3)          # depth 1: all 3 reached, 2 took; depth 2: rows 0 and 2
+    a = seen.read(torch.ones(3, dtype=torch.bool))[1]
+    assert (a.reached, a.accepted) == ([6, 2, 0], [4, 1, 0])   # row 0 took both: no depth 3
