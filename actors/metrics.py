@@ -33,6 +33,7 @@ HISTOGRAMS = {
     "opd_rollout_seconds": "Seconds per rollout call.",
     "opd_rollout_commit_length": "Tokens committed per image per round (acceptance length).",
     "opd_rollout_image_rounds": "Rounds each image of a rollout was active (per-image rounds).",
+    "opd_rollout_window": "Window W of each verifier round (rollout.window; auto chooses it per round).",
     "opd_teacher_seconds": "Seconds per teacher scoring call.",
     "opd_learner_step_seconds": "Seconds per learner step.",
     "opd_weight_sync_seconds": "Seconds from a learner update to every rollout worker holding it.",
@@ -46,6 +47,7 @@ COUNTERS = {
 }
 ALL = {**GAUGES, **HISTOGRAMS, **COUNTERS}
 BOUNDARIES = {"opd_rollout_commit_length": COMMIT_BOUNDARIES,
+              "opd_rollout_window": COMMIT_BOUNDARIES,
               "opd_rollout_image_rounds": ROUNDS_BOUNDARIES}
 
 

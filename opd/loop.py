@@ -129,7 +129,7 @@ def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> di
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
             "rounds": s.get("rounds", 0), "ar_rounds": s.get("ar_rounds", 0),
             "mean_committed": s.get("mean_committed", 0.0),
-            "commit_hist": s.get("commit_hist"),
+            "commit_hist": s.get("commit_hist"), "window_hist": s.get("window_hist"),
             "image_rounds_max": s.get("image_rounds_max", 0),
             "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
                                   else 0.0),

@@ -38,6 +38,19 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def window_lines(rows: list[dict]) -> list[str]:
+    """The windows HB-SJD's verifier rounds ran at over the run's student rollouts (metrics
+    column window_hist: entry W - 1 counts the rounds at window W), e.g. "rollout windows
+    (W: rounds): 1: 20, 4: 310"; nothing for engines that record none."""
+    hists = [r["window_hist"] for r in rows
+             if r.get("source") == "student" and r.get("window_hist")]
+    total = [sum(col) for col in zip(*hists)]
+    if not any(total):
+        return []
+    return ["rollout windows (W: rounds): "
+            + ", ".join(f"{w}: {n}" for w, n in enumerate(total, 1) if n)]
+
+
 STAGES = ("rollout", "teacher", "learner")
 
 
@@ -91,7 +104,7 @@ def print_summary(rows: list[dict], run_dir: str | Path) -> dict:
               f"{on} on student rollouts")
     for k, v in s.items():
         print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
-    for line in stage_lines(rows) + node_lines(run_dir):
+    for line in window_lines(rows) + stage_lines(rows) + node_lines(run_dir):
         print(f"  {line}")
     return s
 

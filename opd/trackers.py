@@ -47,7 +47,7 @@ EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """run.loggers entry -> the module it imports (also the name of its pyproject extra)."""
 
 STAGE_OF = {
-    "rollout": ("prefix_len", "rounds", "ar_rounds", "mean_committed", "commit_hist",
+    "rollout": ("prefix_len", "rounds", "ar_rounds", "mean_committed", "commit_hist", "window_hist",
                 "image_rounds_max", "image_rounds_mean", "longest_single_run",
                 "generated_tokens", "samples_per_s", "weight_sync_s", "weight_bytes",
                 "delivered_bytes", "source"),

@@ -83,6 +83,9 @@ class RolloutWorker(Worker):
         for k, count in enumerate(s.get("commit_hist", [])):   # acceptance lengths
             for _ in range(count):
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
+        for k, count in enumerate(s.get("window_hist", [])):   # the window of each round
+            for _ in range(count):
+                self.metrics.observe("opd_rollout_window", k + 1)
         for r in s.get("image_rounds", []):
             self.metrics.observe("opd_rollout_image_rounds", r)
         return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)

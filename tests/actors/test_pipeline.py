@@ -91,6 +91,7 @@ EXPECTED = {  # metric -> a (role, worker) it must carry
     "ray_opd_rollout_mean_committed": ("rollout", "0"),
     "ray_opd_rollout_commit_length_count": ("rollout", "0"),
     "ray_opd_rollout_image_rounds_count": ("rollout", "1"),
+    "ray_opd_rollout_window_count": ("rollout", "0"),
     "ray_opd_rollout_longest_single_run": ("rollout", "0"),
     "ray_opd_teacher_tokens_per_s": ("teacher", "1"),
     "ray_opd_learner_step_seconds_count": ("learner", "0"),

@@ -47,6 +47,8 @@ def test_slots_leave_the_losses_alone_and_rows_count_every_token(cached_ar_run, 
     for r in rows:
         hist = r["commit_hist"]
         assert sum((k + 1) * n for k, n in enumerate(hist)) == r["generated_tokens"]
+        assert sum(r["window_hist"]) == r["rounds"] - 1     # a window per round but the prefill
+        assert max(w for w, n in enumerate(r["window_hist"], 1) if n) == 4   # rollout.window
         assert r["image_rounds_max"] >= r["image_rounds_mean"] >= 1
         assert r["longest_single_run"] <= r["image_rounds_max"]
 

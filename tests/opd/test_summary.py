@@ -98,3 +98,13 @@ def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
         "took 0.275 s, 1.38x the busy sum: the stages ran one after another (medians)"]
     reference = [{"source": "student", "step_s": 0.1, "rollout_s": 0.05}]   # no busy columns
     assert stage_lines(reference) == []
+
+
+def test_window_lines_add_the_rounds_of_each_window_over_student_rollouts():
+    from opd.summary import window_lines
+    rows = [{"source": "student", "window_hist": [2, 0, 0, 5]},
+            {"source": "data", "window_hist": None},
+            {"source": "student", "window_hist": [1, 3, 0, 0]},
+            {"source": "teacher", "window_hist": [0, 0, 0, 9]}]       # SeqKD: not the student's
+    assert window_lines(rows) == ["rollout windows (W: rounds): 1: 3, 2: 3, 4: 5"]
+    assert window_lines([{"source": "student", "window_hist": None}]) == []
