@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,10 +99,17 @@ def config_to_yaml(cfg: Any) -> str:
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:
-    """Write the resolved config (YAML) to `path`, creating parent directories."""
+    """Write the resolved config (YAML) to `path`, creating parent directories; whole or not
+    at all (written beside it, then renamed), so a crash while a resume rewrites a run's
+    config.yaml cannot leave it cut short."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
+    part = path.with_name(f".{path.name}.part")
+    try:
+        part.write_text(config_to_yaml(cfg))
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
     return path
 
 

@@ -440,9 +440,13 @@ def set_override(root: type, tree: dict[str, Any], key: str, raw: str, what: str
             if not isinstance(items, list) or not index.isdigit() or int(index) >= len(items) \
                     or i + 2 >= len(parts):
                 n = len(items) if isinstance(items, list) else 0
+                whole = f"{prefix}{part}=[{{...}}, ...]"
+                if n == 0:                       # no entry to index: only the whole list
+                    raise ConfigError(f"{key}: {prefix}{part} is empty, so it has no entry "
+                                      f"{index}; set the whole list as {whole}", key)
                 raise ConfigError(f"{key}: {prefix}{part} holds {n} entries; set one's key as "
                                   f"{prefix}{part}.N.KEY=VALUE with 0 <= N < {n}, or the whole "
-                                  f"list as {prefix}{part}=[{{...}}, ...]", key)
+                                  f"list as {whole}", key)
             node[part] = items = [dict(x) if isinstance(x, dict) else x for x in items]
             node, cls, skip = items[int(index)], section_items(tp), True
             continue

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from opd.config import ConfigError, RunConfig, default_run_dir, save_config
+from opd.config import (ConfigError, RunConfig, config_to_dict, default_run_dir, load_config,
+                        save_config)
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "lock"
@@ -32,6 +33,41 @@ LOCK_FILE = "lock"
 
 class RunDirError(ValueError):
     """A run directory that cannot be used as asked."""
+
+
+def missing_keys(saved: dict, full: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of `full` (a resolved config's dict) that `saved` lacks, sections
+    recursed into."""
+    out = []
+    for key, value in full.items():
+        if key not in saved:
+            out.append(prefix + key)
+        elif isinstance(value, dict) and isinstance(saved[key], dict):
+            out += missing_keys(saved[key], value, f"{prefix}{key}.")
+    return out
+
+
+def check_saved_config(run_dir: str | os.PathLike) -> None:
+    """ConfigError unless the run's config.yaml holds every key of a resolved config, as the
+    run saved it.  One cut short or with keys deleted would otherwise load, the missing keys
+    taking their defaults, and the resumed steps would silently be another run's (other
+    data, model or schedule; a cut `data.data_dir` even prepares a data set elsewhere).
+    A file that is not YAML mapping is left to `load_config`, which names the problem."""
+    import yaml
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return
+    if not isinstance(saved, dict):
+        return
+    gone = missing_keys(saved, config_to_dict(load_config(None)))
+    if gone:
+        more = f" (+{len(gone) - 4} more)" if len(gone) > 4 else ""
+        raise ConfigError(f"{path} lacks {', '.join(gone[:4])}{more}: it was cut short or "
+                          f"edited, and resuming would run with defaults for them; restore it "
+                          f"from a copy of the run (or write the missing keys back with the "
+                          f"values the run used)", gone[0])
 
 
 def _stderr(line: str) -> None:

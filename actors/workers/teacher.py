@@ -7,6 +7,7 @@ import time
 
 from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
 from actors.workers.base import Worker
+from actors.workers.heap import release_free_heap
 from actors.workers.rollout import job_tokens
 from opd import precision
 from opd.batch import TrajectoryBatch
@@ -43,6 +44,8 @@ class TeacherWorker(Worker):
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         report = deliver(out, tag, queue, time.perf_counter() - start)
         self.io.put(report.nbytes)
+        del batch, out
+        release_free_heap()          # its freed buffers, which glibc would keep (heap.py)
         return report
 
     def generate(self, job: RolloutJob, version: int, tags: list[PartTag] | None = None,
@@ -57,4 +60,7 @@ class TeacherWorker(Worker):
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)
+        made = hand_over(traj, tags, queue, time.perf_counter() - start, self.io)
+        del traj
+        release_free_heap()
+        return made

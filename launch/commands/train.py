@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from opd.config import (ConfigError, check_resume_overrides, check_retired_keys, load_config,
                             save_config)
     from opd.preflight import check_inputs
-    from opd.rundir import CONFIG_FILE, RunDirError, prepare_run_dir, release_lock
+    from opd.rundir import (CONFIG_FILE, RunDirError, check_saved_config, prepare_run_dir,
+                            release_lock)
 
     cfg = args.cfg
     if args.resume:
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                               f"{args.config}; pass only key=value overrides of what may change")
         check_retired_keys(args.overrides)
         check_resume_overrides(args.overrides)
+        check_saved_config(args.resume)
         cfg = load_config(f"{args.resume}/{CONFIG_FILE}",
                           [*args.overrides, f"run.dir={args.resume}"])
     check_inputs(cfg)

@@ -81,6 +81,9 @@ CASES = [
      "opd: error: unknown config key 'rollout.windw'; did you mean 'rollout.window'?"),
     ("mistyped value", ["TINY", "rollout.window=abc"],
      "opd: error: rollout.window='abc': expected int or 'auto'"),
+    ("an entry of an empty phases list", ["TINY", "distill.phases.0.steps=3"],
+     "opd: error: distill.phases.0.steps: distill.phases is empty, so it has no entry 0; set "
+     "the whole list as distill.phases=[{...}, ...]"),
     ("data of another vocabulary", ["TINY", "data.dataset=parquet", "data.data_dir={B}/vocab"],
      "opd: error: {B}/vocab/train.parquet: the data was tokenized with vocab_size=1024 "
      "(other-vq) but vocab_size=17 is expected; use a dataset and model that share one "
@@ -311,6 +314,31 @@ def test_resume_of_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert one_line(capsys) == (f"opd: error: cannot resume from {tmp_path}: it holds no "
                                 f"config.yaml; pass the directory of an earlier opd train run")
+
+
+@pytest.mark.parametrize("cut", ["inside data.data_dir", "before the data section"])
+def test_resume_of_a_run_whose_config_yaml_was_cut_short(existing, tmp_path, capsys, cut):
+    """Issue 31's once-failed fuzz case (run directories: break_config + no_metrics, --resume),
+    written by hand: the cut config.yaml loaded, the keys after the cut took their defaults,
+    and the resume trained another run (default steps and schedule) and, cut inside
+    data.data_dir, prepared a digits set at the cut path, outside the run.  Refused now, in one
+    line naming the file and the first missing keys; nothing changes, nothing is made."""
+    run, _ = existing
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    text = (copy / "config.yaml").read_text()
+    start = text.index("data_dir: ") + len("data_dir: ")
+    at = (start + text.index("\n", start)) // 2 if cut.startswith("inside") else \
+        text.index("\ndata:") + 1
+    (copy / "config.yaml").write_text(text[:at])
+    (copy / "metrics.parquet").unlink()
+    before = snapshot(copy)
+    assert main(["train", "--resume", str(copy)]) == 2
+    first = "data.train, data.heldout" if cut.startswith("inside") else "data, rollout"
+    assert one_line(capsys).startswith(f"opd: error: {copy}/config.yaml lacks {first}")
+    assert snapshot(copy) == before
+    if cut.startswith("inside"):
+        assert not Path(text[start:at]).exists()    # no data set prepared at the cut path
 
 
 def test_export_of_a_file_or_of_a_run_without_a_complete_checkpoint(existing, bad, tmp_path,

@@ -105,6 +105,9 @@ def test_a_preset_that_sets_its_objective_trains_with_it_for_the_whole_run(tmp_p
     (["distill.phases=kd"], r"^distill.phases='kd': expected a list of mappings with keys name, "),
     (["distill.phases=[3]"], r"^'distill.phases\[0\]' must be a mapping of keys, got 3$"),
     (["distill.phases.2.lam=0.5"], r"^distill.phases.2.lam: distill.phases holds 2 entries"),
+    (["distill.phases=[]", "distill.phases.0.steps=3"],
+     r"^distill.phases.0.steps: distill.phases is empty, so it has no entry 0; set the whole "
+     r"list as distill.phases=\[\{\.\.\.\}, \.\.\.\]$"),
 ])
 def test_bad_phases_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
