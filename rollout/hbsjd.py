@@ -394,8 +394,9 @@ class HBSJD(JacobiEngine):
     def cost_table(self, model, req: Request) -> CostTable:
         """Option costs (a `CostTable`: fixture tables in tests), else the calibration file's
         entries of (this model, req.rows, each W of `WINDOWS`, CFG) -- the ones gamma is
-        chosen from, with their round overheads of req's decoding; with calibrate_missing=True the missing ones are measured here, once,
-        under the file's lock, else ValueError saying how to make them."""
+        chosen from, with their round overheads of req's decoding; with calibrate_missing=True
+        the missing ones are measured here, once, under the file's lock, else ValueError saying
+        how to make them."""
         if self.options["costs"] is not None:
             return self.options["costs"]
         from rollout.calibrate import ensure_calibration, find_entry, model_signature
