@@ -2,7 +2,7 @@
 workers/learner.py).
 
     from actors.driver.pipeline import run_distributed
-    rows = run_distributed(cfg, run_dir)        # same rows as opd.reference.run_reference
+    rows = run_distributed(cfg, run_dir)        # same rows as opd.run.reference.run_reference
 
 Layers, roles, one step's data flow, the module map and the numbered invariants:
 docs/ARCHITECTURE.md.  By role:

@@ -12,10 +12,10 @@ import sys
 from types import ModuleType
 
 USER_ERRORS = [
-    ("opd.config", "ConfigError"),
+    ("opd.config.schema", "ConfigError"),
     ("opd.data", "DataError"),
-    ("opd.models.checkpoint", "CheckpointError"),
-    ("opd.rundir", "RunDirError"),
+    ("opd.models.safe_load", "CheckpointError"),
+    ("opd.run.rundir", "RunDirError"),
 ]
 """(module, class) of errors a user causes: shown as `opd: error: <message>`, exit 2."""
 
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None, commands: list[ModuleType] | None = None
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if getattr(args, "takes_config", False):
-            from opd.config import config_to_yaml, load_config
+            from opd.config.schema import load_config
+            from opd.config.files import config_to_yaml
             # `opd train --resume RUN`: the run's own config.yaml is the base (the command loads
             # it); the default preset with the overrides may not even be valid on its own
             resuming = getattr(args, "resume", None) is not None

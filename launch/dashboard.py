@@ -1,4 +1,4 @@
-"""The Grafana dashboard of the opd metrics, built from the metric registry in actors/metrics.py.
+"""The Grafana dashboard of the opd metrics, built from the metric registry in actors/ray_metrics.py.
 
     python -m launch.dashboard > launch/grafana/opd_dashboard.json
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from actors.metrics import BOUNDARIES, COUNTERS, GAUGES, HISTOGRAMS
+from actors.ray_metrics import BOUNDARIES, COUNTERS, GAUGES, HISTOGRAMS
 
 PATH = "launch/grafana/opd_dashboard.json"
 

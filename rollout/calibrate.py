@@ -21,8 +21,9 @@ entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` u
 
 There is one calibration file, `calibration_file()` = `$OPD_CACHE/calibration.json` (default
 `~/.cache/opd/calibration.json`): `opd calibrate` writes it, training, evaluation and the benches
-read it.  The cache directory is defined here, not in opd/cache.py, because rollout/ imports
-nothing from opd/; `opd.cache.cache_dir` returns `cache_root()`.  `ensure_calibration` measures
+read it.  The cache directory (`cache_root()`: pretrained models, calibration, the digits feature
+extractor) is defined here because rollout/ imports nothing from opd/ and every layer above
+reads it from here.  `ensure_calibration` measures
 missing entries under an exclusive lock on the file, so processes sharing it (Ray workers)
 measure each entry once: the first one measures, the others wait and read it.
 """

@@ -8,7 +8,7 @@ Behaviour log-prob of a committed token (`token_logprob`), the same for both dec
 log p(token) under the warped guided distribution p = warp(guide(logits)) of its position --
 the distribution a sampled token was drawn (or accepted) from; for greedy decoding the same
 distribution's log-prob of the argmax.  The learner recomputes it teacher-forced with this
-definition (`opd/onpolicy.py`).
+definition (`opd/distill/onpolicy.py`).
 
 Random numbers are not drawn from a generator in batch order.  Every uniform is a hash of
 

@@ -92,7 +92,7 @@ def overrides(args, data_dir: str) -> list[str]:
 def run(args) -> dict:
     import ray
     from actors.driver.pipeline import run_distributed
-    from opd.config import load_config
+    from opd.config.schema import load_config
     from opd.data import prepare_digits
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     work = Path(tempfile.mkdtemp(prefix="opd-memory-soak-"))

@@ -72,7 +72,7 @@ def run_overrides(data_dir: str, steps: int, checkpoint_every: int = 0) -> list[
 
 def batches(run_dir: Path, steps: int) -> dict:
     """Batch ids lost and duplicated, from consumed.json and metrics.parquet."""
-    from opd.metrics import read_metrics
+    from opd.run.metrics_log import read_metrics
     record = json.loads((run_dir / "consumed.json").read_text())
     counts = {int(b): n for b, n in record["consumed"].items()}
     ids = [r["batch_id"] for r in read_metrics(run_dir)]
@@ -149,7 +149,7 @@ def nodes_scenario(args, data_dir: str, reference: list[dict], log) -> list[dict
     from ray.cluster_utils import Cluster
 
     from actors.driver.pipeline import run_distributed
-    from opd.config import load_config
+    from opd.config.schema import load_config
 
     run_dir = Path(args.work) / "nodes"
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -269,7 +269,7 @@ def submit(address: str, env: dict, submission_id: str, *argv: str, cache: str) 
 
 
 def rows_done(run_dir: Path) -> int:
-    from opd.metrics import read_metrics
+    from opd.run.metrics_log import read_metrics
     try:
         return len(read_metrics(run_dir))
     except Exception:  # noqa: BLE001 - not written yet, or being replaced
@@ -298,8 +298,8 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 
 def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
     """The "driver" run; returns its row."""
-    from opd.cache import cache_dir
-    from opd.metrics import read_metrics
+    from rollout.calibrate import cache_root
+    from opd.run.metrics_log import read_metrics
     temp = Path(tempfile.mkdtemp(prefix="opdn", dir="/tmp"))        # short: Ray's socket paths
     env = {**os.environ, "RAY_TMPDIR": str(temp), "RAY_AUTH_MODE": "disabled",
            "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -311,7 +311,7 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
     try:
         first, second = f"opd-a-{os.getpid()}", f"opd-b-{os.getpid()}"
         submit(address, env, first, "opd", "train", "--config", "tiny", f"run.dir={run_dir}",
-               *run_overrides(data_dir, args.steps, every), cache=str(cache_dir()))
+               *run_overrides(data_dir, args.steps, every), cache=str(cache_root()))
         deadline = time.time() + 600
         while not ((n := rows_done(run_dir)) > every and n % every):   # past a checkpoint
             if job(address, first)["status"] in ("FAILED", "SUCCEEDED", "STOPPED"):
@@ -327,7 +327,7 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
         log(f"  killed the driver of job {first} (pid {pid}) after {done_at_kill} steps")
         status_first = wait_job(address, first, {"FAILED", "STOPPED", "SUCCEEDED"}, 120)
         submit(address, env, second, "opd", "train", "--resume", str(run_dir),
-               cache=str(cache_dir()))
+               cache=str(cache_root()))
         recovered: dict = {}
 
         def watch() -> None:    # the new job's rows (written after the kill) are back where they were
@@ -362,8 +362,8 @@ def driver_scenario(args, data_dir: str, reference: list[dict], log) -> dict:
 
 def run_scenarios(args, data_dir: str, log) -> list[dict]:
     """Both scenarios (args.scenarios); Ray must not be initialized in this process."""
-    from opd.config import load_config
-    from opd.reference import run_reference
+    from opd.config.schema import load_config
+    from opd.run.reference import run_reference
     rows = []
     if "nodes" in args.scenarios:
         log(f"nodes: reference loop, {args.steps} steps")

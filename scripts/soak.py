@@ -211,9 +211,10 @@ class Chaos:
 
 def soak_run(args, data_dir: str, staleness: int, reference: list[dict] | None, log) -> dict:
     """One chaos run; returns its report."""
-    from actors.driver.pipeline import LearnerFailure, run_distributed
-    from opd.config import load_config
-    from opd.metrics import read_metrics
+    from actors.driver.pipeline import run_distributed
+    from actors.driver.records import LearnerFailure
+    from opd.config.schema import load_config
+    from opd.run.metrics_log import read_metrics
 
     cfg = load_config("tiny", run_overrides(args, data_dir, staleness))
     run_dir = Path(tempfile.mkdtemp(prefix=f"soak-s{staleness}-", dir=args.work))
@@ -362,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
     torch.set_num_threads(1)
-    from opd.config import load_config
+    from opd.config.schema import load_config
     from opd.data import prepare_digits
-    from opd.reference import run_reference
+    from opd.run.reference import run_reference
 
     began = time.perf_counter()
     args.work = tempfile.mkdtemp(prefix="opd-soak-")

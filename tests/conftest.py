@@ -60,8 +60,8 @@ def fresh_calibration(opd_cache, tiny_overrides, tmp_path, monkeypatch) -> Path:
     """OPD_CACHE set, for this test, to a directory that links every entry of the session cache
     (pretrained tiny models, feature extractor, ...) except the calibration file: the test
     starts without calibrations and does not touch the session's.  Returns the directory."""
-    from opd.config import load_config
-    from opd.pretrain import load_role_model
+    from opd.config.schema import load_config
+    from opd.models.factory import load_role_model
     cfg = load_config("tiny", tiny_overrides)
     for role in ("teacher", "student"):                 # pretrained once, in the session cache
         load_role_model(cfg, role, progress=False)
@@ -84,8 +84,8 @@ def check_tensorboard():
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from opd.eval.tracking import read_quality
-    from opd.metrics import read_metrics
-    from opd.trackers import quality_scalars, step_scalars
+    from opd.run.metrics_log import read_metrics
+    from opd.run.trackers import quality_scalars, step_scalars
 
     def check(run_dir: Path, steps: list[int]):
         acc = EventAccumulator(str(run_dir / "tensorboard"),

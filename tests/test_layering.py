@@ -123,7 +123,7 @@ def test_checker_sees_forbidden_imports(tmp_path):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"rollout.engine", "opd.steps", "actors.driver.pipeline", "launch.cli",
+    assert {"rollout.engine", "opd.distill.steps", "actors.driver.pipeline", "launch.cli",
             "scripts.soak", "scripts.node_loss"} <= set(graph)
     assert "scripts.node_loss" in graph["scripts.soak"]            # the soak runs the node faults
     assert cycles(graph) == []

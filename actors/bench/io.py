@@ -1,5 +1,5 @@
 """What a distributed run moves and holds, per step and per role: the Ray side of
-`opd bench step` (opd/bench/step.py formats it; opd/bench/step_io.py).
+`opd bench step` (launch/bench/step.py formats it; launch/bench/step_io.py).
 
     rows = run_with_io(cfg, run_dir)     # run_distributed's rows, each with "io" and "object_store"
 
@@ -29,7 +29,7 @@ import ray
 
 from actors.driver.pipeline import run_distributed
 from actors.transport.iostats import payload_nbytes, peak_rss_bytes
-from opd.config import RunConfig
+from opd.config.schema import RunConfig
 
 KEYS = ("received_bytes", "sent_bytes")
 

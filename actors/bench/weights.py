@@ -23,7 +23,7 @@ import torch
 from actors.transport.weights import (BroadcastGroup, free_port, make_buckets, state_dict_to_numpy,
                                       tag_weights, weights_nbytes)
 from actors.workers.rollout import RolloutWorker
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.models import create_model
 
 

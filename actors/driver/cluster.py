@@ -26,16 +26,18 @@ from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
 from actors.driver.group import call_all
-from actors.workers.base import actor_name  # noqa: F401  (re-exported)
+from actors.workers.base import actor_name
 from actors.workers.evaluation import EvaluationWorker
 from actors.workers.learner import StudentLearner
 from actors.workers.queue import TrajectoryQueue
 from actors.workers.rollout import RolloutWorker
 from actors.workers.teacher import TeacherWorker
-from opd.cache import cache_dir
-from opd.config import ConfigError, RunConfig, config_to_dict
-from opd.phases import rolls_out
-from opd.pretrain import load_role_model
+from rollout.calibrate import cache_root
+from opd.config.schema import RunConfig
+from opd.config.loader import ConfigError
+from opd.config.files import config_to_dict
+from opd.distill.phases import rolls_out
+from opd.models.factory import load_role_model
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long a local Ray may take to place the workers."""
@@ -119,7 +121,7 @@ def pool_size(n: int | tuple[int, int]) -> int:
 
 def rollout_pool_size(cfg: RunConfig) -> int:
     """Rollout workers a run starts with: none when no phase trains on student rollouts
-    (opd/phases.py: KD, SeqKD and GKD at λ 0 never sample from the student)."""
+    (opd/distill/phases.py: KD, SeqKD and GKD at λ 0 never sample from the student)."""
     return pool_size(cfg.rollout.num_workers) if rolls_out(cfg) else 0
 
 
@@ -247,7 +249,7 @@ class ActorGroups:
                               f"eval.track=false", "eval.num_cpus")
         return ray.remote(EvaluationWorker).options(
             num_cpus=e.num_cpus, num_gpus=e.num_gpus,
-            runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
+            runtime_env={"env_vars": {"OPD_CACHE": str(cache_root())}},
             max_restarts=0, max_task_retries=0,
             name=actor_name("evaluation"), namespace=self.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -309,7 +311,7 @@ def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int,
     `name` in `namespace`."""
     return ray.remote(cls_).options(
         num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, name=name, namespace=namespace,
-        runtime_env={"env_vars": {"OPD_CACHE": str(cache_dir())}},
+        runtime_env={"env_vars": {"OPD_CACHE": str(cache_root())}},
         max_restarts=restarts, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=bundle_index)).remote(c, index)

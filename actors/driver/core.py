@@ -26,10 +26,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind, Training
-from opd.pieces import combine_metrics, merge_stats
-from opd.config import RunConfig
-from opd.loop import checkpoint_due, step_row
+from actors.driver.tasks import StepPlan, Task, TaskKind, Training
+from actors.transport.delivery import PartReport
+from opd.distill.pieces import combine_metrics, merge_stats
+from opd.config.schema import RunConfig
+from opd.run.loop import checkpoint_due, step_row
 
 
 @dataclass
@@ -272,7 +273,7 @@ class PoolCounts:
 def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seconds: float,
                  sync_bytes: int, reissued: int) -> dict:
     """The metrics.parquet row of a trained step: the reference loop's columns
-    (`opd.loop.step_row`) plus the pipeline's own (queue depth, policy lag, idle ratios, bytes,
+    (`opd.run.loop.step_row`) plus the pipeline's own (queue depth, policy lag, idle ratios, bytes,
     the learner's wait on rollouts)."""
     wall, results = done.wall, done.results
     traj = BatchSummary.of(plan)

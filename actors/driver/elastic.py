@@ -42,8 +42,8 @@ import ray
 from actors.driver.cluster import fits, joins_cluster, role_bundle, run_bundles
 from actors.driver.pool import DEAD, UP
 from actors.driver.tasks import Task, TaskKind
-from opd.config import RunConfig
-from opd.phases import rolls_out
+from opd.config.schema import RunConfig
+from opd.distill.phases import rolls_out
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The driver: `run_distributed(cfg, run_dir)` runs OPD on Ray and returns the per-step metric
-rows, like `opd.reference.run_reference` (same rows, same losses in strict mode: invariant 5).
+rows, like `opd.run.reference.run_reference` (same rows, same losses in strict mode: invariant 5).
 The roles, one step's data flow, faults and the invariants are in docs/ARCHITECTURE.md; per
 step k, the reference's order of work:
 
@@ -16,10 +16,10 @@ payload.  What it decides (which parts to submit, which steps to seal and train,
 and record) is actors/driver/core.py, plain functions over its typed state tested without Ray;
 `Pipeline` executes them with its parts: planner.py (plans, data cursor), dispatch.py (tasks,
 workers, probes), publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py
-(an elastic rollout pool), evaluation.py (quality at evaluation steps); opd/loop.py (progress,
+(an elastic rollout pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress,
 rows, checkpoint cadence) is shared with the reference loop.  Steps not sampled from the
 student are prepared ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0
-student rollouts run up to k versions ahead.  Ctrl-C (actors/driver/interrupt.py): the step in
+student rollouts run up to k versions ahead.  Ctrl-C (opd/run/interrupt.py): the step in
 training finishes, its checkpoint is written, and the run raises `RunInterrupted`.  Faults:
 failed workers are probed and their parts issued again (`core.retry`); a learner failure stops
 the run and names the last checkpoint.  Every prefix batch id is consumed exactly once
@@ -41,27 +41,27 @@ from tqdm import tqdm
 from actors.driver import core
 from actors.driver.cluster import ActorGroups, bundle_node, check_distributed, connect
 from actors.driver.core import DriverState, PartNext, PoolCounts, Retry
-from actors.driver.dispatch import Dispatcher, WorkerPoolExhausted  # noqa: F401 (re-exported)
+from actors.driver.dispatch import Dispatcher
 from actors.driver.elastic import ElasticRollout
 from actors.driver.group import fan_out
-from actors.driver.interrupt import NoInterrupt
+from opd.run.interrupt import NoInterrupt
 from actors.driver.nodes import NodeWatch
 from actors.driver.planner import StepPlanner
 from actors.driver.publisher import WeightPublisher
-from actors.driver.records import CHECKPOINTS, CONSUMED_FILE, LearnerFailure, RunRecords  # noqa: F401
-from actors.driver.tasks import StepPlan, Task, TaskKind, Training
-from actors.metrics import RoleMetrics
+from actors.driver.records import RunRecords
+from actors.driver.tasks import StepPlan, Task, TaskKind
+from actors.ray_metrics import RoleMetrics
 from actors.transport.delivery import PartTag, deliver, put_payload, report as part_report
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
 from actors.workers.rollout import StaleWeightsError
-from opd.checkpoints import latest_checkpoint
-from opd.config import RunConfig
+from opd.run.checkpoints import latest_checkpoint
+from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
-from opd.loop import StepLog, check_objectives
-from opd.pieces import take_rows
-from opd.pretrain import open_dataset
-from opd.steps import rollout as roll_out
+from opd.run.loop import StepLog, check_objectives
+from opd.distill.pieces import take_rows
+from opd.data.splits import open_dataset
+from opd.distill.steps import rollout as roll_out
 
 WAIT_S = 30.0
 
@@ -472,14 +472,14 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
                     resume: bool = False, stop_after: int | None = None,
                     hooks: dict[str, Callable] | None = None, interrupt=None) -> list[dict]:
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
-    run_dir/metrics.parquet), like `opd.reference.run_reference`.  `resume` continues from the
+    run_dir/metrics.parquet), like `opd.run.reference.run_reference`.  `resume` continues from the
     run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
     ("after_submit", "after_part" (a part generated), "after_seal" (a step's parts all in the
     queue), "after_step") to callables(pipeline, **info) (tests inject faults there),
     and "rollout_wait" to a callable(pipeline, step=, row=) -> float that an elastic pool's
     policy uses instead of the measured row["rollout_wait"] (tests: actors/driver/elastic.py);
-    `interrupt` (actors.driver.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
-    raises opd.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
+    `interrupt` (opd.run.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
+    raises opd.run.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
     check_distributed(cfg)
     check_objectives(cfg)
     run_dir = Path(run_dir)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 
 from actors.driver.tasks import StepPlan
-from opd.config import RunConfig
+from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
-from opd.phases import phase_at
-from opd.pieces import piece_cuts, shard_rows, split_job, step_layout
-from opd.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
+from opd.distill.phases import phase_at
+from opd.distill.pieces import piece_cuts, shard_rows, split_job, step_layout
+from opd.distill.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
                        needs_teacher_scores)
 
 
@@ -35,7 +35,7 @@ class StepPlanner:
         cfg, s = self.cfg, self.next_step
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
-        objective = build_objective(cfg, s)             # the step's phase's (opd/phases.py)
+        objective = build_objective(cfg, s)             # the step's phase's (opd/distill/phases.py)
         source = batch_source(objective, s, cfg.run.seed)
         version = s
         if source == "student":

@@ -1,6 +1,6 @@
 """What a distributed run writes that outlives it: checkpoints and consumed.json.
 
-    checkpoints/step_<n>/     the layout of opd/checkpoints.py: student.pt (learner rank 0),
+    checkpoints/step_<n>/     the layout of opd/run/checkpoints.py: student.pt (learner rank 0),
                               optimizer/ (DeepSpeed's files of every rank), state.json (step,
                               policy version, data cursor, consumed batch ids, mode "ray")
     consumed.json             every prefix batch id with its use count (must be 1), re-issued
@@ -23,9 +23,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.driver.group import call_all
-from opd import checkpoints as ckpt
-from opd.checkpoints import CHECKPOINTS  # noqa: F401  (re-exported by actors.driver.pipeline)
-from opd.config import RunConfig
+from opd.run import checkpoints as ckpt
+from opd.config.schema import RunConfig
 
 CONSUMED_FILE = "consumed.json"
 
@@ -67,7 +66,7 @@ class RunRecords:
     def save_checkpoint(self, step: int, cursor: dict, consumed: Counter[int]) -> None:
         """Every learner rank saves into checkpoints/step_N.tmp; once all have returned, the
         driver writes state.json (`cursor`: the data cursor before step N's batch) and renames
-        the directory into place (opd.checkpoints.commit)."""
+        the directory into place (opd.run.checkpoints.commit)."""
         with ckpt.writing(self.run_dir, step) as tmp:   # an OSError of a rank: CheckpointWriteError
             try:
                 call_all(self.learners, "save_checkpoint", str(tmp))

@@ -1,7 +1,7 @@
 """The driver's typed records: the kinds of task it has in flight, one task, and one step's plan.
 
 A `StepPlan` is one prefix batch cut into pieces, generated in parts (rollout calls, each a run
-of pieces: opd/pieces.py).  Each part
+of pieces: opd/distill/pieces.py).  Each part
 is generated (a rollout worker, or a teacher worker for SeqKD's teacher rollouts, or the data
 itself), scored when the objective needs teacher scores, and delivered by the worker into the
 trajectory queue, cut into one piece per learner rank (actors/transport/delivery.py).  The
@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.transport.delivery import PartReport  # noqa: F401  (re-exported)
-from opd.steps import RolloutJob
+from actors.transport.delivery import PartReport
+from opd.distill.steps import RolloutJob
 
 
 class TaskKind(enum.Enum):

@@ -1,6 +1,6 @@
 """Delivering a step part to the learner ranks that train on it.
 
-A part is one rollout call of a step, a run of its pieces (opd/pieces.py: a piece holds the
+A part is one rollout call of a step, a run of its pieces (opd/distill/pieces.py: a piece holds the
 p-th sub-range of every learner rank's shard); learner rank r trains on rows
 `shard_rows(B, R)[r]`, so each rank's rows of a piece are one contiguous range of it
 (`PartTag.cuts`).  A part is delivered piece by piece: by the teacher that scores each piece, or
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import ray
 
 from actors.transport.iostats import payload_nbytes
-from opd.pieces import take_rows
-from opd.batch import TrajectoryBatch
+from opd.distill.pieces import take_rows
+from opd.distill.batch import TrajectoryBatch
 
 
 @dataclass
@@ -27,7 +27,7 @@ class PartReport:
     """What a worker tells the driver about a part it delivered (no payload)."""
     rows: int
     generated_tokens: int
-    stats: dict                       # rollout statistics (opd.batch rollout_stats) of the part
+    stats: dict                       # rollout statistics (opd.distill.batch rollout_stats) of the part
     nbytes: int                       # bytes of the pieces it put into the queue
     seconds: float = 0.0              # the worker's busy time
     payload: object = None            # ref of the whole part, owned by the worker (to score)

@@ -20,10 +20,10 @@ import time
 import ray
 import torch
 
-from actors.metrics import RoleMetrics
+from actors.ray_metrics import RoleMetrics
 from actors.transport.iostats import IOCounter
 from actors.transport.weights import load_numpy_weights, untag_weights
-from opd.config import RunConfig, config_from_dict
+from opd.config.schema import RunConfig, config_from_dict
 
 ROLE_NAMES = {"learner": "learner", "rollout": "rollout", "teacher": "teacher",
               "queue": "queue", "evaluation": "eval"}

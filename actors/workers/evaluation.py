@@ -20,10 +20,10 @@ from pathlib import Path
 import ray
 
 from actors.workers.base import Worker
-from opd import precision
-from opd.config import RunConfig
+from opd.models import precision
+from opd.config.schema import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
-from opd.pretrain import load_role_model
+from opd.models.factory import load_role_model
 
 
 class EvaluationWorker(Worker):

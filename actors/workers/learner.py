@@ -3,7 +3,7 @@
 `learner.world_size` actors form one torch.distributed group (gloo on CPU, nccl on GPU): rank 0
 picks a free port (`master_address`), every rank calls `setup(host, port)` at the same time.
 Each rank wraps the starting student in a DeepSpeed engine (ZeRO stage `learner.zero_stage`,
-torch AdamW as client optimizer, float32 weights with the forward in `opd.precision`'s
+torch AdamW as client optimizer, float32 weights with the forward in `opd.models.precision`'s
 autocast (bf16 when learner.precision resolves to it), gradient clipping `learner.grad_clip`; a
 step's pieces accumulate gradients up to one boundary).
 
@@ -14,11 +14,11 @@ actors/transport/delivery.py), runs forward and backward on them and accumulates
 after the step's last piece it steps the optimizer once (docs/STREAMING.md).  DeepSpeed's
 gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce the
 accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
-piece on every rank: every rank has rows in every piece (opd/pieces.py).
-The per-rank piece loss is `opd.steps.student_loss` (the objective's token mean over the
+piece on every rank: every rank has rows in every piece (opd/distill/pieces.py).
+The per-rank piece loss is `opd.distill.steps.student_loss` (the objective's token mean over the
 piece's rows), scaled by R · n / N before backward so DeepSpeed's gradient average equals the
 gradient of the global token mean; the reported loss is Σ n · loss / N over the pieces and
-ranks (`opd.pieces.combine_metrics`).  (Exact for token-mean objectives — KD, SeqKD, GKD;
+ranks (`opd.distill.pieces.combine_metrics`).  (Exact for token-mean objectives — KD, SeqKD, GKD;
 VarKD's confidence-weighted mean is combined with the same token weights, an approximation
 for R > 1 and for more than one piece, the same in the reference loop.)
 """
@@ -34,17 +34,17 @@ import ray
 import torch
 
 from actors.transport.iostats import payload_nbytes
-from opd.pieces import combine_metrics
+from opd.distill.pieces import combine_metrics
 from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_buckets,
                                       state_dict_to_numpy, tag_weights, weights_nbytes)
 from actors.workers.base import Worker
-from opd import checkpoints as ckpt
-from opd import precision
-from opd.batch import TrajectoryBatch
-from opd.config import RunConfig
-from opd.pretrain import load_role_model
-from opd.steps import (build_objective, learning_rate, make_optimizer, set_learning_rate,
-                       student_loss)
+from opd.run import checkpoints as ckpt
+from opd.models import precision
+from opd.distill.batch import TrajectoryBatch
+from opd.config.schema import RunConfig
+from opd.models.factory import load_role_model
+from opd.distill.steps import build_objective, make_optimizer, set_learning_rate, student_loss
+from opd.distill.phases import learning_rate
 
 
 def deepspeed_config(cfg: RunConfig, device: torch.device) -> dict:
@@ -155,7 +155,7 @@ class StudentLearner(Worker):
         backward).  Returns {"part"} for a piece before the last; after the last, this rank's
         metrics of the step: loss (its rows' token mean), tokens, grad_norm (global), seconds,
         busy_s (its forward, backward and update seconds), rows and bytes received, the
-        on-policy check of its rows with the weights before this update (`opd.onpolicy.KEYS`).
+        on-policy check of its rows with the weights before this update (`opd.distill.onpolicy.KEYS`).
         If a piece cannot be fetched (the worker that owned it died), every rank answers
         {"lost": True} and keeps the pieces before it; the driver makes the part again."""
         start = time.perf_counter()
@@ -306,7 +306,7 @@ class StudentLearner(Worker):
 
     def save_checkpoint(self, tmp_dir: str) -> str:
         """Write this rank's part of the checkpoint being made in `tmp_dir` (step_N.tmp, see
-        opd/checkpoints.py): DeepSpeed's files in `optimizer/` (every rank, at the same time),
+        opd/run/checkpoints.py): DeepSpeed's files in `optimizer/` (every rank, at the same time),
         and on rank 0 the student (unwrapped, fp32, CPU) as `student.pt`.  The driver commits
         the directory once every rank has returned.  Returns `tmp_dir`."""
         self.engine.save_checkpoint(tmp_dir, tag=ckpt.OPTIMIZER_DIR, save_latest=False)

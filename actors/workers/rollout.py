@@ -14,12 +14,12 @@ import time
 from actors.transport.delivery import PartReport, PartTag, hand_over
 from actors.transport.weights import BroadcastGroup, Bucket
 from actors.workers.base import Worker
-from opd import precision
-from opd.calibration import prepare_calibration, rollout_batch_sizes
-from opd.config import RunConfig
+from opd.models import precision
+from opd.run.calibration import prepare_calibration, rollout_batch_sizes
+from opd.config.schema import RunConfig
 from opd.models import create_model
-from opd.pretrain import model_overrides
-from opd.steps import RolloutJob, build_engine, rollout
+from opd.models.factory import model_overrides
+from opd.distill.steps import RolloutJob, build_engine, rollout
 
 
 class StaleWeightsError(RuntimeError):

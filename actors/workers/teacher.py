@@ -9,12 +9,12 @@ from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
 from actors.workers.base import Worker
 from actors.workers.heap import release_free_heap
 from actors.workers.rollout import job_tokens
-from opd import precision
-from opd.batch import TrajectoryBatch
-from opd.config import RunConfig
-from opd.pieces import take_rows
-from opd.pretrain import load_role_model
-from opd.steps import RolloutJob, build_engine, rollout, score
+from opd.models import precision
+from opd.distill.batch import TrajectoryBatch
+from opd.config.schema import RunConfig
+from opd.distill.pieces import take_rows
+from opd.models.factory import load_role_model
+from opd.distill.steps import RolloutJob, build_engine, rollout, score
 
 
 class TeacherWorker(Worker):

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 def _overrides(items: list[str]) -> dict:
     import yaml
 
-    from opd.config import ConfigError
+    from opd.config.loader import ConfigError
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -144,7 +144,7 @@ def _overrides(items: list[str]) -> dict:
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from opd.bench.rollout import format_table, load_bench, resolve_bench_preset, run_bench, \
+    from launch.bench.rollout import format_table, load_bench, resolve_bench_preset, run_bench, \
         save_figures
 
     bench = load_bench(args.config, _overrides(args.overrides))
@@ -161,9 +161,9 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def run_paper(args: argparse.Namespace) -> int:
-    from opd.bench.common import resolve_bench_preset
-    from opd.bench.paper import load_paper_bench, run_paper
-    from opd.bench.paper_report import format_markdown, save_plots
+    from launch.bench.common import resolve_bench_preset
+    from launch.bench.paper import load_paper_bench, run_paper
+    from launch.bench.paper_report import format_markdown, save_plots
 
     bench = load_paper_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
@@ -179,8 +179,8 @@ def run_paper(args: argparse.Namespace) -> int:
 
 
 def run_table1(args: argparse.Namespace) -> int:
-    from opd.bench.common import resolve_bench_preset
-    from opd.bench.table1 import format_markdown, load_table1_bench, run_table1
+    from launch.bench.common import resolve_bench_preset
+    from launch.bench.table1 import format_markdown, load_table1_bench, run_table1
 
     bench = load_table1_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
@@ -200,7 +200,7 @@ def _ray_runner(cfg):
         from actors.bench.io import run_with_io
         from actors.driver.cluster import connect
     except ImportError as e:
-        from opd.config import ConfigError
+        from opd.config.loader import ConfigError
         raise ConfigError(f"--modes ray needs actors.driver.pipeline.run_distributed, which does not "
                           f"import here ({e}); run --modes reference") from None
     started = connect(cfg)
@@ -216,9 +216,9 @@ def _ray_runner(cfg):
 
 
 def run_step(args: argparse.Namespace) -> int:
-    from opd.bench.step import (check_step_args, format_step_markdown, parse_pieces,
+    from launch.bench.step import (check_step_args, format_step_markdown, parse_pieces,
                                 run_step_bench, save_step_plot)
-    from opd.reference import run_reference
+    from opd.run.reference import run_reference
 
     engines, modes, compiles, objectives = check_step_args(
         args.engines, args.modes, args.steps, args.warmup_steps, args.repeats, args.compile,
@@ -226,8 +226,8 @@ def run_step(args: argparse.Namespace) -> int:
     pieces = None if args.pieces is None else parse_pieces(args.pieces)
     out = Path(args.out or Path("runs") / "bench" / "step")
     if args.synthetic:
-        from opd.bench.synthetic import prepare_synthetic
-        from opd.config import apply_overrides
+        from launch.bench.synthetic import prepare_synthetic
+        from opd.config.schema import apply_overrides
         args.cfg = apply_overrides(args.cfg, prepare_synthetic(args.cfg, out / "synthetic"))
     runners, closers = {}, []
     if "reference" in modes:
@@ -253,9 +253,9 @@ def run_step(args: argparse.Namespace) -> int:
 
 
 def run_schedules(args: argparse.Namespace) -> int:
-    from opd.bench.common import resolve_bench_preset
-    from opd.bench.schedules import load_schedules_bench, run_schedules as run
-    from opd.bench.schedules_report import format_markdown, save_curves
+    from launch.bench.common import resolve_bench_preset
+    from launch.bench.schedules import load_schedules_bench, run_schedules as run
+    from launch.bench.schedules_report import format_markdown, save_curves
 
     bench = load_schedules_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)

@@ -3,9 +3,9 @@
     opd calibrate --model GPT-B --grid-size 24 --batch 64 --window 16 --cfg-scale 2.0 --device cuda \
         --dtype bfloat16
     opd calibrate --config tiny            # every batch size of a run: its Ray sub-batches and
-                                           # evaluation batches (opd.calibration.run_batch_sizes)
+                                           # evaluation batches (opd.run.calibration.run_batch_sizes)
 
-It writes the one calibration file, $OPD_CACHE/calibration.json (`opd.cache.calibration_file`),
+It writes the one calibration file, $OPD_CACHE/calibration.json (`rollout.calibrate.calibration_file`),
 which training (reference loop and Ray rollout workers), evaluation and the benches read with
 `gamma="auto"` and the window policy's cost table with `W="auto"` (rollout/window.py: `--window
 auto`, the default config's, measures W = 1, 2, 4, 8, 16) (key: model shape + dtype + device,
@@ -61,8 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from opd.cache import calibration_file
-    from opd.calibration import run_batch_sizes
+    from rollout.calibrate import calibration_file
+    from opd.run.calibration import run_batch_sizes
     from opd.models import create_model
     from rollout.calibrate import calibrate, save_calibration
     from rollout.window import WINDOWS

@@ -19,7 +19,7 @@ from launch.commands import add_config_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from opd.config import Engine  # no torch: the schema imports yaml and pydantic only
+    from opd.config.schema import Engine  # no torch: the schema imports yaml and pydantic only
 
     p = subparsers.add_parser(
         "eval", help="FID / IS / precision / recall of a student, or a comparison of runs",
@@ -67,7 +67,7 @@ def split_runs(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.config import load_config
+    from opd.config.schema import load_config
     from opd.eval.run import (compare, evaluate_checkpoint, format_table, resolve_checkpoint,
                               save_heldout_reference, write_compare)
 

@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.export import export_student
+    from opd.run.export import export_student
 
     info = export_student(args.ckpt, args.out, force=args.force, format=args.format)
     model = f", {info['preset']}" if info["preset"] else ""

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.pretrain import pretrained_model
+    from opd.models.factory import pretrained_model
 
     roles = ("teacher", "student") if args.role == "both" else (args.role,)
     reports = [pretrained_model(args.cfg, role, force=args.force)[1] for role in roles]

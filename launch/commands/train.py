@@ -14,7 +14,7 @@ with the teacher (quality.md).
 Ctrl-C (SIGINT) during the steps: the current step is finished and checkpointed, the command
 names the checkpoint and the `--resume` command and exits with 130 (a second Ctrl-C aborts
 without a checkpoint, naming the last complete one; also 130).  The run directory is locked
-while the command runs (opd/rundir.py); a full disk or an unwritable directory is one line and
+while the command runs (opd/run/rundir.py); a full disk or an unwritable directory is one line and
 exit code 2, earlier checkpoints intact.
 Inside `ray job submit` the job's cluster is joined (RAY_ADDRESS); see docs/CLUSTER.md.
 """
@@ -43,10 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.config import (ConfigError, check_resume_overrides, check_retired_keys, load_config,
-                            save_config)
-    from opd.preflight import check_inputs
-    from opd.rundir import (CONFIG_FILE, RunDirError, check_saved_config, prepare_run_dir,
+    from opd.config.schema import check_resume_overrides, check_retired_keys, load_config
+    from opd.config.loader import ConfigError
+    from opd.config.files import save_config
+    from opd.run.preflight import check_inputs
+    from opd.run.rundir import (CONFIG_FILE, RunDirError, check_saved_config, prepare_run_dir,
                             release_lock)
 
     cfg = args.cfg
@@ -80,17 +81,17 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def train(cfg, run_dir: Path, *, resume: bool) -> int:
     """The run in `run_dir` (locked), its plots and tables; 130 after Ctrl-C."""
-    from actors.driver.interrupt import GracefulInterrupt
-    from opd.checkpoints import latest_checkpoint
-    from opd.reference import RunInterrupted
-    from opd.rundir import RunDirError
-    from opd.summary import print_summary
+    from opd.run.interrupt import GracefulInterrupt
+    from opd.run.checkpoints import latest_checkpoint
+    from opd.run.loop import RunInterrupted
+    from opd.run.rundir import RunDirError
+    from opd.run.summary import print_summary
 
     print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})", flush=True)
     try:
         with GracefulInterrupt() as stop:
             if cfg.run.mode == "reference":
-                from opd.reference import run_reference
+                from opd.run.reference import run_reference
                 rows = run_reference(cfg, run_dir, resume=resume, stop=stop.check)
             else:
                 from actors.driver.pipeline import run_distributed
@@ -111,9 +112,9 @@ def train(cfg, run_dir: Path, *, resume: bool) -> int:
         raise RunDirError(f"{e.filename or run_dir}: {e.strerror}; free space or fix the "
                           f"permissions there, then continue with: opd train --resume "
                           f"{run_dir}") from None
-    from opd.artifacts import plot_training
+    from opd.run.artifacts import plot_training
     from opd.eval.tracking import read_quality
-    from opd.summary import write_quality_summary
+    from opd.run.summary import write_quality_summary
     plot_training(rows, run_dir / "training.png", quality=read_quality(run_dir))
     print_summary(rows, run_dir)
     table = write_quality_summary(run_dir)

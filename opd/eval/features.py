@@ -26,7 +26,7 @@ from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
-from opd.cache import cache_dir
+from rollout.calibrate import cache_root
 from opd.data import digits_images_to_tokens, digits_split, digits_tokens_to_images
 
 DIGITS_EXTRACTOR = "digits-cnn"
@@ -152,7 +152,7 @@ def train_digits_cnn(cfg: DigitsTraining = DigitsTraining()) -> tuple[DigitsCNN,
 
 def digits_cnn_path(cfg: DigitsTraining = DigitsTraining(), directory: str | os.PathLike | None = None) -> Path:
     """Path of the cached digits CNN, training and saving it first if absent (once per cache)."""
-    path = Path(directory or cache_dir()) / cfg.cache_name()
+    path = Path(directory or cache_root()) / cfg.cache_name()
     if not path.is_file():
         model, accuracy = train_digits_cnn(cfg)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ def load_digits_cnn(path: str | os.PathLike | None = None) -> tuple[DigitsCNN, f
     path = Path(path) if path is not None else digits_cnn_path()
     if not path.is_file():
         raise FileNotFoundError(f"digits CNN weights {str(path)!r} not found; leave the weights path unset "
-                                f"to train and cache them under {cache_dir()}")
+                                f"to train and cache them under {cache_root()}")
     blob = torch.load(path, map_location="cpu", weights_only=True)
     model = DigitsCNN()
     model.load_state_dict(blob["state_dict"])

@@ -8,7 +8,7 @@
 A checkpoint is one of
 
     run directory      <run>/config.yaml + <run>/checkpoints/step_N/student.pt (the newest
-                       complete N; either run.mode, layout in opd/checkpoints.py)
+                       complete N; either run.mode, layout in opd/run/checkpoints.py)
     checkpoint dir     <run>/checkpoints/step_N/student.pt (config from <run>/config.yaml if any)
     weights file       a LlamaGen c2i_*.pt (or any state dict) for the config's model.student
 
@@ -33,13 +33,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from opd.checkpoints import STUDENT_FILE, checkpoint_step, find_checkpoint
-from opd.config import ConfigError, RunConfig, load_config
+from opd.run.checkpoints import STUDENT_FILE, checkpoint_step, find_checkpoint
+from opd.config.schema import RunConfig, load_config
+from opd.config.loader import ConfigError
 from opd.eval.features import DIGITS_EXTRACTOR, INCEPTION_EXTRACTOR, inception_weights_path
 from opd.eval.grid import save_grid
 from opd.eval.sample import ImageDecoder, is_digits, sample_images, sampling_config
 from opd.models import load_llamagen_checkpoint
-from opd.pretrain import model_overrides, open_dataset
+from opd.models.factory import model_overrides
+from opd.data.splits import open_dataset
 
 EVAL_FILE = "eval.json"
 GRID_FILE = "samples.png"
@@ -244,7 +246,7 @@ def evaluate_checkpoint(ck: Checkpoint | str | os.PathLike, *, out_dir: str | os
     """`evaluate` the student of a checkpoint (a `Checkpoint` or anything `resolve_checkpoint`
     takes) into out_dir (default `default_out_dir`); the report also gets `out_dir`.
 
-    with_kl: add `quality` (opd.quality.quality_report: held-out KL(teacher‖student) `kl_data`,
+    with_kl: add `quality` (opd.eval.quality.quality_report: held-out KL(teacher‖student) `kl_data`,
     on-policy `kl_samples`, NLLs) on the first `kl_rows` held-out rows (None: all).
     reuse: return an existing eval.json instead when its settings and checkpoint match."""
     if not isinstance(ck, Checkpoint):
@@ -279,10 +281,10 @@ def _matching_report(path: Path, settings: dict, info: dict) -> dict | None:
 
 
 def heldout_quality(student, cfg: RunConfig, num_rows: int | None = None) -> dict:
-    """`opd.quality.quality_report` against the run's teacher, with the run's training rollout
+    """`opd.eval.quality.quality_report` against the run's teacher, with the run's training rollout
     (engine and decoding; an uncalibrated gamma='auto' falls back as in sampling)."""
-    from opd.pretrain import load_role_model
-    from opd.quality import quality_report
+    from opd.models.factory import load_role_model
+    from opd.eval.quality import quality_report
 
     teacher = load_role_model(cfg, "teacher", progress=False).to(next(student.parameters()).device)
     qcfg = sampling_config(cfg, engine=cfg.rollout.engine, decoding=cfg.rollout.decoding)
@@ -333,7 +335,7 @@ def _training_speed(run_dir: Path | None) -> dict:
     path = None if run_dir is None else run_dir / "metrics.parquet"
     if path is None or not path.is_file():
         return {"train_rollout_s": None, "train_mean_committed": None}
-    from opd.metrics import read_metrics
+    from opd.run.metrics_log import read_metrics
     rows = [r for r in read_metrics(path) if r.get("source") == "student"]
     if not rows:
         return {"train_rollout_s": None, "train_mean_committed": None}

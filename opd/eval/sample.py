@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from opd.cache import calibration_file
-from opd.config import ConfigError, RunConfig
-from opd.steps import build_engine
+from rollout.calibrate import calibration_file
+from opd.config.schema import RunConfig
+from opd.config.loader import ConfigError
+from opd.distill.steps import build_engine
 
 
 def balanced_labels(num_samples: int, num_classes: int) -> Tensor:
@@ -52,7 +53,7 @@ def sampling_config(cfg: RunConfig, *, engine: str | None = None,
                     decoding: str | None = None) -> RunConfig:
     """A copy of `cfg` whose rollout section samples as evaluation does: the engine and decoding
     given (else `eval_engine_name`, `eval_decoding`).  `rollout.gamma='auto'` without the
-    calibration file (`opd.cache.calibration_file()`) becomes the engine's uncalibrated
+    calibration file (`rollout.calibrate.calibration_file()`) becomes the engine's uncalibrated
     default: execution (and so gamma) never changes the tokens (invariant 3,
     docs/ARCHITECTURE.md), only the speed."""
     r = cfg.rollout

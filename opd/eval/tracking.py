@@ -37,16 +37,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opd.cache import cache_dir
-from opd.config import RunConfig, config_hash
+from rollout.calibrate import cache_root
+from opd.config.schema import RunConfig
+from opd.config.files import config_hash
 from opd.eval.features import DIGITS_EXTRACTOR
 from opd.eval.grid import save_grid
 from opd.eval.run import (check_eval_config, eval_settings, grid_layout, heldout_images,
                           weights_path)
 from opd.eval.sample import ImageDecoder, Samples, sample_images, sampling_config
-from opd.metrics import MetricsLog, read_metrics
+from opd.run.metrics_log import MetricsLog, read_metrics
 from opd.models import create_model
-from opd.pretrain import data_paths, dataset_digest, model_overrides, open_dataset, pretrain_key
+from opd.models.factory import dataset_digest, model_overrides, pretrain_key
+from opd.data.splits import data_paths, open_dataset
 
 QUALITY_FILE = "quality.parquet"
 SAMPLES_DIR = "samples"
@@ -152,7 +154,7 @@ def teacher_cache_key(cfg: RunConfig) -> dict:
 
 def teacher_cache_path(cfg: RunConfig) -> Path:
     """$OPD_CACHE/quality/teacher-<hash>.json (its grid: the same name, .png)."""
-    return cache_dir() / "quality" / f"teacher-{config_hash(teacher_cache_key(cfg))}.json"
+    return cache_root() / "quality" / f"teacher-{config_hash(teacher_cache_key(cfg))}.json"
 
 
 class Evaluator:
@@ -184,7 +186,7 @@ class Evaluator:
             else:
                 from opd.eval.fidelity import save_reference_statistics
                 key = reference_identity(self.cfg)
-                path = cache_dir() / "quality" / f"reference-{config_hash(key)}.pt"
+                path = cache_root() / "quality" / f"reference-{config_hash(key)}.pt"
                 if not path.is_file():
                     images = heldout_images(self.cfg, self.decoder)
                     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -225,7 +227,7 @@ class Evaluator:
     def student_row(self, step: int, run_dir: str | os.PathLike) -> dict:
         """Evaluate the loaded student copy as the weights of `step`; writes
         samples/student_step_<step>.png and returns its quality.parquet row."""
-        from opd.quality import quality_report
+        from opd.eval.quality import quality_report
 
         start = time.perf_counter()
         with read_only():

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opd.models.args import PRESETS, ModelArgs, preset_args
-from opd.models.checkpoint import CheckpointError, load_into, load_state_dict_safely
+from opd.models.safe_load import CheckpointError, load_into, load_state_dict_safely
 from opd.models.gpt import GPT
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from opd.data import DIGITS_GRID, DIGITS_VOCAB, digits_tokens_to_images
-from opd.models.checkpoint import load_into, load_state_dict_safely
+from opd.models.safe_load import load_into, load_state_dict_safely
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ def create_vq16(**overrides) -> VQModel:
 def load_vq_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides) -> VQModel:
     """VQModel in eval mode with weights from a LlamaGen VQ file (e.g. `vq_ds16_c2i.pt`), loaded strictly.
 
-    Read with `opd.models.checkpoint.load_state_dict_safely` (no pickled code runs).  A missing
+    Read with `opd.models.safe_load.load_state_dict_safely` (no pickled code runs).  A missing
     `quantize.codebook_used` (training bookkeeping only) is tolerated; any other missing,
     unexpected or mis-shaped key raises `CheckpointError` naming it.
     """

@@ -4,8 +4,9 @@ import time
 
 import ray
 
-from actors.driver.cluster import ActorGroups, actor_name, run_namespace
-from opd.config import load_config
+from actors.driver.cluster import ActorGroups, run_namespace
+from actors.workers.base import actor_name
+from opd.config.schema import load_config
 
 
 def test_names_and_namespaces():

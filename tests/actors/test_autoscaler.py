@@ -106,7 +106,7 @@ def drive(args: dict) -> None:
 
     from actors.driver.cluster import fits, role_bundle
     from actors.driver.pipeline import run_distributed
-    from opd.config import load_config
+    from opd.config.schema import load_config
 
     from autoscaling_cluster import FakeAutoscalingCluster, wait_until   # beside this script
     from test_elastic import settle
@@ -222,8 +222,8 @@ def report(r: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(digits_dir, tmp_path_factory):
-    from opd.config import load_config
-    from opd.reference import run_reference
+    from opd.config.schema import load_config
+    from opd.run.reference import run_reference
     return run_reference(load_config("tiny", overrides(digits_dir)), tmp_path_factory.mktemp("ref"),
                          progress=False)
 

@@ -1,4 +1,4 @@
-"""The scale dry run (`opd bench step --synthetic`, actors/bench/io.py, opd/bench/step_io.py)
+"""The scale dry run (`opd bench step --synthetic`, actors/bench/io.py, launch/bench/step_io.py)
 shrunk to GPT-tiny shapes: the table's rows and columns, the learner's received bytes equal to
 the scored batch's exact payload size, and the driver receives none.  No timing is asserted."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ TINY = ["model.student=GPT-tiny", "model.teacher=GPT-tiny", "model.vocab_size=11
 
 def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
     from launch.cli import main
-    from opd.batch import index_dtype
+    from opd.distill.batch import index_dtype
     from opd.models import create_model
     out = tmp_path / "scale"
     code = main(["bench", "step", "--config", "llamagen_scale_cpu", "--synthetic", "--modes",

@@ -2,7 +2,7 @@
 into are in $OPD_CACHE/calibration.json once its rollout workers have started (the first worker
 measures them under the file's lock; the others, and the steps, read them)."""
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
+from opd.config.schema import load_config
 from rollout.calibrate import read_calibration
 
 
@@ -17,6 +17,6 @@ def test_piece_entries_exist_once_a_ray_run_has_started(ray_session, tiny_overri
     assert [r["source"] for r in rows] == ["student"]
     entries = read_calibration(fresh_calibration / "calibration.json")
     # 4 rows in 3 pieces (2, 1, 1), one per worker: the piece sizes are the config's, whatever
-    # workers are up (opd/pieces.py), so these two entries are all a run needs
+    # workers are up (opd/distill/pieces.py), so these two entries are all a run needs
     assert sorted((e["batch"], e["W"], e["cfg"], e["preset"]) for e in entries) == [
             (1, 4, False, "GPT-digits-S"), (2, 4, False, "GPT-digits-S")]

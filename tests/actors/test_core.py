@@ -6,10 +6,11 @@ import torch
 
 from actors.driver import core
 from actors.driver.core import DriverState, PartNext, PoolCounts
-from actors.driver.tasks import PartReport, StageTimer, StepPlan, Task, TaskKind, Training
-from opd.config import load_config
-from opd.pieces import combine_metrics, piece_rows, split_job
-from opd.steps import RolloutJob
+from actors.driver.tasks import StageTimer, StepPlan, Task, TaskKind, Training
+from actors.transport.delivery import PartReport
+from opd.config.schema import load_config
+from opd.distill.pieces import combine_metrics, piece_rows, split_job
+from opd.distill.steps import RolloutJob
 
 
 def plan_of(step: int, parts: int = 2, *, source: str = "student", scored: bool = True,

@@ -13,9 +13,9 @@ import ray
 import torch
 
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.models import create_model
-from opd.pretrain import model_overrides
+from opd.models.factory import model_overrides
 
 
 def carries(value, what) -> bool:

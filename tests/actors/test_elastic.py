@@ -69,7 +69,7 @@ def drive(args: dict) -> None:
     from ray.cluster_utils import Cluster
 
     from actors.driver.pipeline import run_distributed
-    from opd.config import load_config
+    from opd.config.schema import load_config
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False, "dashboard_agent_listen_port": free_port(),
@@ -129,8 +129,8 @@ def test_rollout_workers_grow_mid_run_when_a_node_joins(elastic_run):
 
 @pytest.fixture(scope="module")
 def reference(digits_dir, tmp_path_factory):
-    from opd.config import load_config
-    from opd.reference import run_reference
+    from opd.config.schema import load_config
+    from opd.run.reference import run_reference
     return run_reference(load_config("tiny", overrides(digits_dir)), tmp_path_factory.mktemp("ref"),
                          progress=False)
 
@@ -149,7 +149,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
     from actors.driver.pipeline import run_distributed
-    from opd.config import load_config
+    from opd.config.schema import load_config
     seen = {}
 
     def idle_from_now(pipeline, step, row):
@@ -189,7 +189,8 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
 
 def test_elastic_config_is_checked_before_anything_starts(tiny_overrides):
     from actors.driver.cluster import check_distributed, pool_size
-    from opd.config import ConfigError, load_config
+    from opd.config.schema import load_config
+    from opd.config.loader import ConfigError
     cfg = load_config("tiny", [*tiny_overrides, "rollout.num_workers=2..5"])
     assert pool_size(cfg.rollout.num_workers) == 2
     with pytest.raises(ConfigError, match="learner.weight_sync='collective'"):
@@ -281,7 +282,7 @@ def policy(tiny_overrides, monkeypatch):
     with `lo` workers up;
     the cluster has room (`room["free"]`) and `ray.kill` only records."""
     import actors.driver.elastic as elastic
-    from opd.config import load_config
+    from opd.config.schema import load_config
     room, killed = {"free": True}, []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)          # not joining a cluster
     monkeypatch.setattr(elastic.ray, "available_resources",

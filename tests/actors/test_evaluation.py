@@ -6,7 +6,7 @@ import math
 import pytest
 
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.eval.tracking import read_quality
 
 STEPS = 5
@@ -46,7 +46,7 @@ def test_quality_rows_and_grids_from_the_evaluation_worker(tracked, tiny_overrid
     assert samples == [f"student_step_{s:06d}.png" for s in (0, 2, 4, 5)] + ["teacher.png"]
     # the worker measured the starting weights exactly as an evaluation in this process does
     from opd.eval.tracking import evaluate_student
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     cfg = cfg_for(tiny_overrides)
     here = evaluate_student(load_role_model(cfg, "student"), load_role_model(cfg, "teacher"),
                             cfg, 0, tmp_path)

@@ -4,7 +4,7 @@ consumed.json and the run summary get.  The multi-node runs are tests/actors/tes
 import json
 
 from actors.driver.nodes import NodeWatch
-from opd.summary import node_lines
+from opd.run.summary import node_lines
 
 HEAD, R1, R2, R3, T1 = "head" + "0" * 52, "r1" + "1" * 54, "r2" + "2" * 54, "r3" + "3" * 54, "t1" + "4" * 54
 

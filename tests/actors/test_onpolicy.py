@@ -1,5 +1,5 @@
 """On-policy, proven every step, in the Ray pipeline: the learner's gap between its own
-log-probs and the rollout's reaches metrics.parquet (opd/onpolicy.py).  Strict runs stay below
+log-probs and the rollout's reaches metrics.parquet (opd/distill/onpolicy.py).  Strict runs stay below
 STRICT_BOUND; a rollout worker made to keep older weights while it claims the published
 version (a broken weight sync that the version check cannot see) is caught by the metric."""
 import re
@@ -8,8 +8,8 @@ import time
 import ray
 
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
-from opd.onpolicy import STRICT_BOUND
+from opd.config.schema import load_config
+from opd.distill.onpolicy import STRICT_BOUND
 from tests.actors.test_pipeline import scrape_metrics
 
 STEPS, FROZEN_AFTER = 5, 1

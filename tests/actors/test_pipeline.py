@@ -13,13 +13,14 @@ import urllib.request
 
 import pytest
 
-from actors.driver.pipeline import CONSUMED_FILE, LearnerFailure, run_distributed
+from actors.driver.pipeline import run_distributed
+from actors.driver.records import CONSUMED_FILE, LearnerFailure
 from actors.driver.records import RunRecords, lag_histogram
-from opd import checkpoints as ckpt
-from opd.config import load_config
-from opd.metrics import read_metrics
-from opd.onpolicy import STRICT_BOUND
-from opd.reference import run_reference
+from opd.run import checkpoints as ckpt
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
+from opd.distill.onpolicy import STRICT_BOUND
+from opd.run.reference import run_reference
 
 STEPS = 5
 LOSS_TOL = 1e-5
@@ -360,7 +361,7 @@ def test_other_sources_equal_the_reference(objective, ray_session, tiny_override
 
 @pytest.mark.slow
 def test_resume_is_exact(ray_session, tiny_overrides, reference, tmp_path, monkeypatch):
-    """Stopped after 3 steps (checkpoint at 2 in the layout of opd/checkpoints.py; a step-3
+    """Stopped after 3 steps (checkpoint at 2 in the layout of opd/run/checkpoints.py; a step-3
     checkpoint whose writing did not finish is left behind) and resumed: DeepSpeed restores
     from step_000002/optimizer and the losses are the uninterrupted run's."""
     cfg = cfg_for(tiny_overrides, "run.checkpoint_every=2")

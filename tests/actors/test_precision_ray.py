@@ -1,14 +1,14 @@
 """Invariant 5 in the precision the GPU presets use: with model.dtype=bfloat16 and
 learner.precision=bf16 the Ray pipeline (bf16 rollout and teacher workers, a DeepSpeed learner
-with float32 weights and a bf16-autocast forward, opd/precision.py) gives the reference loop's
+with float32 weights and a bf16-autocast forward, opd/models/precision.py) gives the reference loop's
 losses within BF16_RAY_TOL, greedy and sampled, through two steps (rollout, teacher scoring, the
 loss, the update and the broadcast of version 1).
 """
 import pytest
 
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
-from opd.reference import run_reference
+from opd.config.schema import load_config
+from opd.run.reference import run_reference
 
 BF16 = ("model.dtype=bfloat16", "learner.precision=bf16")
 BF16_RAY_TOL = 1e-5

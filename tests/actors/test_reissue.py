@@ -12,9 +12,10 @@ import torch
 from actors.driver import core
 from actors.driver.core import Retry
 from actors.driver.planner import StepPlanner
-from actors.driver.tasks import PartReport, StepPlan, Task, TaskKind
-from opd.pieces import piece_rows, split_job
-from opd.steps import RolloutJob
+from actors.driver.tasks import StepPlan, Task, TaskKind
+from actors.transport.delivery import PartReport
+from opd.distill.pieces import piece_rows, split_job
+from opd.distill.steps import RolloutJob
 
 ROLLOUT = TaskKind.ROLLOUT
 

@@ -12,10 +12,11 @@ import json
 
 import pytest
 
-from actors.driver.pipeline import CONSUMED_FILE, run_distributed
-from opd.config import load_config
-from opd.onpolicy import STRICT_BOUND
-from opd.reference import run_reference
+from actors.driver.pipeline import run_distributed
+from actors.driver.records import CONSUMED_FILE
+from opd.config.schema import load_config
+from opd.distill.onpolicy import STRICT_BOUND
+from opd.run.reference import run_reference
 
 STEPS = 4
 LOSS_TOL = 1e-5

@@ -1,11 +1,11 @@
-"""In run.mode=ray the driver logs (opd/trackers.py through opd/loop.py's StepLog): the default
+"""In run.mode=ray the driver logs (opd/run/trackers.py through opd/run/loop.py's StepLog): the default
 tracker, TensorBoard, holds every metrics.parquet column of the pipeline's rows (queue/,
 learner/ ... included) and the quality rows of the evaluation worker, read back with
 TensorBoard's EventAccumulator."""
 from actors.driver.pipeline import run_distributed
-from opd.config import load_config
-from opd.metrics import read_metrics
-from opd.trackers import step_scalars
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
+from opd.run.trackers import step_scalars
 
 
 def test_the_driver_logs_every_row_to_tensorboard(ray_session, tiny_overrides, tmp_path,

@@ -8,11 +8,12 @@ from actors.transport.weights import (load_numpy_weights, make_buckets, state_di
                                       tag_weights, weights_nbytes)
 from actors.workers.rollout import RolloutWorker, StaleWeightsError
 from actors.workers.teacher import TeacherWorker
-from opd.batch import TrajectoryBatch
-from opd.config import load_config
+from opd.distill.batch import TrajectoryBatch
+from opd.config.schema import load_config
 from opd.data import PrefixBatcher
-from opd.pretrain import load_role_model, open_dataset
-from opd.steps import RolloutJob, build_engine, prefix_len_for, rollout, score
+from opd.models.factory import load_role_model
+from opd.data.splits import open_dataset
+from opd.distill.steps import RolloutJob, build_engine, prefix_len_for, rollout, score
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,12 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
 def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     """Piece 0 of an 8-row batch in 2 pieces over 2 learner ranks (rows [0, 4) and [4, 8)):
     rows 0, 1, 4, 5, scored and cut: rank 0 gets the piece's rows 0-1, rank 1 rows 2-3, each
-    exactly what opd.steps.score gives for those rows, and the report's byte count is the
+    exactly what opd.distill.steps.score gives for those rows, and the report's byte count is the
     pieces' bytes."""
     from actors.transport.delivery import PartTag, payload_nbytes
-    from opd.pieces import piece_cuts, piece_rows, shard_rows
+    from opd.distill.pieces import piece_cuts, piece_rows, shard_rows
     from actors.workers.queue import QueueItem, TrajectoryQueue
-    from opd.pieces import take_rows
+    from opd.distill.pieces import take_rows
     cfg, job, student = setup
     traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)

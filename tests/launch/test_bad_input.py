@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from launch.cli import main
-from opd import checkpoints as ckpt
+from opd.run import checkpoints as ckpt
 from opd.data import write_token_parquet
-from opd.config import load_config
-from opd.metrics import read_metrics
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
 
 STEPS = 4
 
@@ -216,7 +216,7 @@ def test_a_full_disk_during_a_checkpoint_write(existing, digits_dir, tmp_path, c
 
 
 def test_a_full_disk_while_writing_the_metrics(digits_dir, tmp_path, capsys, monkeypatch):
-    from opd.metrics import MetricsLog
+    from opd.run.metrics_log import MetricsLog
     run = tmp_path / "run"
 
     def full(self):
@@ -231,9 +231,9 @@ def test_a_full_disk_while_writing_the_metrics(digits_dir, tmp_path, capsys, mon
 
 def test_ctrl_c_twice_aborts_with_130_and_keeps_the_last_checkpoint(digits_dir, tmp_path,
                                                                     capsys, monkeypatch):
-    import opd.reference
+    import opd.run.reference
     run = tmp_path / "run"
-    learn = opd.reference.learn
+    learn = opd.run.reference.learn
     calls = []
 
     def learn_then_ctrl_c_twice(*a, **k):
@@ -243,7 +243,7 @@ def test_ctrl_c_twice_aborts_with_130_and_keeps_the_last_checkpoint(digits_dir, 
             os.kill(os.getpid(), signal.SIGINT)    # deferred to the end of the step ...
             os.kill(os.getpid(), signal.SIGINT)    # ... a second one aborts at once
         return out
-    monkeypatch.setattr(opd.reference, "learn", learn_then_ctrl_c_twice)
+    monkeypatch.setattr(opd.run.reference, "learn", learn_then_ctrl_c_twice)
     assert main(["train", *tiny(digits_dir), f"run.dir={run}"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"opd train: aborted without a checkpoint of this step; the last complete "

@@ -11,7 +11,8 @@ import yaml
 
 from launch import cli
 from launch.commands import COMMANDS, add_config_args, load_commands
-from opd.config import ConfigError, config_from_dict, load_config
+from opd.config.schema import config_from_dict, load_config
+from opd.config.loader import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from actors.metrics import ALL, COUNTERS, HISTOGRAMS
+from actors.ray_metrics import ALL, COUNTERS, HISTOGRAMS
 from launch.dashboard import PATH, build_dashboard
 
 ROOT = Path(__file__).resolve().parents[2]

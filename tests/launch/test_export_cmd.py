@@ -10,10 +10,10 @@ import torch
 
 from launch import cli
 from launch.commands import COMMANDS
-from opd import checkpoints as ckpt
-from opd.config import load_config
+from opd.run import checkpoints as ckpt
+from opd.config.schema import load_config
 from opd.models import create_model
-from opd.pretrain import model_overrides
+from opd.models.factory import model_overrides
 
 ACTORS = ["rollout.num_cpus=0.25", "teacher.num_cpus=0.25", "learner.num_cpus=0.5"]
 

@@ -145,7 +145,8 @@ KEYS = st.one_of(
 
 
 def is_valid(overrides: list[str]) -> bool:
-    from opd.config import ConfigError, load_config
+    from opd.config.schema import load_config
+    from opd.config.loader import ConfigError
     try:
         load_config("tiny", overrides)
         return True
@@ -408,7 +409,8 @@ def all_tests(fuzz: bool):
             doc = {"extends": extends, **doc}
         path = fresh(tmp_path, "preset").with_suffix(".yaml")
         path.write_text(yaml.safe_dump(doc))
-        from opd.config import ConfigError, load_config
+        from opd.config.schema import load_config
+        from opd.config.loader import ConfigError
         try:
             load_config(str(path), [f"data.data_dir={digits_dir}"])
             return                                    # a valid preset
@@ -441,8 +443,8 @@ def all_tests(fuzz: bool):
         from opd.models import load_state_dict_safely
         student = load_state_dict_safely(run / "checkpoints/step_000002/student.pt")
         if role == "teacher":
-            from opd.config import load_config
-            from opd.pretrain import load_role_model
+            from opd.config.schema import load_config
+            from opd.models.factory import load_role_model
             student = load_role_model(load_config("tiny", [f"data.data_dir={digits_dir}"]),
                                       "teacher", progress=False).state_dict()
         marker = fresh(tmp_path, "ran")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from opd.config import load_config
-from opd.metrics import read_metrics
-from opd.reference import run_reference
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
+from opd.run.reference import run_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOL = 1e-5
@@ -78,7 +78,7 @@ def ctrl_c() -> None:
 
 
 def test_first_ctrl_c_is_deferred_inside_the_loop_the_second_aborts():
-    from actors.driver.interrupt import GracefulInterrupt
+    from opd.run.interrupt import GracefulInterrupt
     before = signal.getsignal(signal.SIGINT)
     with GracefulInterrupt(notice=False) as stop:
         with pytest.raises(KeyboardInterrupt):          # not armed (start-up): at once

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from opd.metrics import read_metrics
+from opd.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

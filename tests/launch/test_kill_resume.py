@@ -36,10 +36,10 @@ def overrides(digits_dir, run_dir) -> list[str]:
 
 def test_sigkill_at_random_points_then_resume_loses_and_repeats_nothing(digits_dir, opd_cache,
                                                                         tmp_path):
-    from opd import checkpoints as ckpt
-    from opd.config import load_config
-    from opd.metrics import read_metrics
-    from opd.reference import run_reference
+    from opd.run import checkpoints as ckpt
+    from opd.config.schema import load_config
+    from opd.run.metrics_log import read_metrics
+    from opd.run.reference import run_reference
 
     argv = overrides(digits_dir, tmp_path / "run")
     whole = run_reference(load_config("tiny", argv[2:-1]), tmp_path / "whole", progress=False)
@@ -102,7 +102,7 @@ def _attempt(argv: list[str], hook: tuple[str, int] | None, log: Path) -> int:
 
 
 def _install(kind: str, step: int) -> None:
-    from opd import checkpoints as ckpt
+    from opd.run import checkpoints as ckpt
 
     def die():
         os.killpg(0, signal.SIGKILL)
@@ -132,14 +132,14 @@ def _install(kind: str, step: int) -> None:
 
 
 def _resumed_from(run: Path) -> int:
-    from opd import checkpoints as ckpt
+    from opd.run import checkpoints as ckpt
     last = ckpt.latest_checkpoint(run, report=None)
     return 0 if last is None else ckpt.checkpoint_step(last)
 
 
 def _steps_written_since(metrics: Path, mtime: int) -> int:
     """The highest step in metrics.parquet once it was rewritten after `mtime` (else -1)."""
-    from opd.metrics import read_metrics
+    from opd.run.metrics_log import read_metrics
     try:
         if metrics.stat().st_mtime_ns == mtime:
             return -1
@@ -154,8 +154,8 @@ def main(digits_dir: str, run_dir: str) -> None:
     import matplotlib.pyplot  # noqa: F401  (imported once, before the forks: what each
     import launch.cli  # noqa: F401       attempt would import again)
     import launch.commands.train  # noqa: F401
-    import opd.reference  # noqa: F401
-    from opd.rundir import lock_holder
+    import opd.run.reference  # noqa: F401
+    from opd.run.rundir import lock_holder
 
     run = Path(run_dir)
     rng = random.Random(SEED)

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from launch import cli
-from opd.bench.schedules import load_schedules_bench
-from opd.config import load_config
-from opd.metrics import read_metrics
+from launch.bench.schedules import load_schedules_bench
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
 
 
 @pytest.fixture

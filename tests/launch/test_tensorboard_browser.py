@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from opd.config import load_config
-from opd.metrics import read_metrics
-from opd.reference import run_reference
-from opd.trackers import step_scalars
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
+from opd.run.reference import run_reference
+from opd.run.trackers import step_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("tensorboard_view",

@@ -2,8 +2,8 @@
 import pytest
 
 from launch.cli import main
-from opd.config import load_config
-from opd.preflight import missing_inputs
+from opd.config.schema import load_config
+from opd.run.preflight import missing_inputs
 
 
 @pytest.mark.parametrize("preset", ["llamagen_b_gkd", "llamagen_l_gkd", "llamagen_b_varkd",
@@ -39,8 +39,8 @@ def test_used_run_directory_is_refused_by_the_command(tmp_path, capsys):
 
 
 def test_tracking_that_cannot_measure_the_data_is_refused():
-    from opd.config import ConfigError
-    from opd.preflight import check_tracking
+    from opd.config.loader import ConfigError
+    from opd.run.preflight import check_tracking
     cfg = load_config(None, ["data.dataset=parquet"])
     with pytest.raises(ConfigError, match="eval.extractor='digits-cnn' only measures the digits") as e:
         check_tracking(cfg)

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opd.batch import TrajectoryBatch
+from opd.distill.batch import TrajectoryBatch
 
 B, L, P, V, K = 3, 7, 3, 11, 4
 

@@ -1,13 +1,13 @@
-"""One calibration file: which entries a run needs (opd/calibration.py), and `opd calibrate`
+"""One calibration file: which entries a run needs (opd/run/calibration.py), and `opd calibrate`
 writing exactly what training and evaluation then read without measuring again."""
 import pytest
 
-from opd.calibration import (eval_batch_sizes, prepare_calibration, rollout_batch_sizes,
+from opd.run.calibration import (eval_batch_sizes, prepare_calibration, rollout_batch_sizes,
                              run_batch_sizes, uses_calibration)
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.eval.sample import sample_tokens
-from opd.pretrain import load_role_model
-from opd.reference import run_reference
+from opd.models.factory import load_role_model
+from opd.run.reference import run_reference
 from rollout.calibrate import read_calibration
 
 

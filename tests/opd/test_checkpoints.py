@@ -1,4 +1,4 @@
-"""The checkpoint layout of both run modes (opd/checkpoints.py): written under step_N.tmp and
+"""The checkpoint layout of both run modes (opd/run/checkpoints.py): written under step_N.tmp and
 renamed when complete, `latest` updated last, a manifest of sizes and CRC-32s, incomplete and
 damaged checkpoints never read (the previous complete one is used, said in one line), a failed
 write removes its step_N.tmp and leaves the earlier checkpoints alone."""
@@ -9,8 +9,9 @@ import zlib
 import pytest
 import torch
 
-from opd import checkpoints as ckpt
-from opd.config import ConfigError, load_config
+from opd.run import checkpoints as ckpt
+from opd.config.schema import load_config
+from opd.config.loader import ConfigError
 from opd.models import CheckpointError, create_model, load_llamagen_checkpoint
 
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import yaml
 
-from opd.config import (CONFIG_DIR, ConfigError, RunConfig, apply_overrides, available_presets,
-                        config_from_dict, config_hash, config_to_dict, config_to_yaml,
-                        default_run_dir, load_config, save_config, validate)
+from opd.config.schema import RunConfig, apply_overrides, config_from_dict, default_run_dir, load_config, validate
+from opd.config.files import CONFIG_DIR, available_presets, config_hash, config_to_dict, config_to_yaml, save_config
+from opd.config.loader import ConfigError
 
 
 def error(overrides, path=None) -> str:
@@ -34,7 +34,7 @@ def test_every_field_has_a_docstring():
     import ast
     import inspect
 
-    import opd.config as mod
+    import opd.config.schema as mod
     tree = ast.parse(inspect.getsource(mod))
     for node in tree.body:
         if not (isinstance(node, ast.ClassDef) and node.name.endswith(("Config", "Options"))):
@@ -206,7 +206,7 @@ def test_cross_field_checks():
 
 
 def test_candidates_reach_the_engine():
-    from opd.steps import build_engine
+    from opd.distill.steps import build_engine
     cfg = load_config(None, ["rollout.candidates=4", "rollout.decoding=greedy"])
     assert build_engine(cfg).options["candidates"] == 4
     sampled = build_engine(load_config(None, ["rollout.candidates=2"]))   # the default: sample
@@ -265,7 +265,7 @@ def test_config_hash_values_are_pinned():
                                           "distill.objective_options.gate=0.5"])) == "50804f9eaa52"
 
 
-# --- the pydantic-based loader (opd/config_loader.py) -----------------------------------------
+# --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------
 
 def test_values_no_field_type_takes():
     import datetime
@@ -315,7 +315,7 @@ def test_bench_preset_schemas_have_docstrings_and_use_the_loader():
     import ast
     import inspect
 
-    from opd.bench import paper, rollout
+    from launch.bench import paper, rollout
     for mod, name in ((rollout, "RolloutBench"), (paper, "PaperBench")):
         node = next(n for n in ast.parse(inspect.getsource(mod)).body
                     if isinstance(n, ast.ClassDef) and n.name == name)
@@ -335,7 +335,7 @@ def test_bench_preset_schemas_have_docstrings_and_use_the_loader():
 
 
 def test_bench_preset_extends_another(tmp_path):
-    from opd.bench.paper import load_paper_bench
+    from launch.bench.paper import load_paper_bench
     mine = tmp_path / "mine.yaml"
     mine.write_text("extends: cpu_tiny\nbatch: 2\n")
     b = load_paper_bench(mine)

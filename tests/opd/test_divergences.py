@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from opd.divergences import (
+from opd.distill.divergences import (
     DIVERGENCES,
     TeacherDist,
     get_divergence,

@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 
 from launch import cli
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.eval.run import (evaluate_checkpoint, format_table, load_student, resolve_checkpoint,
                           save_heldout_reference)
 from opd.eval.sample import balanced_labels, sample_images, sample_tokens, sampling_config
-from opd.reference import run_reference
-from opd.rundir import prepare_run_dir
+from opd.run.reference import run_reference
+from opd.run.rundir import prepare_run_dir
 
 N = 20   # samples per evaluation: 2 per digit class
 
@@ -150,7 +150,7 @@ def test_saved_reference_gives_the_heldout_numbers(run_dir, tmp_path):
 def test_class_accuracy_of_the_heldout_images_is_high(student):
     from opd.eval.run import class_accuracy, heldout_images
     from opd.eval.sample import ImageDecoder
-    from opd.pretrain import open_dataset
+    from opd.data.splits import open_dataset
     cfg, _ = student
     images = heldout_images(cfg, ImageDecoder(cfg))
     labels = torch.from_numpy(open_dataset(cfg, "heldout").labels).long()

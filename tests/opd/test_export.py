@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from opd import checkpoints as ckpt
-from opd.config import load_config, save_config
-from opd.export import export_student
+from opd.run import checkpoints as ckpt
+from opd.config.schema import load_config
+from opd.config.files import save_config
+from opd.run.export import export_student
 from opd.models import CheckpointError, create_model, load_llamagen_checkpoint
-from opd.pretrain import model_overrides
+from opd.models.factory import model_overrides
 
 
 def make_run(run_dir, *overrides, steps=(2, 3)):
@@ -73,7 +74,7 @@ def test_safetensors_export_round_trips_bit_exactly(tmp_path, tiny_overrides, ca
     from safetensors.torch import load_file
 
     from launch import cli
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     states = make_run(tmp_path / "run")
     st, pt = tmp_path / "student.safetensors", tmp_path / "student.pt"
     assert cli.main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(st),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from opd.batch import TrajectoryBatch
-from opd.objectives import OBJECTIVES, GKD, VarKD, get_objective
+from opd.distill.batch import TrajectoryBatch
+from opd.distill.objectives import OBJECTIVES, GKD, VarKD, get_objective
 
 B, L, P, V = 2, 6, 2, 5
 

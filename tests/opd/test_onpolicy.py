@@ -1,4 +1,4 @@
-"""On-policy, proven every step (opd/onpolicy.py): the learner's teacher-forced log-probs of a
+"""On-policy, proven every step (opd/distill/onpolicy.py): the learner's teacher-forced log-probs of a
 rollout's tokens against the behaviour log-probs the rollout recorded.  Strict: below
 STRICT_BOUND every step; stale weights on purpose: the gap is the weights' own log-prob change
 and far above the bound; batches without student tokens: NaN, never 0."""
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.models import create_model
-from opd.onpolicy import STRICT_BOUND, combine_gaps, logprob_gap, recompute_logprobs
-from opd.reference import run_reference
-from opd.steps import (RolloutJob, build_engine, build_objective, learn, make_optimizer, rollout,
+from opd.distill.onpolicy import STRICT_BOUND, combine_gaps, logprob_gap, recompute_logprobs
+from opd.run.reference import run_reference
+from opd.distill.steps import (RolloutJob, build_engine, build_objective, learn, make_optimizer, rollout,
                        score)
 
 SAMPLED = ["rollout.decoding=sample", "rollout.cfg_scale=2.0", "rollout.temperature=0.9",
@@ -57,7 +57,7 @@ def test_same_weights_give_a_gap_below_the_bound(extra):
 def test_the_check_on_the_loss_forward_equals_a_forward_of_its_own(extra):
     """student_loss(check=cfg) reuses its eval-mode forward's logits (no conditional forward of
     its own): bit for bit the figures of a separate forward; with dropout on it runs its own."""
-    from opd.steps import student_loss
+    from opd.distill.steps import student_loss
     cfg = load_config("tiny", extra)                  # on-policy GKD
     student, teacher, job = models_and_job()
     traj = score(teacher, rollout(student, build_engine(cfg), job, cfg, policy_version=0), cfg)

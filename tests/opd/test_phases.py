@@ -1,11 +1,12 @@
-"""distill.phases: the schedule's config, its resolution (opd/phases.py) and the reference loop
+"""distill.phases: the schedule's config, its resolution (opd/distill/phases.py) and the reference loop
 across a phase boundary, also resumed there (invariant 8)."""
 import pytest
 
-from opd import reference
-from opd.config import ConfigError, load_config
-from opd.phases import learning_rate, objective_at, phase_at, phases, rolls_out
-from opd.reference import run_reference
+from opd.run import reference
+from opd.config.schema import load_config
+from opd.config.loader import ConfigError
+from opd.distill.phases import learning_rate, objective_at, phase_at, phases, rolls_out
+from opd.run.reference import run_reference
 
 WARM_THEN_GKD = ("distill.phases=[{name: warm, steps: 2, objective: kd}, "
                  "{name: onpolicy, objective: gkd, lam: 1.0, lr: 1.0e-3, warmup_steps: 1}]")

@@ -1,4 +1,4 @@
-"""A step's pieces (opd/pieces.py): split rollouts with their image ids equal the whole batch's rollout, also when
+"""A step's pieces (opd/distill/pieces.py): split rollouts with their image ids equal the whole batch's rollout, also when
 sampling (the engines key random numbers by (seed, image id, position)); merge and learner
 shards put the rows back in order."""
 import copy
@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from opd.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts, step_layout,
+from opd.distill.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts, step_layout,
                         piece_rows, row_ranges, shard_rows, split_job, step_pieces, take_rows)
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.models import create_model
-from opd.steps import RolloutJob, backward_piece, build_engine, build_objective, rollout, score
+from opd.distill.steps import RolloutJob, backward_piece, build_engine, build_objective, rollout, score
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""bf16 before a GPU (opd/precision.py): the LlamaGen presets' precision settings
+"""bf16 before a GPU (opd/models/precision.py): the LlamaGen presets' precision settings
 (model.dtype=bfloat16, learner.precision=bf16) on the tiny shape on CPU, in the reference loop.
 
 - the rule: rollout / teacher / evaluation copies in model.dtype, the learner float32 with a
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import rollout.jacobi
-from opd import precision
-from opd.config import load_config
+from opd.models import precision
+from opd.config.schema import load_config
 from opd.models import create_model
-from opd.reference import run_reference
+from opd.run.reference import run_reference
 from rollout import make_engine
 
 BF16 = ("model.dtype=bfloat16", "learner.precision=bf16")
@@ -27,7 +27,7 @@ BF16_LOSS_REL = 1e-2
 steps; docs/RELIABILITY.md)."""
 BF16_ONPOLICY_BOUND = 5e-2
 """|Δ| of the on-policy check in bf16: bf16 rollout copy vs autocast learner (measured
-4.4e-3; float32's bound is opd.onpolicy.STRICT_BOUND = 1e-4)."""
+4.4e-3; float32's bound is opd.distill.onpolicy.STRICT_BOUND = 1e-4)."""
 
 
 def cfg_for(tiny_overrides, *extra):
@@ -116,8 +116,8 @@ def test_bf16_model_samples_from_float32_distributions(engine, opts, monkeypatch
 
 
 def test_bf16_teacher_scores_are_float32(tiny_overrides):
-    from opd.pretrain import load_role_model
-    from opd.steps import RolloutJob, build_engine, rollout as do_rollout, score
+    from opd.models.factory import load_role_model
+    from opd.distill.steps import RolloutJob, build_engine, rollout as do_rollout, score
     cfg = cfg_for(tiny_overrides, *BF16)
     teacher = precision.to_role(load_role_model(cfg, "teacher", progress=False), cfg, "teacher")
     assert next(teacher.parameters()).dtype == torch.bfloat16

@@ -1,11 +1,13 @@
-"""Cache keys of pretrained models (opd/pretrain.py)."""
+"""Cache keys of pretrained models (opd/models/factory.py)."""
 from __future__ import annotations
 
 import hashlib
 import shutil
 
-from opd.config import config_hash, load_config
-from opd.pretrain import data_paths, pretrain_key
+from opd.config.schema import load_config
+from opd.config.files import config_hash
+from opd.models.factory import pretrain_key
+from opd.data.splits import data_paths
 
 
 def test_pretrain_key_names_the_data_by_content(digits_dir, tmp_path):

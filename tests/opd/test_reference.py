@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from opd import checkpoints as ckpt
-from opd import reference
-from opd.config import load_config
-from opd.metrics import read_metrics
-from opd.onpolicy import STRICT_BOUND
-from opd.reference import run_reference
-from opd.rundir import RunDirError, prepare_run_dir
+from opd.run import checkpoints as ckpt
+from opd.run import reference
+from opd.config.schema import load_config
+from opd.run.metrics_log import read_metrics
+from opd.distill.onpolicy import STRICT_BOUND
+from opd.run.reference import run_reference
+from opd.run.rundir import RunDirError, prepare_run_dir
 
 
 def cfg_for(tiny_overrides, *extra):
@@ -121,8 +121,9 @@ def test_quality_report_against_a_direct_computation(tiny_overrides):
     import torch
     import torch.nn.functional as F
 
-    from opd.pretrain import load_role_model, open_dataset
-    from opd.quality import quality_report
+    from opd.models.factory import load_role_model
+    from opd.data.splits import open_dataset
+    from opd.eval.quality import quality_report
     cfg = cfg_for(tiny_overrides, "rollout.engine=cached_ar")
     student, teacher = load_role_model(cfg, "student"), load_role_model(cfg, "teacher")
     heldout = open_dataset(cfg, "heldout")
@@ -142,7 +143,7 @@ def test_quality_report_against_a_direct_computation(tiny_overrides):
 
 
 def test_prefix_ratio_spread_is_keyed_by_batch_id(tiny_overrides, tmp_path):
-    from opd.steps import batch_prefix_len
+    from opd.distill.steps import batch_prefix_len
     cfg = cfg_for(tiny_overrides, "rollout.engine=cached_ar", "distill.steps=12",
                   "data.prefix_ratios=0,0.25,0.5")
     lens = [batch_prefix_len(cfg, b, 64) for b in range(200)]

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from opd.config import load_config
-from opd.steps import learning_rate, set_learning_rate
+from opd.config.schema import load_config
+from opd.distill.steps import set_learning_rate
+from opd.distill.phases import learning_rate
 
 
 def test_warmup_then_linear_decay_to_ten_percent():

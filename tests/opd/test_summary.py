@@ -1,7 +1,7 @@
 """The closing quality table of `opd train`: teacher, student before / after, gap closed."""
 import pytest
 
-from opd.summary import gap_share, gap_table, write_quality_summary
+from opd.run.summary import gap_share, gap_table, write_quality_summary
 
 ROWS = [  # made-up quality.parquet rows, not in step order
     {"step": 0, "role": "teacher", "fid": 10.0, "precision": 0.8, "recall": 0.6,
@@ -66,8 +66,8 @@ def _row(step, phase, source, rounds=0, ar_rounds=0, gen=0, roll=0.0):
 
 
 def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_path):
-    from opd.artifacts import plot_training
-    from opd.summary import phase_spans, summarize
+    from opd.run.artifacts import plot_training
+    from opd.run.summary import phase_spans, summarize
     kd = [_row(s, "warm", "data") for s in range(3)]
     on = [_row(3, "onpolicy", "student", 20, 64, 256, 0.5),
           _row(4, "onpolicy", "data"),
@@ -83,7 +83,7 @@ def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_pa
 
 
 def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
-    from opd.summary import stage_lines
+    from opd.run.summary import stage_lines
     student = dict(source="student", pieces=4, rollout_busy_s=0.1, teacher_busy_s=0.05,
                    learner_busy_s=0.05)
     data = dict(source="data", pieces=1, rollout_busy_s=0.0, teacher_busy_s=0.1,
@@ -101,7 +101,7 @@ def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
 
 
 def test_window_lines_add_the_rounds_of_each_window_over_student_rollouts():
-    from opd.summary import window_lines
+    from opd.run.summary import window_lines
     rows = [{"source": "student", "window_hist": [2, 0, 0, 5]},
             {"source": "data", "window_hist": None},
             {"source": "student", "window_hist": [1, 3, 0, 0]},

@@ -5,12 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opd.batch import TrajectoryBatch, index_dtype
-from opd.config import load_config
+from opd.distill.batch import TrajectoryBatch, index_dtype
+from opd.config.schema import load_config
 from opd.data import PrefixBatcher
 from opd.models import create_model
-from opd.pretrain import model_overrides, open_dataset
-from opd.steps import (RolloutJob, build_objective, prefix_len_for, rollout, score, student_loss,
+from opd.models.factory import model_overrides
+from opd.data.splits import open_dataset
+from opd.distill.steps import (RolloutJob, build_objective, prefix_len_for, rollout, score, student_loss,
                        teacher_logits)
 
 B, K = 4, 5

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from launch.cli import main
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.eval.tracking import read_quality, student_grid_path
-from opd.metrics import read_metrics
-from opd.reference import run_reference
-from opd.trackers import (STATE_FILE, RunTrackers, quality_scalars, read_state, step_scalars,
+from opd.run.metrics_log import read_metrics
+from opd.run.reference import run_reference
+from opd.run.trackers import (STATE_FILE, RunTrackers, quality_scalars, read_state, step_scalars,
                           tag)
 
 STEPS = 4
@@ -117,7 +117,7 @@ TIMING = ("_s",)      # wall-clock columns: a repeated step measures them anew
 
 @pytest.fixture(scope="module")
 def tracked(tiny_overrides, tmp_path_factory, opd_cache):
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     root = tmp_path_factory.mktemp("trackers")
     cfg = cfg_for(tiny_overrides, "run.loggers=[tensorboard,mlflow,wandb]")
     for role in ("teacher", "student"):
@@ -266,7 +266,7 @@ class Broken:
 
 
 def test_failing_tracker_prints_one_line_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
-    from opd import tracker_backends
+    from opd.run import tracker_backends
     monkeypatch.setitem(tracker_backends.BACKENDS, "mlflow", Broken)
     cfg = load_config("tiny", ["run.loggers=[mlflow,tensorboard]"])
     trackers = RunTrackers(cfg, tmp_path, start=0, resume=False)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from opd.config import load_config
+from opd.config.schema import load_config
 from opd.eval.tracking import (COLUMNS, Evaluator, eval_steps, evaluate_student, read_only,
                                read_quality, teacher_cache_path)
-from opd.metrics import read_metrics
-from opd.reference import run_reference
+from opd.run.metrics_log import read_metrics
+from opd.run.reference import run_reference
 
 STEPS = 4
 
@@ -33,7 +33,7 @@ def student_steps(rows):
 
 @pytest.fixture(scope="module")
 def tracked(tiny_overrides, tmp_path_factory):
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     for role in ("teacher", "student"):   # pretraining in the run would reseed the global RNG
         load_role_model(cfg_for(tiny_overrides), role, progress=False)
     run_dir = tmp_path_factory.mktemp("tracked")
@@ -82,7 +82,7 @@ def test_tracking_does_not_change_the_losses(tracked, tiny_overrides, tmp_path):
 
 def test_evaluate_student_gives_the_tracked_row(tracked, tiny_overrides, tmp_path):
     """Fixed keys: a fresh evaluation of the starting student repeats the run's step-0 row."""
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     _, run_dir = tracked
     cfg = cfg_for(tiny_overrides)
     student, teacher = load_role_model(cfg, "student"), load_role_model(cfg, "teacher")
@@ -99,7 +99,7 @@ def test_teacher_row_is_cached(tracked, tiny_overrides, tmp_path, monkeypatch):
     path = teacher_cache_path(cfg)
     assert path.is_file() and path.with_suffix(".png").is_file()  # written by the tracked run
     mtime = path.stat().st_mtime_ns
-    from opd.pretrain import load_role_model
+    from opd.models.factory import load_role_model
     teacher = load_role_model(cfg, "teacher")
     measured = []
     real = Evaluator.sample_metrics

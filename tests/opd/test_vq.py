@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from opd.data import DataError
-from opd.models.checkpoint import CheckpointError
+from opd.models.safe_load import CheckpointError
 from opd.models.vq import AttnBlock, DigitsDecoder, VQModel, create_vq16, load_vq_checkpoint, to_uint8
 
 # Small enough for CPU tests; ch_mult keeps LlamaGen's 5 levels (16× up-sampling), GroupNorm(32) needs ch >= 32.

@@ -1,13 +1,14 @@
-"""`opd bench rollout` (opd/bench/rollout.py) and `opd calibrate`: presets, the sweep, the
+"""`opd bench rollout` (launch/bench/rollout.py) and `opd calibrate`: presets, the sweep, the
 table, the figures and the CLI wiring, on GPT-tiny."""
 import json
 
 import pytest
 import yaml
 
-from opd.bench.rollout import (VARIANTS, format_table, load_bench, resolve_bench_preset,
+from launch.bench.rollout import (VARIANTS, format_table, load_bench, resolve_bench_preset,
                                run_bench, save_figures)
-from opd.config import CONFIG_DIR, ConfigError
+from opd.config.files import CONFIG_DIR
+from opd.config.loader import ConfigError
 
 TINY = dict(model="GPT-tiny", dtype="float64", prefix="random", prefix_ratio=0.25,
             batch_sizes=[3], windows=[2, 5], decodings=["greedy", "sample"], repeats=2,

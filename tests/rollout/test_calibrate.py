@@ -92,12 +92,12 @@ def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
 
 
 def test_one_calibration_file_under_opd_cache(tmp_path, monkeypatch):
-    from opd.cache import cache_dir
+    from rollout.calibrate import cache_root
     from rollout.calibrate import calibration_file
     from rollout.calibrate import calibration_path
     monkeypatch.setenv("OPD_CACHE", str(tmp_path / "c"))
     assert calibration_file() == tmp_path / "c" / "calibration.json"
-    assert cache_dir() == tmp_path / "c"
+    assert cache_root() == tmp_path / "c"
     assert calibration_path({}) == calibration_file()                  # the engines' default
     assert calibration_path({"calibration": "x.json"}).name == "x.json"
     monkeypatch.delenv("OPD_CACHE")

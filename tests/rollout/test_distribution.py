@@ -354,7 +354,7 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
 
 
-# ---- a bf16 model (the LlamaGen presets' model.dtype, opd/precision.py) --------------------
+# ---- a bf16 model (the LlamaGen presets' model.dtype, opd/models/precision.py) --------------------
 
 @pytest.fixture(scope="module")
 def bf16_model():

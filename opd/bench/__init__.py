@@ -1,1 +1,0 @@
-"""Benchmarks behind `opd bench <what>`: rollout engines (rollout.py), more to come."""

@@ -1,0 +1,1 @@
+"""Configuration: the schema of every setting, the YAML loader and the preset files."""

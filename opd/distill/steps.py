@@ -1,0 +1,247 @@
+"""The roles of one OPD step as pure functions: rollout → score → learn.
+
+The single-process reference loop (`opd.run.reference`) and the Ray actors (`actors/`) call exactly
+these functions, so a distributed run computes what the reference computes (invariant 5,
+docs/ARCHITECTURE.md).
+Every random choice is keyed by (run seed, step or batch id), never drawn in call order.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from opd.models import precision
+from opd.distill.batch import TrajectoryBatch, index_dtype
+from rollout.calibrate import calibration_file
+from opd.config.schema import RunConfig
+from opd.distill.objectives import Objective
+from opd.distill.onpolicy import logprob_gap
+from opd.distill.pieces import combine_metrics
+from opd.distill.phases import objective_at, phase_at
+from rollout import make_engine
+from rollout.engine import engine_options
+
+
+def prefix_len_for(ratio: float, seq_len: int) -> int:
+    """Real prefix tokens per sequence: round(ratio · T), at most T − 1 (one token generated)."""
+    return min(int(round(ratio * seq_len)), seq_len - 1)
+
+
+def keyed_seed(*keys: int) -> int:
+    """A 62-bit seed from integer keys (seed, batch id, ...), independent of call order."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+PREFIX_KEY = 0x5052   # keyed_seed's third key for the prefix-ratio choice ("PR")
+
+
+def batch_prefix_len(cfg: RunConfig, batch_id: int, seq_len: int, step: int = 0) -> int:
+    """Real prefix tokens of training batch `batch_id` at learner step `step`: one of the step's
+    phase's prefix ratios (opd/distill/phases.py; the run's `data.prefix_ratios`, or `data.prefix_ratio`
+    when no spread is set), chosen by (run.seed, batch id).  Keyed, so the reference loop and
+    every Ray worker agree, also after a resume or a re-issue."""
+    ratios = phase_at(cfg, step).prefix_ratios
+    ratio = ratios[keyed_seed(cfg.run.seed, batch_id, PREFIX_KEY) % len(ratios)]
+    return prefix_len_for(ratio, seq_len)
+
+
+def build_objective(cfg: RunConfig, step: int = 0) -> Objective:
+    """The objective of learner step `step` with its knobs (its phase's settings over distill.*
+    and distill.objective_options; opd/distill/phases.py)."""
+    return objective_at(cfg, step)
+
+
+def batch_source(objective: Objective, step: int, seed: int) -> str:
+    """Where step `step`'s sequences come from: "student", "data" or "teacher"."""
+    return objective.choose_source(step, seed)
+
+
+COMMIT_HIST_WIDTH = 16
+WINDOW_HIST_WIDTH = 16   # rollout stats "window_hist": verifier rounds by window W (entry W - 1)
+"""Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
+counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
+
+
+def build_engine(cfg: RunConfig, engine: str | None = None):
+    """The configured rollout engine: the `rollout.*` options it takes (opd.config.schema
+    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out.  `rollout.window:
+    auto` is HB-SJD's window policy; another Jacobi engine named here runs its default W."""
+    name = engine or cfg.rollout.engine
+    takes = engine_options(name)
+    options = cfg.rollout.engine_options(takes)
+    if options.get("W") == "auto" and name != "hbsjd":
+        options["W"] = takes["W"]
+    if "calibration" in takes:                      # gamma=auto: measured once, under the lock
+        options.update(calibration=str(calibration_file()), calibrate_missing=True)
+    return make_engine(name, **options)
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """What a rollout worker needs to produce one trajectory batch."""
+    batch_id: int
+    labels: Tensor          # (B,) int64
+    tokens: Tensor          # (B, T) int64 data sequences (prefix source; the suffix for "data")
+    prefix_len: int
+    source: str             # "student" | "data" | "teacher"
+    seed: int               # run seed; the rollout's RNG key is (seed, batch_id)
+    image_ids: Tensor | None = None  # (B,) int64 rows of the prefix batch (None = 0..B-1); a
+    #                                  sub-batch keeps its rows' ids so its random numbers match
+
+
+def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
+    """Complete the real prefixes of `job` with `model` (the student, or the teacher for
+    SeqKD).  A "data" job takes its suffix from the dataset and runs no model.  A student
+    rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/distill/onpolicy.py)."""
+    if job.source == "data":
+        return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
+                               policy_version, "data", {"rollout_seconds": 0.0})
+    r = cfg.rollout
+    P, T = job.prefix_len, job.tokens.shape[1]
+    device = next(model.parameters()).device
+    result = engine.generate(
+        model, job.labels.to(device), job.tokens[:, :P].to(device), T - P,
+        cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
+        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
+        slots=r.slots or None)
+    image_rounds = result.image_rounds
+    B = int(job.labels.shape[0])
+    ar_rounds = (T - P) * -(-B // (r.slots or B))   # Cached AR: one round per token and row batch
+    stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds, "ar_rounds": ar_rounds,
+             "mean_committed": result.mean_committed, "engine": result.engine,
+             "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
+             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
+             "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
+             "window_hist": result.window_histogram(WINDOW_HIST_WIDTH),
+             "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
+             "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
+             "longest_single_run": int(result.longest_single_run.max())}
+    tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
+    logprobs = result.logprobs.cpu().clone() if job.source == "student" else None
+    return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
+                           job.source, stats, behaviour_logprobs=logprobs)
+
+
+@torch.no_grad()
+def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: float) -> Tensor:
+    """(B, L, V) float32 teacher logits of every token of the batch given its predecessors;
+    CFG-guided (uncond + (cond − uncond)·scale) when `guided`."""
+    device = next(teacher.parameters()).device
+    labels, tokens = batch.labels.to(device), batch.tokens.to(device)
+    logits = teacher(labels, tokens[:, :-1])
+    if guided and cfg_scale != 1.0:
+        null = torch.full_like(labels, teacher.num_classes)
+        uncond = teacher(null, tokens[:, :-1])
+        logits = uncond + (logits - uncond) * cfg_scale
+    return logits.float()
+
+
+def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
+    """The batch with the teacher's scores of its suffix positions (P..L-1, the only ones a
+    loss reads) attached: float32 full-vocabulary log-probs (B, N, V), or top-k float32
+    log-probs (normalised over the full vocabulary) with their token ids in the smallest
+    exact integer type (B, N, k) (opd.distill.batch: `teacher_start`, `index_dtype`)."""
+    start = time.perf_counter()
+    t = cfg.teacher
+    logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg.rollout.cfg_scale)
+    logp = F.log_softmax(logits[:, batch.prefix_len:], -1).cpu()          # (B, N, V)
+    if t.transport == "full":
+        out = batch.with_teacher(logprobs=logp.contiguous())
+    else:
+        values, indices = logp.topk(t.topk, dim=-1)
+        out = batch.with_teacher(topk_values=values.contiguous(),
+                                 topk_indices=indices.to(index_dtype(logp.shape[-1])).contiguous())
+    out.rollout_stats["teacher_seconds"] = time.perf_counter() - start
+    return out
+
+
+def needs_teacher_scores(objective: Objective) -> bool:
+    return objective.needs != ("tokens",)
+
+
+def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
+                 dropout: bool, check: RunConfig | None = None,
+                 autocast: torch.dtype | None = None) -> tuple[Tensor, dict]:
+    """The objective on the student's teacher-forced logits of the batch.  With
+    `dropout=False` the forward runs in eval mode (no label or residual dropout), so the
+    student sees the same conditions as during its rollout and the teacher's scoring.
+    `check` (the run config): the metrics also hold the on-policy check of the batch with these
+    weights (opd/distill/onpolicy.py), reusing this forward's logits when it ran in eval mode.
+    `autocast`: the forwards' autocast dtype (`opd.models.precision.learner_autocast`); the loss itself
+    is computed from the float32 logits outside it."""
+    student.train(dropout)
+    device = next(student.parameters()).device
+    batch = batch.to(device)
+    with precision.autocast(autocast, device):
+        logits = student(batch.labels, batch.tokens[:, :-1])
+    loss, metrics = objective.loss(logits, batch)
+    if check is not None:
+        module = getattr(student, "module", student)         # a DeepSpeed engine's model
+        with precision.autocast(autocast, device):
+            gap = logprob_gap(module, batch, check, None if dropout else logits)
+        metrics = {**metrics, **gap}
+    return loss, metrics
+
+
+def backward_piece(student, piece: TrajectoryBatch, objective: Objective, *, weight: float,
+                   dropout: bool, check: RunConfig | None = None,
+                   autocast: torch.dtype | None = None) -> dict:
+    """Forward and backward of one piece of a step (opd/distill/pieces.py): the objective's loss on the
+    piece (its token mean) times `weight`, the piece's share n_p / N of the step's loss tokens,
+    so the gradients the pieces accumulate add up to the gradient of the step's token mean.
+    Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`;
+    `autocast` as `student_loss`)."""
+    loss, metrics = student_loss(student, piece, objective, dropout=dropout, check=check,
+                                 autocast=autocast)
+    (loss * weight if weight != 1.0 else loss).backward()
+    return {**metrics, "loss": float(loss.detach()), "tokens": float(piece.num_generated_tokens)}
+
+
+def optimizer_step(student, optimizer: torch.optim.Optimizer, *, grad_clip: float,
+                   lr: float | None = None) -> float:
+    """The update after a step's last piece, at learning rate `lr` (None: the optimizer's):
+    gradients clipped to `grad_clip` (0: not clipped); returns their global norm before
+    clipping.  The gradients are cleared for the next step."""
+    if lr is not None:
+        set_learning_rate(optimizer, lr)
+    params = [p for p in student.parameters() if p.grad is not None]
+    norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
+            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                       for p in params])))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    student.eval()
+    return float(norm)
+
+
+def learn(student, optimizer, pieces: TrajectoryBatch | list[TrajectoryBatch],
+          objective: Objective, *, grad_clip: float, dropout: bool, lr: float | None = None,
+          check: RunConfig | None = None, autocast: torch.dtype | None = None) -> dict:
+    """One optimizer step on a scored batch, or on its pieces accumulated in order (the
+    reference learner; the DeepSpeed learner does the same through its engine, piece by piece
+    as they arrive).  Returns the objective's metrics over the step (token means), tokens,
+    grad_norm, and the on-policy check with `check` (see `student_loss`; `autocast` as there)."""
+    pieces = [pieces] if isinstance(pieces, TrajectoryBatch) else pieces
+    total = sum(p.num_generated_tokens for p in pieces)
+    optimizer.zero_grad(set_to_none=True)
+    results = [backward_piece(student, p, objective, weight=p.num_generated_tokens / total,
+                              dropout=dropout, check=check, autocast=autocast) for p in pieces]
+    norm = optimizer_step(student, optimizer, grad_clip=grad_clip, lr=lr)
+    return {**combine_metrics(results), "grad_norm": norm}
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def make_optimizer(student, cfg: RunConfig) -> torch.optim.Optimizer:
+    lr = cfg.learner
+    return torch.optim.AdamW(student.parameters(), lr=lr.lr, weight_decay=lr.weight_decay,
+                             betas=tuple(lr.betas))

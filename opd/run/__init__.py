@@ -1,0 +1,1 @@
+"""A run: the reference loop, checkpoints, run directory, metrics, summary, trackers, export."""

@@ -1,0 +1,162 @@
+"""The single-process reference OPD loop: the algorithm every distributed run is checked against.
+
+Per step k (policy version k = the number of updates the student has had):
+
+    batch  = next prefix batch from the Parquet data           (real prefix, ratio · T; the ratio
+                                                               is data.prefix_ratio or one of
+                                                               data.prefix_ratios, by batch id)
+    phase  = phase_at(cfg, k)                                  (distill.phases: the step's
+                                                               objective, λ, prefix ratios, lr)
+    source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
+    for piece in pieces(batch):                                (distill.pieces, opd/distill/pieces.py)
+        traj = rollout(current student, engine, piece)        (eval mode, no label dropout)
+        traj = score(teacher, traj)                           (teacher log-probs, full or top-k)
+    learn(student, optimizer, trajs, objective)                (gradients accumulated over the
+                                                               pieces in order, one update; loss
+                                                               on the generated suffix; the
+                                                               on-policy check, opd/distill/onpolicy.py,
+                                                               on the same forward's logits)
+
+Deterministic for a seed: batches come from a seeded order, rollout random numbers are keyed
+by (seed, batch id, image, position, attempt), and the loop itself draws nothing.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from opd.run import checkpoints as ckpt
+from opd.models import precision
+from opd.run.artifacts import plot_training
+from opd.config.schema import RunConfig
+from opd.data import PrefixBatcher
+from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
+from opd.run.loop import (StepLog, check_objectives,
+                      step_row)
+from opd.models import load_into, load_state_dict_safely
+from opd.models.factory import load_role_model
+from opd.data.splits import open_dataset
+from opd.distill.phases import objectives, phase_at, rolls_out
+from opd.distill.pieces import merge_batches, merge_stats, split_job, step_layout, take_rows
+from opd.distill.steps import RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective, learn, make_optimizer, needs_teacher_scores, rollout, score
+from opd.distill.phases import learning_rate
+
+
+def _teacher_rollouts(cfg: RunConfig) -> bool:
+    """Whether some phase samples its sequences from the teacher (SeqKD)."""
+    return any(o.source == "teacher" for o in objectives(cfg))
+
+
+def save_checkpoint(run_dir: Path, step: int, student, optimizer, batcher: PrefixBatcher,
+                    cfg: RunConfig) -> Path:
+    """checkpoints/step_<n>/ (opd/run/checkpoints.py): student.pt, optimizer/optimizer.pt (torch)
+    and state.json (mode "reference"); returns its path.  CheckpointWriteError if the disk
+    refuses it (the partial step_<n>.tmp is removed, earlier checkpoints stay)."""
+    with ckpt.writing(run_dir, step) as tmp:
+        ckpt.write_student(tmp, student.state_dict())
+        ckpt.save_torch(optimizer.state_dict(), tmp / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE)
+        return ckpt.commit(tmp, ckpt.checkpoint_state(cfg, step, batcher.state_dict(), "reference"))
+
+
+def load_checkpoint(path: Path, student, optimizer, batcher: PrefixBatcher) -> int:
+    """Restore the student, the optimizer and the data cursor; returns the next step."""
+    state = ckpt.read_state(path, mode="reference")
+    load_into(student, load_state_dict_safely(path / ckpt.STUDENT_FILE), str(path))
+    optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER_DIR / ckpt.TORCH_OPTIMIZER_FILE,
+                                         map_location="cpu", weights_only=True))
+    batcher.load_state_dict(state["data"])
+    return int(state["step"])
+
+
+def track_quality(evaluator: Evaluator | None, quality, student, step: int, run_dir: Path) -> None:
+    """Evaluate the student as the weights of `step` when it is an evaluation step without a
+    row yet (opd/eval/tracking.py: a copy is measured, the training state is left alone)."""
+    if (evaluator is None or not is_eval_step(evaluator.cfg, step)
+            or has_row(quality.rows, "student", step)):
+        return
+    evaluator.load(student.state_dict())
+    quality.append(evaluator.student_row(step, run_dir))
+
+
+def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
+                  resume: bool = False, stop_after: int | None = None,
+                  stop: Callable[[], bool] | None = None) -> list[dict]:
+    """Run cfg.distill.steps OPD steps in this process; returns the per-step metric rows (also
+    in run_dir/metrics.parquet).  `resume` continues from the run's latest checkpoint;
+    `stop_after` ends the loop early after that many steps (tests of exact resume); `stop()`,
+    asked before every step, True: checkpoint that step and raise RunInterrupted (Ctrl-C)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = cfg.run.seed
+    torch.manual_seed(seed)
+    teacher = precision.to_role(load_role_model(cfg, "teacher", progress=progress), cfg, "teacher")
+    student = load_role_model(cfg, "student", progress=progress)
+    policy = precision.RolloutCopy(cfg, student)          # the student in model.dtype
+    autocast = precision.learner_autocast(cfg, next(student.parameters()).device)
+    check_objectives(cfg)
+    engine = build_engine(cfg) if rolls_out(cfg) or _teacher_rollouts(cfg) else None
+    train = open_dataset(cfg, "train")
+    batcher = PrefixBatcher(train, cfg.data.batch_size, seed)
+    optimizer = make_optimizer(student, cfg)
+    layouts = {src: step_layout(cfg, src) for src in ("student", "teacher", "data")}
+    start = 0
+    if resume:
+        last = ckpt.latest_checkpoint(run_dir)
+        if last is not None:
+            start = load_checkpoint(last, student, optimizer, batcher)
+    steps = StepLog(cfg, run_dir, start=start, stop_after=stop_after, resume=resume,
+                    desc="opd reference", progress=progress)
+    quality = quality_log(run_dir, resume=resume, start=start)
+    steps.follow(quality)
+    evaluator = Evaluator(cfg, teacher) if cfg.eval.track else None
+    if evaluator is not None and not has_row(quality.rows, "teacher"):
+        quality.append(evaluator.teacher_row(run_dir))
+    track_quality(evaluator, quality, student, start, run_dir)
+    with steps:
+        for step in range(start, steps.end):
+            if stop is not None and stop():
+                path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
+                raise steps.interrupted(step, path)
+            pb = next(batcher)
+            objective = build_objective(cfg, step)
+            source = batch_source(objective, step, seed)
+            job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
+                             batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
+            seconds = {"rollout": 0.0, "teacher": 0.0}
+            cpu0 = time.process_time()
+            layout = layouts[source]
+            parts = [layout.part_rows(c) for c in range(len(layout.parts))]
+            scored, part_stats = [], []
+            model = teacher if source == "teacher" else policy(student)   # version `step`
+            for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
+                t0 = time.perf_counter()
+                traj = rollout(model, engine, part, cfg, policy_version=step)
+                seconds["rollout"] += time.perf_counter() - t0
+                part_stats.append(traj.rollout_stats)
+                for p in layout.parts[c]:                      # its pieces, in order
+                    piece = take_rows(traj, *layout.within_part(p))
+                    if needs_teacher_scores(objective):
+                        t0 = time.perf_counter()
+                        piece = score(teacher, piece, cfg)
+                        seconds["teacher"] += time.perf_counter() - t0
+                    scored.append(piece)
+            t0 = time.perf_counter()
+            metrics = learn(student, optimizer, scored, objective, grad_clip=cfg.learner.grad_clip,
+                            dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
+                            check=cfg, autocast=autocast)  # on-policy check: version `step`,
+            #                                                 before the update
+            seconds["learner"] = time.perf_counter() - t0
+            traj = merge_batches(scored)
+            traj.rollout_stats = merge_stats(part_stats)       # the rollout calls' own stats
+            row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
+            row["pieces"] = len(layout.rows)
+            row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
+            steps.record(row)                                  # other processes put on the machine
+            track_quality(evaluator, quality, student, step + 1, run_dir)
+            if steps.checkpoint_due(step + 1):
+                save_checkpoint(run_dir, step + 1, student, optimizer, batcher, cfg)
+                plot_training(steps.rows, run_dir / "training.png", quality=quality.rows)
+        return steps.close()
