@@ -27,6 +27,9 @@ or the largest policy lag
 step and once the run's actors are gone, kills carried out, and actors still alive after the
 run.  After both runs Ray is shut down and processes descended from this script are counted.
 Exit code 0 when every check holds, 1 otherwise.
+
+Over 400 lines: the chaos schedule, the two runs it drives and every check of what they left
+are one scenario, kept in one script so its report reads in order.
 """
 from __future__ import annotations
 

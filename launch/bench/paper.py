@@ -40,8 +40,7 @@ import torch
 from launch.bench import common
 from launch.bench.common import DTYPES
 from launch.bench.paper_measure import AR, Variant, measure, verifier_bytes
-from opd.config.loader import ConfigError
-from opd.config.loader import bounded, strict_schema
+from opd.config.loader import ConfigError, bounded, strict_schema
 from rollout.calibrate import ensure_calibration
 
 JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")

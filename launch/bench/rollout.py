@@ -41,8 +41,7 @@ import torch
 
 from launch.bench import common
 from launch.bench.common import DTYPES
-from opd.config.loader import ConfigError
-from opd.config.loader import bounded, strict_schema
+from opd.config.loader import ConfigError, bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 from rollout.roundcost import round_costs

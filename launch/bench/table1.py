@@ -41,8 +41,7 @@ import torch
 
 from launch.bench import common
 from opd.config.schema import RunConfig, load_config
-from opd.config.loader import ConfigError
-from opd.config.loader import bounded, strict_schema
+from opd.config.loader import ConfigError, bounded, strict_schema
 
 NO_GPU = "unmeasured: no GPU"
 MODES = ("eager", "compiled")

@@ -16,6 +16,9 @@ start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the dec
 on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
 
 The file is also the subprocess's script: `python test_elastic.py ARGS_JSON`.
+
+Over 400 lines: the two-node subprocess script and the tests of the decisions it exercises
+share their fakes and constants; split, each half would have to import the other.
 """
 import json
 import os

@@ -5,6 +5,9 @@ sampled, whose random numbers are keyed by image) for any number of rollout and 
 workers; DeepSpeed fp32 + torch AdamW agree to LOSS_TOL.
 Invariant 7: killing a rollout or a teacher worker mid-run loses nothing and uses nothing twice.
 Observability: the opd metrics on the node's Ray metrics port and in metrics.parquet.
+
+Over 400 lines: its tests share one Ray session and the reference runs they compare against
+(module fixtures); split, those references would run twice.
 """
 import json
 import re
@@ -14,8 +17,7 @@ import urllib.request
 import pytest
 
 from actors.driver.pipeline import run_distributed
-from actors.driver.records import CONSUMED_FILE, LearnerFailure
-from actors.driver.records import RunRecords, lag_histogram
+from actors.driver.records import CONSUMED_FILE, LearnerFailure, RunRecords, lag_histogram
 from opd.run import checkpoints as ckpt
 from opd.config.schema import load_config
 from opd.run.metrics_log import read_metrics

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.bench import common
-from launch.bench import table1 as t1
+from launch.bench import common, table1 as t1
 from launch.bench.table1 import NO_GPU, format_markdown, load_table1_bench, run_table1
 from rollout import make_engine
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from launch import cli
-from launch.commands import COMMANDS, load_commands
-from launch.commands import eval as eval_cmd
+from launch.commands import COMMANDS, load_commands, eval as eval_cmd
 
 
 def parse(argv):

@@ -17,6 +17,9 @@ metrics.parquet).
 Two profiles: the default one runs a few examples per input (seconds, in the default suite);
 `-m fuzz` runs FUZZ_EXAMPLES each (minutes) and `fuzz_report` (the last test) prints what the
 run saw: cases, distinct messages, tracebacks, files changed (docs/RELIABILITY.md has a run's).
+
+Over 400 lines: one generator per kind of input (configs, data files, checkpoints, run
+directories) beside the one property they share, and the report that tallies them all.
 """
 from __future__ import annotations
 
@@ -40,8 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from launch.cli import main
 from opd.data import write_token_parquet

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from opd.run import checkpoints as ckpt
-from opd.run import reference
+from opd.run import checkpoints as ckpt, reference
 from opd.config.schema import load_config
 from opd.run.metrics_log import read_metrics
 from opd.distill.onpolicy import STRICT_BOUND

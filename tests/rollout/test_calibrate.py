@@ -92,9 +92,7 @@ def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
 
 
 def test_one_calibration_file_under_opd_cache(tmp_path, monkeypatch):
-    from rollout.calibrate import cache_root
-    from rollout.calibrate import calibration_file
-    from rollout.calibrate import calibration_path
+    from rollout.calibrate import cache_root, calibration_file, calibration_path
     monkeypatch.setenv("OPD_CACHE", str(tmp_path / "c"))
     assert calibration_file() == tmp_path / "c" / "calibration.json"
     assert cache_root() == tmp_path / "c"
