@@ -1,4 +1,5 @@
-"""Imports go one way: rollout <- opd <- actors <- launch; Ray only in actors/launch,
+"""Imports go one way: rollout <- opd <- actors <- launch (and inside opd/, config <- data <- models
+<- distill <- eval, run); Ray only in actors/launch,
 DeepSpeed only in actors (docs/ARCHITECTURE.md, Layers); and no module imports itself through
 others (no import cycles, lazy imports inside functions included; scripts/ is in the cycle check).
 
@@ -148,6 +149,25 @@ def test_actors_roles_import_one_way():
            for m, targets in import_graph().items()
            for role in ROLES if m.startswith(role + ".")}
     assert {m: t for m, t in bad.items() if t} == {}
+
+
+CONCEPTS = {"opd.config": ("opd.data", "opd.models", "opd.distill", "opd.eval", "opd.run"),
+            "opd.data": ("opd.models", "opd.distill", "opd.eval", "opd.run"),
+            "opd.models": ("opd.distill", "opd.eval", "opd.run"),
+            "opd.distill": ("opd.eval", "opd.run")}
+
+
+def test_opd_concepts_import_one_way():
+    """opd/: config <- data <- models <- distill <- eval, run (docs/ARCHITECTURE.md, module map of
+    opd/); eval reads what a run writes (checkpoints, metrics logs) and a run evaluates, so those
+    two may import each other's modules (never in a cycle: test_no_import_cycles)."""
+    graph = import_graph()
+    assert {"opd.config.schema", "opd.data.splits", "opd.models.factory", "opd.distill.steps",
+            "opd.run.reference"} <= set(graph)
+    bad = {m: sorted(t for t in targets if t.startswith(CONCEPTS[c]))
+           for m, targets in graph.items() for c in CONCEPTS if m.startswith(c + ".")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
 
 if __name__ == "__main__":
     g = import_graph()
