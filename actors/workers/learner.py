@@ -16,7 +16,7 @@ gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce
 accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
 piece on every rank: every rank has rows in every piece (opd/distill/pieces.py).
 The per-rank piece loss is `opd.distill.steps.student_loss` (the objective's token mean over the
-piece's rows), scaled by R · n / N before backward so DeepSpeed's gradient average equals the
+piece's rows), scaled by R · n / N in `opd.distill.steps.backward_piece` so DeepSpeed's gradient average equals the
 gradient of the global token mean; the reported loss is Σ n · loss / N over the pieces and
 ranks (`opd.distill.results.combine_metrics`; the update is `opd.distill.steps.optimizer_step`,
 the reference learner's).  (Exact for token-mean objectives — KD, SeqKD, GKD;
@@ -44,7 +44,7 @@ from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
 from opd.distill.results import LearnerResult, PieceAnswer, combine_metrics
-from opd.distill.steps import build_objective, make_optimizer, optimizer_step, student_loss
+from opd.distill.steps import backward_piece, build_objective, make_optimizer, optimizer_step
 from opd.distill.phases import learning_rate
 
 
@@ -185,13 +185,11 @@ class StudentLearner(Worker):
         fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         self.ds_engine.set_gradient_accumulation_boundary(last)
-        loss, metrics = student_loss(self.ds_engine, piece, objective,       # + on-policy check:
-                                     dropout=self.cfg.learner.student_dropout, check=self.cfg,
-                                     autocast=self.autocast)
-        n = piece.num_generated_tokens                        # (this version, before the update)
-        scale = self.world_size * n / tokens
-        self.ds_engine.backward(loss * scale if scale != 1.0 else loss)
-        a.results.append({**metrics, "loss": float(loss.detach()), "tokens": float(n)})
+        scale = self.world_size * piece.num_generated_tokens / tokens
+        a.results.append(backward_piece(self.ds_engine, piece, objective, weight=scale,
+                                        dropout=self.cfg.learner.student_dropout,
+                                        check=self.cfg,    # the on-policy check: this version,
+                                        autocast=self.autocast))   # before the update
         a.rows += piece.batch_size
         a.next += 1
         if not last:

@@ -191,12 +191,17 @@ def backward_piece(model, piece: TrajectoryBatch, objective: Objective, *, weigh
                    autocast: torch.dtype | None = None) -> dict:
     """Forward and backward of one piece of a step (opd/distill/pieces.py): the objective's loss on the
     piece (its token mean) times `weight`, the piece's share n_p / N of the step's loss tokens,
-    so the gradients the pieces accumulate add up to the gradient of the step's token mean.
+    so the gradients the pieces accumulate add up to the gradient of the step's token mean (a
+    DeepSpeed engine's `backward`, which averages over the R ranks: `weight` R · n_p / N).
     Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`;
     `autocast` as `student_loss`)."""
     loss, metrics = student_loss(model, piece, objective, dropout=dropout, check=check,
                                  autocast=autocast)
-    (loss * weight if weight != 1.0 else loss).backward()
+    scaled = loss * weight if weight != 1.0 else loss
+    if is_ds_engine(model):
+        model.backward(scaled)
+    else:
+        scaled.backward()
     return {**metrics, "loss": float(loss.detach()), "tokens": float(piece.num_generated_tokens)}
 
 
