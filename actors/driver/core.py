@@ -191,7 +191,7 @@ def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: i
         return PieceNext.WAIT
     del t.answers[part]
     first = answers[0]
-    if first.skipped:                         # handed after a lost piece: hand it again
+    if first.skipped:                                # handed after a lost piece: hand it again
         return PieceNext.WAIT
     if first.lost:
         if t.prefetch:
