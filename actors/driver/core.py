@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from actors.driver.tasks import StepPlan, Task, TaskKind, Training
 from actors.transport.delivery import PartReport
-from opd.distill.pieces import combine_metrics, merge_stats
+from opd.distill.results import LearnerResult, PieceAnswer
+from opd.distill.rollout_stats import RolloutStats
 from opd.config.schema import RunConfig
 from opd.run.loop import checkpoint_due, step_row
 
@@ -180,7 +181,7 @@ class PieceNext(enum.Enum):
 
 
 def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: int,
-                   value: dict, ranks: int) -> PieceNext:
+                   value: PieceAnswer, ranks: int) -> PieceNext:
     """Record learner rank `rank`'s answer to the `handing`-th hand-out of piece `part`."""
     if handing != t.handed.get(part):
         return PieceNext.WAIT                        # an answer to an earlier hand-out
@@ -190,9 +191,9 @@ def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: i
         return PieceNext.WAIT
     del t.answers[part]
     first = answers[0]
-    if first.get("skipped"):                         # handed after a lost piece: hand it again
+    if first.skipped:                                # handed after a lost piece: hand it again
         return PieceNext.WAIT
-    if first.get("lost"):
+    if first.lost:
         if t.prefetch:
             return PieceNext.REPLAN
         t.submitted = part                           # those after it come back skipped
@@ -200,7 +201,7 @@ def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: i
         plan.delivered.pop(part, None)
         return PieceNext.AGAIN
     if part == plan.pieces - 1:
-        t.results = answers
+        t.results = {r: a.result for r, a in answers.items()}
         return PieceNext.TRAINED
     return PieceNext.WAIT
 
@@ -209,7 +210,7 @@ def piece_answered(t: Training, plan: StepPlan, part: int, handing: int, rank: i
 class StepDone:
     """A trained step: its ranks' results (rank order), when training began and ended, the
     step's wall time (from the previous step's end), and what follows it."""
-    results: list[dict]
+    results: list[LearnerResult]
     learner_start: float
     now: float
     wall: float
@@ -247,7 +248,7 @@ class BatchSummary:
     policy_version: int
     source: str
     prefix_len: int
-    rollout_stats: dict
+    rollout_stats: RolloutStats
     num_generated_tokens: int
     batch_size: int
     seq_len: int
@@ -257,7 +258,7 @@ class BatchSummary:
         reports = [plan.generated[c] for c in range(plan.parts)]   # the rollout calls'
         job = plan.jobs[0]
         return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
-                   merge_stats([r.stats for r in reports]),
+                   RolloutStats.merge([r.stats for r in reports]),
                    sum(r.generated_tokens for r in reports), sum(r.rows for r in reports),
                    int(job.tokens.shape[1]))
 
@@ -280,12 +281,12 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
     t = plan.times
     seconds = {"rollout": t.seconds("rollout"),
                "teacher": t.seconds("teacher") if plan.scored else 0.0,
-               "learner": max(r.get("busy_s", 0.0) for r in results)}
-    row = step_row(plan.step, traj, combine_metrics(results), seconds, phase=plan.phase)
+               "learner": max(r.busy_s for r in results)}
+    row = step_row(plan.step, traj, LearnerResult.step_metrics(results), seconds, phase=plan.phase)
     R, M = pools.rollout_alive, pools.teacher_alive
     row.update({
         "step_s": wall, "weight_sync_s": sync_seconds,
-        "weight_bytes": sync_bytes, "queue_depth": results[0]["queue_depth"],
+        "weight_bytes": sync_bytes, "queue_depth": results[0].queue_depth,
         "policy_lag": plan.step - plan.version, "samples_per_s": plan.samples / wall,
         "teacher_tokens_per_s": (traj.batch_size * traj.seq_len / seconds["teacher"]
                                  if seconds["teacher"] > 0 else 0.0),
@@ -297,7 +298,7 @@ def step_metrics(plan: StepPlan, done: StepDone, pools: PoolCounts, *, sync_seco
         "pieces": plan.pieces,
         "rollout_workers": pools.rollout_up,
         "delivered_bytes": sum(r.nbytes for r in plan.delivered.values()),
-        "learner_received_bytes": [int(r["received_bytes"]) for r in results],
+        "learner_received_bytes": [int(r.received_bytes) for r in results],
         "rollout_wait": rollout_wait_fraction(plan.source, t.began["rollout"],
                                               t.ended.get("rollout", 0.0), done.now - wall,
                                               done.learner_start, wall)})

@@ -60,6 +60,7 @@ from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
 from opd.run.loop import StepLog, check_objectives
 from opd.distill.pieces import take_rows
+from opd.distill.results import PieceAnswer
 from opd.data.splits import open_dataset
 from opd.distill.steps import rollout as roll_out
 
@@ -275,7 +276,7 @@ class Pipeline:
                 self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, part=part,
                                               worker=r, version=t.handed[part]))
 
-    def _trained(self, task: Task, value: dict) -> None:
+    def _trained(self, task: Task, value: PieceAnswer) -> None:
         t = self.state.training
         if t is None or t.step != task.step:
             return

@@ -13,9 +13,9 @@ from actors.driver.tasks import StepPlan
 from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
 from opd.distill.phases import phase_at
-from opd.distill.pieces import piece_cuts, shard_rows, split_job, step_layout
-from opd.distill.steps import (RolloutJob, batch_prefix_len, batch_source, build_objective,
-                       needs_teacher_scores)
+from opd.distill.pieces import piece_cuts, shard_rows, step_layout
+from opd.distill.plan import step_jobs, step_source
+from opd.distill.steps import needs_teacher_scores
 
 
 class StepPlanner:
@@ -35,8 +35,7 @@ class StepPlanner:
         cfg, s = self.cfg, self.next_step
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
-        objective = build_objective(cfg, s)             # the step's phase's (opd/distill/phases.py)
-        source = batch_source(objective, s, cfg.run.seed)
+        objective, source = step_source(cfg, s)         # the same as the reference loop's
         version = s
         if source == "student":
             version = published
@@ -45,12 +44,8 @@ class StepPlanner:
         pb = next(self.batcher)
         lay = self.layouts[source]
         self.cursor[s + 1] = self.batcher.state_dict()
-        job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
-                         batch_prefix_len(cfg, pb.batch_id, self.seq_len, s), source,
-                         cfg.run.seed)
         plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version,
-                                        split_job(job, [lay.part_rows(c) for c in
-                                                        range(len(lay.parts))]),
+                                        step_jobs(cfg, s, source, pb, self.seq_len, lay),
                                         gen=next(self._gens), pieces_of=lay.parts,
                                         ranges=[lay.within_part(p) for p in range(len(lay.rows))],
                                         cuts=self.cuts[source],

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from actors.transport.delivery import PartReport
+from opd.distill.results import LearnerResult, PieceAnswer
 from opd.distill.steps import RolloutJob
 
 
@@ -63,8 +64,8 @@ class Training:
     gen: int = 0
     submitted: int = 0
     handed: dict[int, int] = field(default_factory=dict)   # piece -> times handed to the ranks
-    answers: dict[int, dict[int, dict]] = field(default_factory=dict)   # piece -> rank -> answer
-    results: dict[int, dict] = field(default_factory=dict)
+    answers: dict[int, dict[int, PieceAnswer]] = field(default_factory=dict)   # piece -> rank ->
+    results: dict[int, LearnerResult] = field(default_factory=dict)            # answer
     start: float = field(default_factory=time.perf_counter)
     prefetch: bool = False
 

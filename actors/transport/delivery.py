@@ -20,6 +20,7 @@ import ray
 from actors.transport.iostats import payload_nbytes
 from opd.distill.pieces import take_rows
 from opd.distill.batch import TrajectoryBatch
+from opd.distill.rollout_stats import RolloutStats
 
 
 @dataclass
@@ -27,7 +28,7 @@ class PartReport:
     """What a worker tells the driver about a part it delivered (no payload)."""
     rows: int
     generated_tokens: int
-    stats: dict                       # rollout statistics (opd.distill.batch rollout_stats) of the part
+    stats: RolloutStats               # the part's rollout statistics (opd/distill/rollout_stats.py)
     nbytes: int                       # bytes of the pieces it put into the queue
     seconds: float = 0.0              # the worker's busy time
     payload: object = None            # ref of the whole part, owned by the worker (to score)
@@ -46,7 +47,7 @@ class PartTag:
 
 
 def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:
-    return PartReport(batch.batch_size, batch.num_generated_tokens, dict(batch.rollout_stats),
+    return PartReport(batch.batch_size, batch.num_generated_tokens, batch.rollout_stats.copy(),
                       nbytes, seconds, payload)
 
 
@@ -64,7 +65,7 @@ def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> Part
             pieces.append(None)
             continue
         piece = take_rows(batch, a, b)
-        piece.rollout_stats = {}                 # the driver has them from the report
+        piece.rollout_stats = RolloutStats()     # the driver has them from the report
         payload = piece.to_numpy_dict()
         nbytes += payload_nbytes(payload)
         pieces.append(ray.put(payload))

@@ -16,9 +16,10 @@ gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce
 accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
 piece on every rank: every rank has rows in every piece (opd/distill/pieces.py).
 The per-rank piece loss is `opd.distill.steps.student_loss` (the objective's token mean over the
-piece's rows), scaled by R · n / N before backward so DeepSpeed's gradient average equals the
+piece's rows), scaled by R · n / N in `opd.distill.steps.backward_piece` so DeepSpeed's gradient average equals the
 gradient of the global token mean; the reported loss is Σ n · loss / N over the pieces and
-ranks (`opd.distill.pieces.combine_metrics`).  (Exact for token-mean objectives — KD, SeqKD, GKD;
+ranks (`opd.distill.results.combine_metrics`; the update is `opd.distill.steps.optimizer_step`,
+the reference learner's).  (Exact for token-mean objectives — KD, SeqKD, GKD;
 VarKD's confidence-weighted mean is combined with the same token weights, an approximation
 for R > 1 and for more than one piece, the same in the reference loop.)
 """
@@ -34,7 +35,6 @@ import ray
 import torch
 
 from actors.transport.iostats import payload_nbytes
-from opd.distill.pieces import combine_metrics
 from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_buckets,
                                       state_dict_to_numpy, tag_weights, weights_nbytes)
 from actors.workers.base import Worker
@@ -43,7 +43,8 @@ from opd.models import precision
 from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
-from opd.distill.steps import build_objective, make_optimizer, set_learning_rate, student_loss
+from opd.distill.results import LearnerResult, PieceAnswer, combine_metrics
+from opd.distill.steps import backward_piece, build_objective, make_optimizer, optimizer_step
 from opd.distill.phases import learning_rate
 
 
@@ -85,7 +86,7 @@ class StudentLearner(Worker):
     def __init__(self, cfg: RunConfig | dict, rank: int = 0):
         super().__init__(cfg, rank)
         self.rank, self.world_size = rank, self.cfg.learner.world_size
-        self.engine = None
+        self.ds_engine = None
         self.autocast: torch.dtype | None = None
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         self.steps = 0
@@ -121,20 +122,12 @@ class StudentLearner(Worker):
         student = load_role_model(self.cfg, "student", progress=False).to(self.device)
         optimizer = make_optimizer(student, self.cfg)
         self.autocast = precision.learner_autocast(self.cfg, self.device)
-        self.engine, *_ = deepspeed.initialize(model=student, optimizer=optimizer,
+        self.ds_engine, *_ = deepspeed.initialize(model=student, optimizer=optimizer,
                                                config=deepspeed_config(self.cfg, self.device))
-        self.engine.eval()
+        self.ds_engine.eval()
         return self.info()
 
     # -- training ------------------------------------------------------------------------------
-
-    def _grad_norm(self) -> float | None:
-        """Pre-clip global gradient norm where DeepSpeed does not record one (ZeRO 0, fp32)."""
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
-            return None
-        return float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
 
     def attach_queue(self, queue) -> bool:
         """The trajectory queue this rank takes its rows from."""
@@ -142,28 +135,28 @@ class StudentLearner(Worker):
         return True
 
     def train_piece(self, step: int, version: int, gen: int, part: int, parts: int,
-                    tokens: int, prefetch: bool = False) -> dict:
+                    tokens: int, prefetch: bool = False) -> PieceAnswer:
         """Forward and backward of this rank's rows of piece `part` of `step` at policy
         `version` (docs/STREAMING.md); after the last of its `parts` pieces, the update.  Pieces
         are taken in piece order: a piece handed out of order (after one that was lost) answers
-        {"skipped": True} and is handed again.  `tokens`: the step's loss tokens N over every
+        `skipped` and is handed again (a `PieceAnswer`, opd/distill/results.py).  `tokens`: the step's loss tokens N over every
         rank and piece; rank r's piece loss (its token mean over n rows' tokens) is scaled by
         R · n / N before backward, so DeepSpeed's gradient average over the ranks, accumulated
         over the pieces up to the accumulation boundary at the last one, is the gradient of the
         step's token mean.  `prefetch`: the step is complete in the queue; the first piece
         fetches every piece of this rank at once (a lost one re-plans the step, before any
-        backward).  Returns {"part"} for a piece before the last; after the last, this rank's
-        metrics of the step: loss (its rows' token mean), tokens, grad_norm (global), seconds,
-        busy_s (its forward, backward and update seconds), rows and bytes received, the
-        on-policy check of its rows with the weights before this update (`opd.distill.onpolicy.KEYS`).
-        If a piece cannot be fetched (the worker that owned it died), every rank answers
-        {"lost": True} and keeps the pieces before it; the driver makes the part again."""
+        backward).  After the last piece the answer's `result` is this rank's `LearnerResult`:
+        its metrics (loss: its rows' token mean, tokens, the on-policy check of its rows with
+        the weights before this update, `opd.distill.onpolicy.KEYS`), grad_norm (global),
+        seconds, busy_s (its forward, backward and update seconds), rows and bytes received.
+        If a piece cannot be fetched (the worker that owned it died), every rank answers `lost`
+        and keeps the pieces before it; the driver makes the part again."""
         start = time.perf_counter()
         a = self.accum
         if part == 0 and (a is None or a.step != step):
             a = self.accum = Accumulation(step, start)
         if a is None or a.step != step or part != a.next:
-            return {"rank": self.rank, "part": part, "skipped": True}
+            return PieceAnswer(self.rank, part, skipped=True)
         last = part == parts - 1
         if not a.prefetched:
             if prefetch:                              # part 0: every piece of this rank at once
@@ -185,55 +178,50 @@ class StudentLearner(Worker):
                     self.accum = None
                     if self.rank == 0:
                         ray.get(self.queue.drop.remote(step))
-                return {"rank": self.rank, "part": part, "lost": True}
+                return PieceAnswer(self.rank, part, lost=True)
             a.received += payload_nbytes(payloads)
             a.prefetched = list(self.io.received(payloads))
         piece = TrajectoryBatch.from_numpy_dict(a.prefetched.pop(0))
         fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
-        self.engine.set_gradient_accumulation_boundary(last)
-        loss, metrics = student_loss(self.engine, piece, objective,       # + on-policy check:
-                                     dropout=self.cfg.learner.student_dropout, check=self.cfg,
-                                     autocast=self.autocast)
-        n = piece.num_generated_tokens                        # (this version, before the update)
-        scale = self.world_size * n / tokens
-        self.engine.backward(loss * scale if scale != 1.0 else loss)
-        a.results.append({**metrics, "loss": float(loss.detach()), "tokens": float(n)})
+        self.ds_engine.set_gradient_accumulation_boundary(last)
+        scale = self.world_size * piece.num_generated_tokens / tokens
+        a.results.append(backward_piece(self.ds_engine, piece, objective, weight=scale,
+                                        dropout=self.cfg.learner.student_dropout,
+                                        check=self.cfg,    # the on-policy check: this version,
+                                        autocast=self.autocast))   # before the update
         a.rows += piece.batch_size
         a.next += 1
         if not last:
             a.busy += time.perf_counter() - fetched
-            return {"rank": self.rank, "part": part}
+            return PieceAnswer(self.rank, part)
         if not prefetch and ray.get(self.queue.take.remote(step, version, self.rank)) is None:
             raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
                                f"not sealed in the queue after its last piece")
-        set_learning_rate(self.engine.optimizer, learning_rate(self.cfg, self.steps))
-        norm = self._grad_norm() if self.engine.zero_optimization_stage() == 0 else None
-        self.engine.step()
-        if norm is None:
-            g = self.engine.get_global_grad_norm()
-            norm = float(g) if g is not None else float("nan")
-        self.engine.eval()
+        norm = optimizer_step(self.ds_engine, self.ds_engine.optimizer,    # clips, ZeRO 0-3
+                              grad_clip=self.cfg.learner.grad_clip,
+                              lr=learning_rate(self.cfg, self.steps))
         self.steps += 1
         self.accum = None
         now = time.perf_counter()
         a.busy += now - fetched
         seconds = now - a.start
-        out = {**combine_metrics(a.results), "rank": self.rank, "grad_norm": norm,
-               "seconds": seconds, "busy_s": a.busy, "rows": a.rows,
-               "received_bytes": a.received, "queue_depth": a.depth}
+        out = LearnerResult(self.rank, combine_metrics(a.results), norm, seconds=seconds,
+                            busy_s=a.busy, rows=a.rows, received_bytes=a.received,
+                            queue_depth=a.depth)
+        m = out.metrics
         self.metrics.report(learner_step_seconds=seconds, learner_samples=a.rows,
                             learner_samples_per_s=a.rows / seconds,
-                            **({"onpolicy_logprob_delta": out["onpolicy_logprob_delta_max"]}
-                               if out["onpolicy_tokens"] else {}))
-        return out
+                            **({"onpolicy_logprob_delta": m["onpolicy_logprob_delta_max"]}
+                               if m["onpolicy_tokens"] else {}))
+        return PieceAnswer(self.rank, part, result=out)
 
     def drop_step(self, step: int) -> bool:
         """Forget the pieces of `step` accumulated so far (a run interrupted before its last
         piece was made: the checkpoint is of the weights before it)."""
         if self.accum is not None and self.accum.step == step:
             self.accum = None
-            self.engine.zero_grad()
+            self.ds_engine.zero_grad()
         return True
 
     def _any_rank(self, flag: bool) -> bool:
@@ -251,9 +239,9 @@ class StudentLearner(Worker):
     def _full_parameters(self) -> contextlib.AbstractContextManager:
         """Inside it the module holds all its parameters (ZeRO-3 gathers them: every rank must
         enter it together); a no-op for ZeRO 0-2."""
-        if self.engine.zero_optimization_stage() == 3:
+        if self.ds_engine.zero_optimization_stage() == 3:
             import deepspeed
-            return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()),
+            return deepspeed.zero.GatheredParameters(list(self.ds_engine.module.parameters()),
                                                      modifier_rank=None)
         return contextlib.nullcontext()
 
@@ -261,7 +249,7 @@ class StudentLearner(Worker):
         """Rank 0: the full student weights, tagged {"version", "weights": flat float32 numpy
         dict}; other ranks None.  Every rank must call it (ZeRO-3 gathers collectively)."""
         with self._full_parameters():
-            flat = state_dict_to_numpy(self.engine.module) if self.rank == 0 else None
+            flat = state_dict_to_numpy(self.ds_engine.module) if self.rank == 0 else None
         return None if flat is None else tag_weights(flat, version)
 
     @ray.method(num_returns=2)
@@ -275,7 +263,7 @@ class StudentLearner(Worker):
 
     def bucket_plan(self) -> list[Bucket]:
         """The buckets of the collective weight broadcast (sorted names, learner.weight_bucket_mb)."""
-        shapes = {k: tuple(v.shape) for k, v in self.engine.module.state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in self.ds_engine.module.state_dict().items()}
         return make_buckets(shapes, int(self.cfg.learner.weight_bucket_mb * 2 ** 20))
 
     def join_broadcast(self, host: str, port: int, size: int, backend: str) -> bool:
@@ -292,7 +280,7 @@ class StudentLearner(Worker):
         """Broadcast the current weights (rank 0 sends; every rank must call it, ZeRO-3 gathers
         collectively).  Returns the bytes sent (0 on ranks > 0)."""
         with self._full_parameters():
-            return self._send(self.engine.module.state_dict())
+            return self._send(self.ds_engine.module.state_dict())
 
     def _send(self, state: dict) -> int:
         if self.rank != 0:
@@ -309,18 +297,18 @@ class StudentLearner(Worker):
         opd/run/checkpoints.py): DeepSpeed's files in `optimizer/` (every rank, at the same time),
         and on rank 0 the student (unwrapped, fp32, CPU) as `student.pt`.  The driver commits
         the directory once every rank has returned.  Returns `tmp_dir`."""
-        self.engine.save_checkpoint(tmp_dir, tag=ckpt.OPTIMIZER_DIR, save_latest=False)
+        self.ds_engine.save_checkpoint(tmp_dir, tag=ckpt.OPTIMIZER_DIR, save_latest=False)
         with self._full_parameters():
             if self.rank == 0:
-                ckpt.write_student(tmp_dir, self.engine.module.state_dict())
+                ckpt.write_student(tmp_dir, self.ds_engine.module.state_dict())
         return tmp_dir
 
     def load_checkpoint(self, path: str, step: int) -> int:
         """Restore weights and optimizer state from `path/optimizer` (DeepSpeed's files of a
         checkpoint written by save_checkpoint) after `step` learner steps; returns `step`."""
-        load_path, _ = self.engine.load_checkpoint(path, tag=ckpt.OPTIMIZER_DIR)
+        load_path, _ = self.ds_engine.load_checkpoint(path, tag=ckpt.OPTIMIZER_DIR)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {Path(path) / ckpt.OPTIMIZER_DIR}")
-        self.engine.eval()
+        self.ds_engine.eval()
         self.steps = step
         return step

@@ -72,20 +72,19 @@ class RolloutWorker(Worker):
         self.io.received(job)
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
         s = traj.rollout_stats
-        seconds = float(s.get("rollout_seconds", 0.0))
+        seconds = float(s.rollout_seconds)
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                            rollout_rounds=s.get("rounds", 0),
-                            rollout_mean_committed=s.get("mean_committed", 0.0),
-                            rollout_longest_single_run=s.get("longest_single_run", 0),
-                            rollout_image_rounds_max=s.get("image_rounds_max", 0))
-        for k, count in enumerate(s.get("commit_hist", [])):   # acceptance lengths
+                            rollout_rounds=s.rounds, rollout_mean_committed=s.mean_committed,
+                            rollout_longest_single_run=s.longest_single_run,
+                            rollout_image_rounds_max=s.image_rounds_max)
+        for k, count in enumerate(s.commit_hist or []):        # acceptance lengths
             for _ in range(count):
                 self.metrics.observe("opd_rollout_commit_length", k + 1)
-        for k, count in enumerate(s.get("window_hist", [])):   # the window of each round
+        for k, count in enumerate(s.window_hist or []):        # the window of each round
             for _ in range(count):
                 self.metrics.observe("opd_rollout_window", k + 1)
-        for r in s.get("image_rounds", []):
+        for r in s.image_rounds:
             self.metrics.observe("opd_rollout_image_rounds", r)
         return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)

@@ -38,7 +38,7 @@ class TeacherWorker(Worker):
             batch = take_rows(batch, *tag.rows)
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
-        seconds = float(out.rollout_stats["teacher_seconds"])
+        seconds = float(out.rollout_stats.teacher_seconds)
         tokens = batch.batch_size * batch.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
@@ -56,7 +56,7 @@ class TeacherWorker(Worker):
         self.version = version
         self.io.received(job)
         traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
-        seconds = float(traj.rollout_stats.get("rollout_seconds", 0.0))
+        seconds = float(traj.rollout_stats.rollout_seconds)
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)

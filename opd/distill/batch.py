@@ -43,6 +43,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from opd.distill.rollout_stats import RolloutStats
+
 SOURCES = ("student", "data", "teacher")
 STATS_PREFIX = "rollout_stats/"
 ARROW_METADATA_KEY = b"opd.trajectory_batch"
@@ -52,13 +54,6 @@ _ARROW_COLUMNS = {"labels": "label"}  # field name -> arrow column name (one row
 
 Stat = int | float | str | bool | list[int]
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
-
-
-def _is_stat(value: Any) -> bool:
-    """A scalar (int / float / str / bool) or a list of ints (a histogram, per-image rounds)."""
-    if isinstance(value, list):
-        return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    return isinstance(value, (int, float, str, bool))
 
 
 def index_dtype(vocab_size: int) -> torch.dtype:
@@ -78,8 +73,8 @@ class TrajectoryBatch:
     policy_version: int, version of the student weights that generated the suffix.
     source: "student" (on-policy rollout), "data" (suffix from the dataset) or "teacher"
         (teacher-generated suffix, SeqKD).
-    rollout_stats: stats of the rollout (rounds, mean committed tokens, seconds, engine
-        name, committed-tokens histogram, ...); int / float / str / bool or list-of-int values.
+    rollout_stats: `RolloutStats` of the rollout (rounds, mean committed tokens, seconds,
+        engine name, committed-tokens histogram, ...; opd/distill/rollout_stats.py).
     teacher_logprobs: (B, S, V) float full-vocabulary teacher log-probs, or None.
     teacher_topk_values: (B, S, k) float teacher log-probs (normalized over the full
         vocabulary) at its k most likely tokens, or None.
@@ -96,7 +91,7 @@ class TrajectoryBatch:
     tokens: Tensor
     policy_version: int = 0
     source: str = "student"
-    rollout_stats: dict[str, Stat] = field(default_factory=dict)
+    rollout_stats: RolloutStats = field(default_factory=RolloutStats)
     teacher_logprobs: Tensor | None = None
     teacher_topk_values: Tensor | None = None
     teacher_topk_indices: Tensor | None = None
@@ -112,10 +107,9 @@ class TrajectoryBatch:
             raise ValueError(f"prefix_len must lie in [0, L={L}], got {self.prefix_len}")
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
-        for key, value in self.rollout_stats.items():
-            if not isinstance(key, str) or not _is_stat(value):
-                raise ValueError(f"rollout_stats[{key!r}] must map str to int/float/str/bool or "
-                                 f"a list of ints, got {value!r}")
+        if not isinstance(self.rollout_stats, RolloutStats):
+            raise ValueError(f"rollout_stats must be an opd.distill.rollout_stats.RolloutStats, "
+                             f"got {type(self.rollout_stats).__name__}")
         full = self.teacher_logprobs
         vals, idx = self.teacher_topk_values, self.teacher_topk_indices
         rows = ((B, L), (B, L - self.prefix_len))          # every position, or the suffix
@@ -186,7 +180,7 @@ class TrajectoryBatch:
     ) -> TrajectoryBatch:
         """A copy carrying the given teacher scores (replacing any present); tensors are shared."""
         return dataclasses.replace(
-            self, rollout_stats=dict(self.rollout_stats), teacher_logprobs=logprobs,
+            self, rollout_stats=self.rollout_stats.copy(), teacher_logprobs=logprobs,
             teacher_topk_values=topk_values, teacher_topk_indices=topk_indices,
         )
 
@@ -194,7 +188,7 @@ class TrajectoryBatch:
         """A copy with every tensor on `device`."""
         moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device)
                  for name in _TENSOR_FIELDS}
-        return dataclasses.replace(self, rollout_stats=dict(self.rollout_stats), **moved)
+        return dataclasses.replace(self, rollout_stats=self.rollout_stats.copy(), **moved)
 
     def _scalars(self) -> dict[str, Any]:
         return {"batch_id": self.batch_id, "prefix_len": self.prefix_len,
@@ -204,13 +198,13 @@ class TrajectoryBatch:
 
     def to_numpy_dict(self) -> dict[str, Any]:
         """Flat dict: the batch scalars, one numpy array per present tensor field (sharing memory
-        with CPU tensors), and `rollout_stats/<key>` per stat."""
+        with CPU tensors), and `rollout_stats/<field>` per stat that is set."""
         out: dict[str, Any] = self._scalars()
         for name in _TENSOR_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 out[name] = _to_numpy(name, value)
-        for key, value in self.rollout_stats.items():
+        for key, value in self.rollout_stats.to_dict().items():
             out[STATS_PREFIX + key] = value
         return out
 
@@ -221,7 +215,7 @@ class TrajectoryBatch:
         stats = {k[len(STATS_PREFIX):]: _py(v) for k, v in d.items() if k.startswith(STATS_PREFIX)}
         return cls(batch_id=int(d["batch_id"]), prefix_len=int(d["prefix_len"]),
                    policy_version=int(d["policy_version"]), source=str(d["source"]),
-                   rollout_stats=stats, **tensors)
+                   rollout_stats=RolloutStats.from_dict(stats), **tensors)
 
     # -- arrow (Parquet logs, datasets) --------------------------------------------------------
 
@@ -234,7 +228,7 @@ class TrajectoryBatch:
             value = getattr(self, name)
             if value is not None:
                 columns[_ARROW_COLUMNS.get(name, name)] = _to_fixed_list(_to_numpy(name, value))
-        meta = {**self._scalars(), "rollout_stats": self.rollout_stats}
+        meta = {**self._scalars(), "rollout_stats": self.rollout_stats.to_dict()}
         return pa.table(columns, metadata={ARROW_METADATA_KEY: json.dumps(meta).encode()})
 
     @classmethod
@@ -255,7 +249,7 @@ class TrajectoryBatch:
                 tensors[name] = _to_tensor(_from_fixed_list(arr), copy)
         return cls(batch_id=meta["batch_id"], prefix_len=meta["prefix_len"],
                    policy_version=meta["policy_version"], source=meta["source"],
-                   rollout_stats=meta["rollout_stats"], **tensors)
+                   rollout_stats=RolloutStats.from_dict(meta["rollout_stats"]), **tensors)
 
 
 def _to_numpy(name: str, t: Tensor) -> np.ndarray:

@@ -27,14 +27,13 @@ config alone, so they cut a step identically.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
 
 from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
-from opd.distill.onpolicy import KEYS as ONPOLICY_KEYS, combine_gaps
+from opd.distill.rollout_stats import RolloutStats
 
 PIECE_ROWS = 8
 """Rows per learner rank in an auto-sized piece.  Per piece a step pays a fixed cost in every
@@ -109,6 +108,11 @@ class Layout:
     def part_rows(self, c: int) -> Tensor:
         return torch.cat([self.rows[p] for p in self.parts[c]])
 
+    @property
+    def call_rows(self) -> list[Tensor]:
+        """(rows,) int64 batch rows of each rollout call (part), in order."""
+        return [self.part_rows(c) for c in range(len(self.parts))]
+
     def within_part(self, p: int) -> tuple[int, int]:
         c = self.part_of[p]
         a = sum(len(self.rows[q]) for q in self.parts[c] if q < p)
@@ -156,34 +160,6 @@ def split_job(job, rows: list[Tensor]) -> list:
             for r in rows]
 
 
-def merge_stats(parts: list[dict]) -> dict:
-    """Rollout stats of pieces generated side by side, as stats of the whole batch: counts and
-    histograms add up, rounds, seconds and the longest stall are the slowest piece's, mean
-    committed tokens is re-weighted by image rounds."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    out: dict = {}
-    for key in {k for p in parts for k in p}:
-        values = [p[key] for p in parts if key in p]
-        if key in ("generated_tokens", "accepted", "rejected", "image_rounds_sum", "images"):
-            out[key] = sum(values)
-        elif key in ("rounds", "ar_rounds", "rollout_seconds", "teacher_seconds", "image_rounds_max",
-                     "longest_single_run"):
-            out[key] = max(values)
-        elif key in ("commit_hist", "window_hist"):
-            out[key] = [sum(col) for col in zip(*values)]
-        elif key == "image_rounds":
-            out[key] = [r for v in values for r in v]
-        elif key != "mean_committed":
-            out[key] = values[0]
-    gen = [p.get("generated_tokens", 0) for p in parts]
-    mc = [p.get("mean_committed", 0.0) for p in parts]
-    image_rounds = sum(g / m for g, m in zip(gen, mc) if m > 0)
-    if image_rounds > 0:
-        out["mean_committed"] = sum(gen) / image_rounds
-    return out
-
-
 def merge_batches(parts: list[TrajectoryBatch]) -> TrajectoryBatch:
     """Concatenate pieces of one prefix batch (in order) into one batch."""
     if len(parts) == 1:
@@ -202,7 +178,7 @@ def merge_batches(parts: list[TrajectoryBatch]) -> TrajectoryBatch:
 
     return TrajectoryBatch(first.batch_id, cat("labels"), first.prefix_len, cat("tokens"),
                            first.policy_version, first.source,
-                           merge_stats([p.rollout_stats for p in parts]),
+                           RolloutStats.merge([p.rollout_stats for p in parts]),
                            cat("teacher_logprobs"), cat("teacher_topk_values"),
                            cat("teacher_topk_indices"), cat("behaviour_logprobs"))
 
@@ -212,32 +188,6 @@ def take_rows(batch: TrajectoryBatch, start: int, stop: int) -> TrajectoryBatch:
     def rows(t):
         return None if t is None else t[start:stop]
     return TrajectoryBatch(batch.batch_id, rows(batch.labels), batch.prefix_len, rows(batch.tokens),
-                           batch.policy_version, batch.source, dict(batch.rollout_stats),
+                           batch.policy_version, batch.source, batch.rollout_stats.copy(),
                            rows(batch.teacher_logprobs), rows(batch.teacher_topk_values),
                            rows(batch.teacher_topk_indices), rows(batch.behaviour_logprobs))
-
-
-SKIP = ("rank", "seconds", "rows", "received_bytes", "queue_depth", "part")
-
-
-def combine_metrics(results: list[dict]) -> dict:
-    """One step's metrics from the results of its pieces or learner ranks: loss and the
-    objective's other float metrics weighted by each result's tokens (= the token mean over
-    all of them), tokens summed, the first result's grad_norm (every rank reports the group's); the on-policy check's figures by
-    `opd.distill.onpolicy.combine_gaps`."""
-    if len(results) == 1:
-        return {k: v for k, v in results[0].items() if k not in SKIP}
-    tokens = [r["tokens"] for r in results]
-    total = sum(tokens)
-    out = {}
-    for key, value in results[0].items():
-        if key in SKIP or key in ONPOLICY_KEYS:
-            continue
-        if key == "tokens":
-            out[key] = total
-        elif key != "grad_norm" and isinstance(value, float):
-            out[key] = (sum(r[key] * n for r, n in zip(results, tokens)) / total if total
-                        else math.fsum(r[key] for r in results) / len(results))
-        else:
-            out[key] = value
-    return {**out, **combine_gaps(results)}

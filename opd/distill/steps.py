@@ -21,7 +21,8 @@ from rollout.calibrate import calibration_file
 from opd.config.schema import RunConfig
 from opd.distill.objectives import Objective
 from opd.distill.onpolicy import logprob_gap
-from opd.distill.pieces import combine_metrics
+from opd.distill.results import combine_metrics
+from opd.distill.rollout_stats import RolloutStats
 from opd.distill.phases import objective_at, phase_at
 from rollout import make_engine
 from rollout.engine import engine_options
@@ -62,12 +63,6 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
     return objective.choose_source(step, seed)
 
 
-COMMIT_HIST_WIDTH = 16
-WINDOW_HIST_WIDTH = 16   # rollout stats "window_hist": verifier rounds by window W (entry W - 1)
-"""Entries of a rollout's committed-tokens histogram (metrics.parquet `commit_hist`: entry k
-counts image-rounds that committed k + 1 tokens; 16 or more land in the last entry)."""
-
-
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine: the `rollout.*` options it takes (opd.config.schema
     ENGINE_OPTIONS, rollout.engine.engine_options), the others left out.  `rollout.window:
@@ -101,7 +96,7 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
     rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/distill/onpolicy.py)."""
     if job.source == "data":
         return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
-                               policy_version, "data", {"rollout_seconds": 0.0})
+                               policy_version, "data", RolloutStats())
     r = cfg.rollout
     P, T = job.prefix_len, job.tokens.shape[1]
     device = next(model.parameters()).device
@@ -110,18 +105,9 @@ def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int)
         cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
         top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
         slots=r.slots or None)
-    image_rounds = result.image_rounds
     B = int(job.labels.shape[0])
     ar_rounds = (T - P) * -(-B // (r.slots or B))   # Cached AR: one round per token and row batch
-    stats = {"rollout_seconds": result.wall_time, "rounds": result.rounds, "ar_rounds": ar_rounds,
-             "mean_committed": result.mean_committed, "engine": result.engine,
-             "generated_tokens": result.num_new_tokens * result.tokens.shape[0],
-             "accepted": int(result.accepted.sum()), "rejected": int(result.rejected.sum()),
-             "commit_hist": result.commit_histogram(COMMIT_HIST_WIDTH),
-             "window_hist": result.window_histogram(WINDOW_HIST_WIDTH),
-             "image_rounds": image_rounds.tolist(), "image_rounds_max": int(image_rounds.max()),
-             "image_rounds_sum": int(image_rounds.sum()), "images": int(image_rounds.numel()),
-             "longest_single_run": int(result.longest_single_run.max())}
+    stats = RolloutStats.of(result, ar_rounds)
     tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
     logprobs = result.logprobs.cpu().clone() if job.source == "student" else None
     return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
@@ -157,7 +143,7 @@ def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
         values, indices = logp.topk(t.topk, dim=-1)
         out = batch.with_teacher(topk_values=values.contiguous(),
                                  topk_indices=indices.to(index_dtype(logp.shape[-1])).contiguous())
-    out.rollout_stats["teacher_seconds"] = time.perf_counter() - start
+    out.rollout_stats.teacher_seconds = time.perf_counter() - start
     return out
 
 
@@ -165,74 +151,117 @@ def needs_teacher_scores(objective: Objective) -> bool:
     return objective.needs != ("tokens",)
 
 
-def student_loss(student, batch: TrajectoryBatch, objective: Objective, *,
+def plain_model(model) -> torch.nn.Module:
+    """The module a DeepSpeed engine wraps (`engine.module`), or `model` itself when it is a
+    plain module."""
+    return getattr(model, "module", model)
+
+
+def is_ds_engine(model) -> bool:
+    """Whether `model` is a DeepSpeed engine (it steps its own optimizer)."""
+    return hasattr(model, "zero_optimization_stage")
+
+
+def student_loss(model, batch: TrajectoryBatch, objective: Objective, *,
                  dropout: bool, check: RunConfig | None = None,
                  autocast: torch.dtype | None = None) -> tuple[Tensor, dict]:
-    """The objective on the student's teacher-forced logits of the batch.  With
+    """The objective on the student's teacher-forced logits of the batch; `model` is the
+    student module or the DeepSpeed engine that wraps it (`plain_model`).  With
     `dropout=False` the forward runs in eval mode (no label or residual dropout), so the
     student sees the same conditions as during its rollout and the teacher's scoring.
     `check` (the run config): the metrics also hold the on-policy check of the batch with these
     weights (opd/distill/onpolicy.py), reusing this forward's logits when it ran in eval mode.
     `autocast`: the forwards' autocast dtype (`opd.models.precision.learner_autocast`); the loss itself
     is computed from the float32 logits outside it."""
-    student.train(dropout)
-    device = next(student.parameters()).device
+    model.train(dropout)
+    device = next(model.parameters()).device
     batch = batch.to(device)
     with precision.autocast(autocast, device):
-        logits = student(batch.labels, batch.tokens[:, :-1])
+        logits = model(batch.labels, batch.tokens[:, :-1])
     loss, metrics = objective.loss(logits, batch)
     if check is not None:
-        module = getattr(student, "module", student)         # a DeepSpeed engine's model
         with precision.autocast(autocast, device):
-            gap = logprob_gap(module, batch, check, None if dropout else logits)
+            gap = logprob_gap(plain_model(model), batch, check, None if dropout else logits)
         metrics = {**metrics, **gap}
     return loss, metrics
 
 
-def backward_piece(student, piece: TrajectoryBatch, objective: Objective, *, weight: float,
+def backward_piece(model, piece: TrajectoryBatch, objective: Objective, *, weight: float,
                    dropout: bool, check: RunConfig | None = None,
                    autocast: torch.dtype | None = None) -> dict:
     """Forward and backward of one piece of a step (opd/distill/pieces.py): the objective's loss on the
     piece (its token mean) times `weight`, the piece's share n_p / N of the step's loss tokens,
-    so the gradients the pieces accumulate add up to the gradient of the step's token mean.
+    so the gradients the pieces accumulate add up to the gradient of the step's token mean (a
+    DeepSpeed engine's `backward`, which averages over the R ranks: `weight` R · n_p / N).
     Returns the piece's metrics: its own loss, its tokens n_p, the on-policy check (`check`;
     `autocast` as `student_loss`)."""
-    loss, metrics = student_loss(student, piece, objective, dropout=dropout, check=check,
+    loss, metrics = student_loss(model, piece, objective, dropout=dropout, check=check,
                                  autocast=autocast)
-    (loss * weight if weight != 1.0 else loss).backward()
+    scaled = loss * weight if weight != 1.0 else loss
+    if is_ds_engine(model):
+        model.backward(scaled)
+    else:
+        scaled.backward()
     return {**metrics, "loss": float(loss.detach()), "tokens": float(piece.num_generated_tokens)}
 
 
-def optimizer_step(student, optimizer: torch.optim.Optimizer, *, grad_clip: float,
+def grad_norm(model: torch.nn.Module) -> float | None:
+    """The global L2 norm of `model`'s gradients (the norm of the per-parameter norms, in
+    float32); None when no parameter has a gradient."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
+
+
+def optimizer_step(model, optimizer: torch.optim.Optimizer, *, grad_clip: float,
                    lr: float | None = None) -> float:
-    """The update after a step's last piece, at learning rate `lr` (None: the optimizer's):
-    gradients clipped to `grad_clip` (0: not clipped); returns their global norm before
-    clipping.  The gradients are cleared for the next step."""
+    """The update after a step's last backward, at learning rate `lr` (None: the optimizer's);
+    returns the gradients' global norm before clipping, and leaves `model` in eval mode with
+    its gradients cleared.  Both learners call it:
+
+    - `model` a plain module (the reference learner; `optimizer` a torch optimizer): the
+      gradients are clipped to `grad_clip` here (0: not clipped).
+    - `model` a DeepSpeed engine (actors/workers/learner.py; `optimizer` its
+      `engine.optimizer`): `engine.step()` clips at its `gradient_clipping`, reduces and steps
+      at its gradient-accumulation boundary (set by the caller before the last backward) for
+      every ZeRO stage, and clears the gradients.  The norm is `grad_norm` of the module under
+      ZeRO 0 (where DeepSpeed records none), else DeepSpeed's `get_global_grad_norm()` (NaN
+      when it has none)."""
     if lr is not None:
         set_learning_rate(optimizer, lr)
-    params = [p for p in student.parameters() if p.grad is not None]
-    norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
-            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
-                                                       for p in params])))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    student.eval()
+    if is_ds_engine(model):
+        norm = grad_norm(model.module) if model.zero_optimization_stage() == 0 else None
+        model.step()
+        if norm is None:
+            g = model.get_global_grad_norm()
+            norm = float(g) if g is not None else float("nan")
+    else:
+        if grad_clip > 0:
+            params = [p for p in model.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        else:
+            norm = grad_norm(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
     return float(norm)
 
 
-def learn(student, optimizer, pieces: TrajectoryBatch | list[TrajectoryBatch],
+def learn(model, optimizer, pieces: TrajectoryBatch | list[TrajectoryBatch],
           objective: Objective, *, grad_clip: float, dropout: bool, lr: float | None = None,
           check: RunConfig | None = None, autocast: torch.dtype | None = None) -> dict:
     """One optimizer step on a scored batch, or on its pieces accumulated in order (the
-    reference learner; the DeepSpeed learner does the same through its engine, piece by piece
-    as they arrive).  Returns the objective's metrics over the step (token means), tokens,
+    reference learner, `model` the student module; the DeepSpeed learner does the same through
+    its engine, piece by piece as they arrive, with the same `optimizer_step`).  Returns the objective's metrics over the step (token means), tokens,
     grad_norm, and the on-policy check with `check` (see `student_loss`; `autocast` as there)."""
     pieces = [pieces] if isinstance(pieces, TrajectoryBatch) else pieces
     total = sum(p.num_generated_tokens for p in pieces)
     optimizer.zero_grad(set_to_none=True)
-    results = [backward_piece(student, p, objective, weight=p.num_generated_tokens / total,
+    results = [backward_piece(model, p, objective, weight=p.num_generated_tokens / total,
                               dropout=dropout, check=check, autocast=autocast) for p in pieces]
-    norm = optimizer_step(student, optimizer, grad_clip=grad_clip, lr=lr)
+    norm = optimizer_step(model, optimizer, grad_clip=grad_clip, lr=lr)
     return {**combine_metrics(results), "grad_norm": norm}
 
 

@@ -44,8 +44,7 @@ def slot_rows(cfg: RunConfig, sizes) -> set[int]:
 def rollout_batch_sizes(cfg: RunConfig) -> list[int]:
     """The physical rows training rollouts are generated at: the sizes of a step's rollout
     calls (opd/distill/pieces.py, the same in both run modes), capped by rollout.slots."""
-    layout = step_layout(cfg)
-    return sorted(slot_rows(cfg, {len(layout.part_rows(c)) for c in range(len(layout.parts))}))
+    return sorted(slot_rows(cfg, {len(rows) for rows in step_layout(cfg).call_rows}))
 
 
 def eval_batch_sizes(cfg: RunConfig) -> list[int]:

@@ -116,10 +116,10 @@ def check_objectives(cfg: RunConfig) -> None:
 
 
 def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> dict:
-    """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry).
-    `ar_rounds` is the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is
-    what the rollout engine saved."""
-    s = traj.rollout_stats
+    """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry;
+    `traj.rollout_stats` a `RolloutStats`, its columns `RolloutStats.row`).  `ar_rounds` is
+    the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is what the rollout
+    engine saved."""
     gen = traj.num_generated_tokens
     roll = seconds.get("rollout", 0.0)
     return {"step": step, "phase": phase, "batch_id": traj.batch_id,
@@ -128,12 +128,6 @@ def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> di
             **{k: v for k, v in metrics.items()},
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),
             "learner_s": seconds.get("learner", 0.0), "step_s": sum(seconds.values()),
-            "rounds": s.get("rounds", 0), "ar_rounds": s.get("ar_rounds", 0),
-            "mean_committed": s.get("mean_committed", 0.0),
-            "commit_hist": s.get("commit_hist"), "window_hist": s.get("window_hist"),
-            "image_rounds_max": s.get("image_rounds_max", 0),
-            "image_rounds_mean": (s["image_rounds_sum"] / s["images"] if s.get("images")
-                                  else 0.0),
-            "longest_single_run": s.get("longest_single_run", 0),
+            **traj.rollout_stats.row(),
             "generated_tokens": gen,
             "rollout_tokens_per_s": gen / roll if roll > 0 and traj.source != "data" else 0.0}

@@ -40,8 +40,10 @@ from opd.models import load_into, load_state_dict_safely
 from opd.models.factory import load_role_model
 from opd.data.splits import open_dataset
 from opd.distill.phases import objectives, phase_at, rolls_out
-from opd.distill.pieces import merge_batches, merge_stats, split_job, step_layout, take_rows
-from opd.distill.steps import RolloutJob, batch_prefix_len, batch_source, build_engine, build_objective, learn, make_optimizer, needs_teacher_scores, rollout, score
+from opd.distill.pieces import merge_batches, step_layout, take_rows
+from opd.distill.plan import step_jobs, step_source
+from opd.distill.rollout_stats import RolloutStats
+from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, rollout, score
 from opd.distill.phases import learning_rate
 
 
@@ -121,17 +123,13 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
                 raise steps.interrupted(step, path)
             pb = next(batcher)
-            objective = build_objective(cfg, step)
-            source = batch_source(objective, step, seed)
-            job = RolloutJob(pb.batch_id, pb.labels, pb.tokens,
-                             batch_prefix_len(cfg, pb.batch_id, train.seq_len, step), source, seed)
+            objective, source = step_source(cfg, step)
+            layout = layouts[source]
             seconds = {"rollout": 0.0, "teacher": 0.0}
             cpu0 = time.process_time()
-            layout = layouts[source]
-            parts = [layout.part_rows(c) for c in range(len(layout.parts))]
             scored, part_stats = [], []
             model = teacher if source == "teacher" else policy(student)   # version `step`
-            for c, part in enumerate(split_job(job, parts)):   # the step's rollout calls
+            for c, part in enumerate(step_jobs(cfg, step, source, pb, train.seq_len, layout)):
                 t0 = time.perf_counter()
                 traj = rollout(model, engine, part, cfg, policy_version=step)
                 seconds["rollout"] += time.perf_counter() - t0
@@ -150,7 +148,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             #                                                 before the update
             seconds["learner"] = time.perf_counter() - t0
             traj = merge_batches(scored)
-            traj.rollout_stats = merge_stats(part_stats)       # the rollout calls' own stats
+            traj.rollout_stats = RolloutStats.merge(part_stats)   # the rollout calls' own stats
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
             row["pieces"] = len(layout.rows)
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load

@@ -9,7 +9,9 @@ from actors.driver.core import DriverState, PartNext, PoolCounts
 from actors.driver.tasks import StageTimer, StepPlan, Task, TaskKind, Training
 from actors.transport.delivery import PartReport
 from opd.config.schema import load_config
-from opd.distill.pieces import combine_metrics, piece_rows, split_job
+from opd.distill.pieces import piece_rows, split_job
+from opd.distill.results import LearnerResult, PieceAnswer
+from opd.distill.rollout_stats import RolloutStats
 from opd.distill.steps import RolloutJob
 
 
@@ -25,7 +27,7 @@ def plan_of(step: int, parts: int = 2, *, source: str = "student", scored: bool 
 
 
 def report(rows=2, tokens=6, nbytes=100, stats=None) -> PartReport:
-    return PartReport(rows, tokens, stats or {"rounds": 3, "generated_tokens": tokens}, nbytes)
+    return PartReport(rows, tokens, stats or RolloutStats(rounds=3, generated_tokens=tokens), nbytes)
 
 
 
@@ -144,26 +146,27 @@ def test_a_lost_piece_is_made_again_and_handed_again_in_order():
     plan.sealed = True
     t = Training(0)
     assert core.pieces_to_train(t, plan) == [0, 1, 2]
-    ok = {"rank": 0, "part": 0}
+    ok = PieceAnswer(0, 0)
     assert core.piece_answered(t, plan, 0, 1, 0, ok, ranks=2) is core.PieceNext.WAIT
     assert core.piece_answered(t, plan, 0, 1, 1, ok, ranks=2) is core.PieceNext.WAIT
-    lost = {"rank": 0, "part": 1, "lost": True}
+    lost = PieceAnswer(0, 1, lost=True)
     assert core.piece_answered(t, plan, 1, 1, 0, lost, ranks=2) is core.PieceNext.WAIT
     assert core.piece_answered(t, plan, 1, 1, 1, lost, ranks=2) is core.PieceNext.AGAIN
     assert (t.submitted, 1 in plan.delivered, 1 in plan.generated) == (1, False, False)
-    skipped = {"rank": 0, "part": 2, "skipped": True}
+    skipped = PieceAnswer(0, 2, skipped=True)
     for r in range(2):
         assert core.piece_answered(t, plan, 2, 1, r, skipped, ranks=2) is core.PieceNext.WAIT
     plan.generated[1] = plan.delivered[1] = report()  # made again
     assert core.pieces_to_train(t, plan) == [1, 2]
     assert t.handed == {0: 1, 1: 2, 2: 2}
-    late = {"rank": 0, "part": 2, "skipped": True}      # an answer to the first hand-out of 2
+    late = PieceAnswer(0, 2, skipped=True)      # an answer to the first hand-out of 2
     assert core.piece_answered(t, plan, 2, 1, 0, late, ranks=2) is core.PieceNext.WAIT
     for r in range(2):
-        core.piece_answered(t, plan, 1, 2, r, {"rank": r, "part": 1}, ranks=2)
-    assert core.piece_answered(t, plan, 2, 2, 0, rank(1.0, 1.0), ranks=2) is core.PieceNext.WAIT
-    assert core.piece_answered(t, plan, 2, 2, 1, rank(2.0, 3.0), ranks=2) is core.PieceNext.TRAINED
-    assert sorted(t.results) == [0, 1]
+        core.piece_answered(t, plan, 1, 2, r, PieceAnswer(r, 1), ranks=2)
+    last = [PieceAnswer(r, 2, result=rank(1.0 + r, 1.0 + 2 * r)) for r in range(2)]
+    assert core.piece_answered(t, plan, 2, 2, 0, last[0], ranks=2) is core.PieceNext.WAIT
+    assert core.piece_answered(t, plan, 2, 2, 1, last[1], ranks=2) is core.PieceNext.TRAINED
+    assert t.results == {0: last[0].result, 1: last[1].result}
 
 
 def test_a_prefetching_step_that_lost_a_piece_is_re_planned():
@@ -172,16 +175,16 @@ def test_a_prefetching_step_that_lost_a_piece_is_re_planned():
     plan.sealed = True
     t = Training(0, prefetch=True)
     core.pieces_to_train(t, plan)
-    lost = {"rank": 0, "part": 0, "lost": True}
+    lost = PieceAnswer(0, 0, lost=True)
     assert core.piece_answered(t, plan, 0, 1, 0, lost, ranks=1) is core.PieceNext.REPLAN
 
 
-def rank(loss, tokens, lost=False):
-    if lost:
-        return {"rank": 0, "lost": True}
-    return {"loss": loss, "tokens": tokens, "grad_norm": 1.5, "rank": 0, "seconds": 1.0,
-            "rows": 2, "received_bytes": 10, "queue_depth": 1, "onpolicy_tokens": 0,
-            "onpolicy_logprob_delta_mean": 0.0, "onpolicy_logprob_delta_max": 0.0}
+def rank(loss, tokens, busy=0.0):
+    return LearnerResult(0, {"loss": loss, "tokens": tokens, "onpolicy_tokens": 0,
+                             "onpolicy_logprob_delta_mean": 0.0,
+                             "onpolicy_logprob_delta_max": 0.0},
+                         grad_norm=1.5, seconds=1.0, busy_s=busy, rows=2, received_bytes=10,
+                         queue_depth=1)
 
 
 def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
@@ -193,7 +196,7 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
     done = core.step_trained(state, plan, 2, now=104.0, cfg=cfg)
     assert (state.version, state.training, state.consumed[plan.batch_id]) == (2, None, 1)
     assert (done.wall, done.learner_start, done.checkpoint, done.publish) == (4.0, 101.0, True, True)
-    assert [r["loss"] for r in done.results] == [1.0, 2.0]           # rank order
+    assert [r.metrics["loss"] for r in done.results] == [1.0, 2.0]   # rank order
     state.training = Training(2, results={0: rank(0, 0), 1: rank(0, 0)})
     done = core.step_trained(state, plan_of(2), 2, now=105.0, cfg=cfg)
     assert (done.checkpoint, done.publish) == (False, False)
@@ -203,9 +206,11 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
 
 
 def test_rank_metrics_are_the_global_token_mean():
-    out = combine_metrics([rank(1.0, 1.0), rank(2.0, 3.0)])
+    out = LearnerResult.step_metrics([rank(1.0, 1.0, busy=2.0), rank(2.0, 3.0, busy=4.0)])
     assert out["loss"] == pytest.approx(1.75) and out["tokens"] == 4.0 and out["grad_norm"] == 1.5
-    assert "seconds" not in out and "rank" not in out
+    assert out["busy_s"] == pytest.approx(3.5)          # a metrics.parquet column, token-weighted
+    assert set(out) == {"loss", "tokens", "grad_norm", "busy_s", "onpolicy_tokens",
+                        "onpolicy_logprob_delta_mean", "onpolicy_logprob_delta_max", "onpolicy_s"}
 
 
 def test_step_metrics_row():
@@ -215,7 +220,7 @@ def test_step_metrics_row():
     for p in range(2):
         plan.generated[p] = report()
         plan.delivered[p] = report(nbytes=100 + p)
-    done = core.StepDone([{**rank(1.0, 6.0), "busy_s": 2.0}], learner_start=13.0, now=16.0, wall=8.0,
+    done = core.StepDone([rank(1.0, 6.0, busy=2.0)], learner_start=13.0, now=16.0, wall=8.0,
                          checkpoint=False, publish=False)
     row = core.step_metrics(plan, done, PoolCounts(2, 2, 1), sync_seconds=0.5, sync_bytes=64,
                             reissued=3)

@@ -14,6 +14,7 @@ from actors.driver.core import Retry
 from actors.driver.planner import StepPlanner
 from actors.driver.tasks import StepPlan, Task, TaskKind
 from actors.transport.delivery import PartReport
+from opd.distill.rollout_stats import RolloutStats
 from opd.distill.pieces import piece_rows, split_job
 from opd.distill.steps import RolloutJob
 
@@ -27,7 +28,7 @@ def planned(plan_version: int) -> tuple[StepPlanner, StepPlan]:
     planner._gens = iter(range(1, 100))
     job = RolloutJob(7, torch.arange(4), torch.zeros(4, 6, dtype=torch.int64), 3, "student", 0)
     plan = StepPlan(3, 7, "student", plan_version, split_job(job, piece_rows(int(job.labels.shape[0]), 1, 2)), gen=0)
-    plan.generated[0] = PartReport(2, 6, {}, 0)
+    plan.generated[0] = PartReport(2, 6, RolloutStats(), 0)
     planner.plans = {3: plan}
     return planner, plan
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from opd.distill.batch import TrajectoryBatch
+from opd.distill.rollout_stats import RolloutStats
 
 B, L, P, V, K = 3, 7, 3, 11, 4
 
@@ -20,8 +21,8 @@ def make(transport: str | None = "full", source: str = "student") -> TrajectoryB
     batch = TrajectoryBatch(
         batch_id=42, labels=torch.tensor([5, 0, 999]), prefix_len=P,
         tokens=torch.randint(0, V, (B, L), generator=g), policy_version=3, source=source,
-        rollout_stats={"rounds": 17, "commit_hist": [3, 0, 5], "mean_committed": 2.951, "seconds": 0.1 + 0.2,
-                       "engine": "hb_sjd", "compact": True},
+        rollout_stats=RolloutStats(rounds=17, commit_hist=[3, 0, 5], mean_committed=2.951,
+                                   rollout_seconds=0.1 + 0.2, engine="hb_sjd"),
         behaviour_logprobs=(-torch.rand(B, L - P, generator=g)) if source == "student" else None,
     )
     logp = torch.log_softmax(torch.randn(B, L, V, generator=g), -1)
@@ -37,7 +38,8 @@ def assert_same(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
     for name in ("batch_id", "prefix_len", "policy_version", "source"):
         assert getattr(a, name) == getattr(b, name) and type(getattr(a, name)) is type(getattr(b, name))
     assert a.rollout_stats == b.rollout_stats
-    assert [type(v) for v in a.rollout_stats.values()] == [type(v) for v in b.rollout_stats.values()]
+    assert ([type(v) for v in a.rollout_stats.to_dict().values()]
+            == [type(v) for v in b.rollout_stats.to_dict().values()])
     for name in ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices",
                  "behaviour_logprobs"):
         x, y = getattr(a, name), getattr(b, name)
@@ -117,8 +119,9 @@ def test_with_teacher_and_to_copy():
     scored = batch.with_teacher(logprobs=torch.zeros(B, L, V))
     assert batch.teacher_logprobs is None and scored.teacher_logprobs is not None
     assert scored.tokens is batch.tokens
-    scored.rollout_stats["extra"] = 1
-    assert "extra" not in batch.rollout_stats
+    scored.rollout_stats.rounds = 99
+    scored.rollout_stats.commit_hist[0] = 99
+    assert batch.rollout_stats.rounds == 17 and batch.rollout_stats.commit_hist == [3, 0, 5]
     moved = make("topk").to("cpu")
     assert_same(moved, make("topk"))
 
@@ -146,7 +149,7 @@ def test_validation_names_the_field():
     with pytest.raises(ValueError, match="behaviour_logprobs must be"):
         TrajectoryBatch(**kw, behaviour_logprobs=torch.zeros(B, L - P, dtype=torch.float64))
     with pytest.raises(ValueError, match="rollout_stats"):
-        TrajectoryBatch(**kw, rollout_stats={"bad": [1, 2.5]})
+        TrajectoryBatch(**kw, rollout_stats={"rounds": 3})          # a dict, not the record
     with pytest.raises(ValueError, match="bfloat16"):
         TrajectoryBatch(**kw, teacher_logprobs=torch.zeros(B, L, V, dtype=torch.bfloat16)).to_numpy_dict()
 

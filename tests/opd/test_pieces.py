@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from opd.distill.pieces import (auto_pieces, combine_metrics, merge_batches, merge_stats, piece_cuts, step_layout,
+from opd.distill.pieces import (auto_pieces, merge_batches, piece_cuts, step_layout,
                         piece_rows, row_ranges, shard_rows, split_job, step_pieces, take_rows)
+from opd.distill.results import combine_metrics
 from opd.config.schema import load_config
 from opd.models import create_model
 from opd.distill.steps import RolloutJob, backward_piece, build_engine, build_objective, rollout, score
@@ -48,7 +49,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     assert torch.equal(merged.behaviour_logprobs, whole.behaviour_logprobs)
     shard = take_rows(merged, 1, 3)
     assert torch.equal(shard.behaviour_logprobs, whole.behaviour_logprobs[1:3])
-    assert merged.rollout_stats["generated_tokens"] == whole.rollout_stats["generated_tokens"]
+    assert merged.rollout_stats.generated_tokens == whole.rollout_stats.generated_tokens
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
     plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
              for j in split_job(job, piece_rows(5, 1, parts))]
@@ -73,14 +74,6 @@ def test_merge_refuses_parts_of_different_batches(setup):
     other.batch_id = 8
     with pytest.raises(ValueError, match="do not belong together"):
         merge_batches([take_rows(traj, 2, 5), other])
-
-
-def test_merge_stats_reweights_mean_committed():
-    a = {"generated_tokens": 30, "mean_committed": 3.0, "rounds": 12, "accepted": 5, "engine": "hbsjd"}
-    b = {"generated_tokens": 10, "mean_committed": 1.0, "rounds": 11, "accepted": 1, "engine": "hbsjd"}
-    m = merge_stats([a, b])
-    assert m == {"generated_tokens": 40, "mean_committed": 40 / 20, "rounds": 12, "accepted": 6,
-                 "engine": "hbsjd"}
 
 
 def test_every_rank_has_rows_in_every_piece():
