@@ -19,7 +19,7 @@ A branch sees the committed tokens, the root and its own earlier columns (`make_
 in a clipped tail window every column up to the root).  The model caches column s in slot
 start + s (rollout/protocol.py); a winning branch j > 0 is moved to slots cur + 1 .. .
 
-Verification: the root column chooses token cur (`rollout.jacobi.root_token`) -- greedy: its
+Verification: the root column chooses token cur (`root_token`) -- greedy: its
 argmax; sampled: speculative sampling of c_0 alone, i.e. c_0 kept with probability
 min(1, p(c_0) / q(c_0)), else a draw y from norm(max(0, p - q)) (rollout/verify.py).  The
 branch whose c_j equals that token (else branch 0, whose c_0 is then rejected) is the row's
@@ -37,13 +37,26 @@ Past a branch's L columns the path's tokens still hold drafts: the coupled refre
 too, and a bonus token at the branch's last column keeps its draft with probability
 min(1, p / q) (else the residual draw), distributed as p all the same.
 Each round costs (K - 1) L more query columns for every row.
+
+The round's seams (`Plan.tree` set): `tree_forward` runs the tree window
+(rollout/hbsjd.py `forward_window`), `tree_path` turns it into the plain window the
+verification reads and `next_candidates` drafts the next candidates (rollout/jacobi.py
+`jacobi_update`), `move_branch` moves a winning branch's cache slots into place
+(`verify_window`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+from rollout.engine import Request, cfg_rows
+from rollout.verify import verify_sample
+
+if TYPE_CHECKING:          # annotations only: jacobi imports this module at run time
+    from rollout.jacobi import JacobiState, Plan
 
 
 @dataclass
@@ -102,6 +115,12 @@ def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     return pool.gather(1, order)
 
 
+def no_candidates(B: int, tree: Tree, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The candidate state of B fresh images: cand (B, K) int64 zeros, on_tree (B,) False."""
+    return (torch.zeros(B, tree.K, dtype=torch.long, device=device),
+            torch.zeros(B, dtype=torch.bool, device=device))
+
+
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
                 tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
     """Append the branches j > 0 to plain windows.  tokens, positions (B, W) and offset (B,)
@@ -119,9 +138,40 @@ def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, 
     return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1), mask
 
 
+def tree_forward(model, st: JacobiState, tokens: Tensor, positions: Tensor, offset: Tensor,
+                 req: Request, rows: Tensor | None, tree: Tree) -> tuple[Tensor, Tensor]:
+    """The verifier forward of the plain windows tokens, positions (B, W) with their branches
+    (`tree_window`; cache rows `rows`, None = Full execution) -> logits (2B or B, C, V) and
+    positions (B, C)."""
+    tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand, tree)
+    logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
+                                  cfg_rows(mask, req))
+    return logits, positions
+
+
+def root_token(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor,
+               u: Tensor | None, plan: Plan) -> Tensor:
+    """The token cur the root column chooses.
+    guided: (B, C, V) logits of the tree window, p: their warped probabilities (sampled; else
+    None), u: (4, B, W, 1) the round's uniforms (sampled) -> (B,) int64: the argmax (greedy),
+    or (sampled) `verify_sample` of the root column alone: its draft c_0 = seq[cur] kept with
+    probability min(1, p(c_0) / q(c_0)), else the residual draw -- the same uniforms, so the
+    same token as the whole window's verification gives that column on branch 0."""
+    B, V = guided.shape[0], guided.shape[-1]
+    col = offset.clamp(max=plan.W - 1).view(B, 1, 1)
+    if u is None:
+        return guided.gather(1, col.expand(B, 1, V)).argmax(-1).view(B)
+    c0 = st.seq.gather(1, st.cur[:, None]).view(B, 1, 1)
+    p0, q0 = (x.gather(1, col.expand(B, 1, V)) for x in (p, st.q))          # (B, 1, V)
+    u0 = u.gather(2, col.expand(4, B, 1, 1))                                 # (4, B, 1, 1)
+    no = torch.zeros(B, 1, 1, dtype=torch.bool, device=col.device)
+    _, token = verify_sample(p0, c0, q0, no, ~no, u0, plan.col[:1], False)
+    return token.view(B)
+
+
 def choose_path(root: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
                 tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
-    """root: (B,) the token the root column chose for token cur (`rollout.jacobi.root_token`),
+    """root: (B,) the token the root column chose for token cur (`root_token`),
     offset: (B,) the root's column, cand: (B, K), on: (B,) rows with candidates.  -> branch
     (B,) (the first c_j equal to root, else 0; 0 off the tree), path (B, W) column of each
     aligned index, valid (B,) aligned predictions made under committed tokens only along the
@@ -134,6 +184,60 @@ def choose_path(root: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
     return branch, path, 1 + tree.length[branch]
 
 
+class Path(NamedTuple):
+    """A tree window as the plain window the verification reads (rollout/verify.py)."""
+    guided: Tensor        # (B, W, V) the path's logits
+    p: Tensor | None      # (B, W, V) their probabilities (None where the round has none)
+    held: Tensor          # (B, W, 1) bool committed before, or (a branch j > 0) chosen by the
+    #                       root column: c_j at the root's column
+    checked: Tensor       # (B, W, 1) bool the drafts to check: the path's valid predictions
+    drafted: Tensor       # (W, 1) bool the columns holding drafts (the coupled refresh's)
+    last: Tensor          # (B, 1, 1) int64 the first column not checked
+    branch: Tensor        # (B,) int64 the branch each row took
+
+
+def tree_path(st: JacobiState, guided: Tensor, p: Tensor | None, u: Tensor | None,
+              offset: Tensor, off: Tensor, done: Tensor, plan: Plan) -> Path:
+    """Verify along the branch whose candidate is the token the root column chose
+    (`root_token`).  guided: (B, C, V) logits of the tree window, p: their probabilities or
+    None, u: the round's uniforms or None (`root_token`), offset: (B,) the root's column (off:
+    the same, (B, 1, 1)), done: (B, W, 1) bool the columns committed before the round.  Writes
+    the winning candidate into seq as draft cur."""
+    root = root_token(st, guided, p, offset, u, plan)
+    B, W, V = guided.shape[0], plan.W, guided.shape[-1]
+    branch, path, t_width = choose_path(root, offset, st.cand, st.on_tree, plan.tree)
+    behind = plan.ar - offset[:, None]                        # (B, W) path index of column c
+    on = st.on_tree[:, None] & (behind >= 0)
+    cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
+    first = st.seq.gather(1, st.cur[:, None])
+    st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
+                                                    st.cand.gather(1, branch[:, None]), first))
+    valid = torch.minimum(W - offset, t_width)               # predictions under committed
+    last = (offset + valid - 1).view(B, 1, 1)
+    idx = cols[..., None].expand(B, W, V)
+    guided, p = guided.gather(1, idx), None if p is None else p.gather(1, idx)
+    checked = plan.col < last
+    held = done | ((plan.col == off) & (branch > 0).view(B, 1, 1))    # c_j: chosen above
+    return Path(guided, p, held, checked, plan.checked, last, branch)
+
+
+def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
+                    last: Tensor, branch: Tensor, plan: Plan) -> None:
+    """After a correction at `a` the next window is a tree: the candidates for token cur + m
+    (before `st.cur` advances).  guided: (B, W, V) the path's logits, a, m, last:
+    (B, 1, 1)."""
+    B, W, V = guided.shape
+    col = (offset.view(B, 1, 1) + m).clamp(max=W - 1)                 # predicts token cur + m
+    logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
+    nxt = st.cur[:, None] + m.view(B, 1)
+    draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
+    known = st.seq.gather(1, (nxt - plan.known).clamp(min=0))        # (B, h) tokens before it
+    st.cand = candidates(logits, draft, known, plan.tree.K)
+    stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
+    live, nxt = offset < W, nxt.view(B)
+    st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
+
+
 def moves(start: Tensor, offset: Tensor, branch: Tensor, tree: Tree) -> tuple[Tensor, Tensor]:
     """Cache slots to move after a round: (B, L) src, dst.  start, offset: (B,) the window's
     first slot and the root's column (`window_inputs`).  The columns of a winning branch
@@ -143,3 +247,11 @@ def moves(start: Tensor, offset: Tensor, branch: Tensor, tree: Tree) -> tuple[Te
     dst = torch.where(won, (start + offset + 1)[:, None], (start + 1)[:, None]) + t
     src = torch.where(won, start[:, None] + tree.base[branch][:, None] + t, dst)
     return src, dst
+
+
+def move_branch(model, positions: Tensor, offset: Tensor, branch: Tensor, req: Request,
+                rows: Tensor | None, tree: Tree) -> None:
+    """After verification: the cache slots of each winning branch j > 0 (branch (B,)) into
+    place (`moves`; positions (B, C), offset (B,) from `tree_forward`)."""
+    src, dst = moves(positions[:, 0], offset, branch, tree)
+    model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))

@@ -28,13 +28,14 @@ import torch
 from torch import Tensor
 
 from rollout.calibrate import calibration_path
+from rollout.candidates import move_branch, tree_forward
 from rollout.engine import Engine, Request, cfg_rows, prefill_token, register, synchronize
-from rollout.candidates import moves, tree_window
 from rollout.jacobi import (JacobiState, Plan, init_state, jacobi_update, make_plan,
                             rewindow, window_inputs)
 from rollout.sampling import guide
-from rollout.stats import RolloutResult
-from rollout.window import WINDOWS, Acceptance, CostTable, WindowPolicy
+from rollout.slots import Slots
+from rollout.stats import RolloutResult, RoundLog
+from rollout.window import WINDOWS, Acceptance, AcceptanceCounts, CostTable, WindowPolicy
 
 
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
@@ -49,86 +50,74 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     round's window and execution are `choose_round`'s, gamma unused; plan_for(W) -> the call's
     Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
-    With R = req.rows < B physical rows (slots), images 0..R-1 start; whenever rows' images
-    are complete at the start of a round and images wait, the rows' tokens are kept and the
-    next waiting images are prefilled into those rows (one prefill forward for all of them,
-    attributed to the round that completed the old images), then the round goes on."""
+    With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
+    round, after its one device sync (the active count, with the policy's acceptance counts):
+    1. refill free rows with waiting images (`Slots.refill`), 2. Full or Compact, and the
+    window (`execution`), 3. the round (`full_round` / `compact_round`), 4. tally
+    (`RoundLog.add`)."""
     B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
-    times = [time.perf_counter()]          # round boundaries (each follows a device sync)
+    log = RoundLog(B, dev)
     if req.num_new == 1:
-        return _single_token(model, req, times)
-    img = torch.arange(R, device=dev)                         # the image in each row
-    first, first_logp = prefill_token(model, req, img)
-    ones = torch.ones(B, dtype=torch.long, device=dev)
-    committed = [torch.zeros_like(ones).index_fill_(0, img, 1)]
-    active_log, modes, prefills = [R], ["full"], 0
-    accepted, rejected = torch.zeros_like(ones), torch.zeros_like(ones)
-    st = init_state(req, img, first, plan, model.vocab_size, first_logp)
+        return _single_token(model, req, log.times)
+    slots = Slots(req)
+    first, first_logp = prefill_token(model, req, slots.img)
+    log.prefill(slots.img)
+    st = init_state(req, slots.img, first, plan, model.vocab_size, first_logp)
     compiled = full is not None
     if compiled:
         st = hold(st)
-    windows, seen = [0], None
-    if policy is not None:
-        seen = AcceptanceCounts(policy.largest - 1, dev)
+    seen = None if policy is None else AcceptanceCounts(policy.largest - 1, dev)
     full, compact = full or full_round, compact or compact_round
-    out = torch.empty(B, T, dtype=torch.long, device=dev)
-    out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
-    first_round = torch.zeros(B, dtype=torch.long, device=dev)
-    waiting = R                                               # next image to admit
     while True:
         live = st.cur < T
-        if seen is None:
-            A = int(live.sum())                               # the one sync of the round
-        else:                                                 # (with the acceptance counts)
-            A, acceptance = seen.read(live)
-        if A < R and waiting < B:                             # rows free and images waiting
-            done = (~live).nonzero().squeeze(1)[: B - waiting]
-            new = torch.arange(waiting, waiting + done.shape[0], device=dev)
-            out[img[done]] = st.seq[done, :T]
-            out_logp[img[done]] = st.logp[done, :T]
-            img[done] = new
-            token, logp = prefill_token(model, req, new, done)
-            st.assign(done, init_state(req, new, token, plan, model.vocab_size, logp),
-                      new_images=True)
-            committed[-1][new] = 1
-            first_round[new] = len(committed) - 1
-            waiting, prefills, A = waiting + done.shape[0], prefills + 1, A + done.shape[0]
-            live = st.cur < T
-        times.append(time.perf_counter())
+        A, acceptance = (int(live.sum()), None) if seen is None else seen.read(live)  # sync
+        # 1. refill: rows whose images are complete take the waiting images
+        if A < R and slots.waiting < B:
+            new = slots.refill(model, req, st, live, plan)
+            log.admit(new)
+            A, live = A + new.shape[0], st.cur < T
+        log.tick()
         if A == 0:
             break
-        is_compact, idx = A < gamma, None
-        if policy is not None:
-            W, is_compact = choose_round(policy, A, acceptance, model, st, req, plan,
-                                         plan_for)
-            if W != plan.W:
-                st = rewindow(st, plan, plan_for(W))
-                plan = plan_for(W)
-                if compiled:
-                    st = hold(st)
+        # 2. Full or Compact, and the window
+        is_compact, st, plan = execution(A, gamma, acceptance, policy, model, st, req, plan,
+                                         plan_for, hold if compiled else None)
+        # 3. the round
         if is_compact:
-            idx = bucket_rows(live, bucket(A, R)) if compiled else live.nonzero().squeeze(1)
+            idx = compact_rows(live, A, R, compiled)
             counts = compact(model, st, idx, req, plan)
         else:
-            counts = full(model, st, req, plan)
+            idx, counts = None, full(model, st, req, plan)
+        # 4. tally
         if seen is not None:
-            seen.add(counts, windows[-1] - 1)
-        windows.append(plan.W)
-        if idx is None and R == B:       # no slots, Full: row b holds image b
-            # (a CUDA graph's outputs are rewritten by its next replay)
-            per_image = counts.clone() if compiled else counts
-        else:
-            per_image = torch.zeros(3, B, dtype=torch.long, device=dev)
-            per_image.index_add_(1, img if idx is None else img[idx], counts)
-        committed.append(per_image[0])
-        accepted += per_image[1]
-        rejected += per_image[2]
-        active_log.append(A)
-        modes.append("compact" if is_compact else "full")
-    out[img] = st.seq[:, :T]
-    out_logp[img] = st.logp[:, :T]
-    return _result(req, out, committed, accepted, rejected, active_log, modes, times, prefills,
-                   first_round, out_logp[:, req.prefix_len:], windows)
+            seen.add(counts, log.windows[-1] - 1)
+        log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
+                plan.W)
+    tokens, logp = slots.collect(st)
+    return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
+
+
+def execution(active: int, gamma: int, acceptance: Acceptance | None,
+              policy: WindowPolicy | None, model, st: JacobiState, req: Request, plan: Plan,
+              plan_for, hold) -> tuple[bool, JacobiState, Plan]:
+    """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
+    (W "auto") `choose_round`'s window and mode, `st` re-windowed to it (and held again when
+    hold is given: compiled rounds)."""
+    if policy is None:
+        return active < gamma, st, plan
+    W, compact = choose_round(policy, active, acceptance, model, st, req, plan, plan_for)
+    if W != plan.W:
+        st = rewindow(st, plan, plan_for(W))
+        plan = plan_for(W)
+        if hold is not None:
+            st = hold(st)
+    return compact, st, plan
+
+
+def compact_rows(live: Tensor, active: int, rows: int, compiled: bool) -> Tensor:
+    """The rows (k,) int64 of a Compact round: the active ones of live (R,) bool, padded to
+    their bucket when compiled (`bucket_rows`)."""
+    return bucket_rows(live, bucket(active, rows)) if compiled else live.nonzero().squeeze(1)
 
 
 def choose_round(policy: WindowPolicy, active: int, acceptance: Acceptance, model,
@@ -139,35 +128,6 @@ def choose_round(policy: WindowPolicy, active: int, acceptance: Acceptance, mode
     test can swap in a policy that looks where it must not (the round's own acceptance,
     tests/rollout/test_window.py); this one reads none of them."""
     return policy.choose(active, acceptance)
-
-
-class AcceptanceCounts:
-    """Per-depth acceptance counts of a rollout on the device (rollout/window.py `Acceptance`),
-    read once per round together with the active count."""
-
-    def __init__(self, depth: int, device: torch.device):
-        self.depth = torch.arange(1, depth + 1, device=device)[:, None]     # (D, 1)
-        self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
-        self.rounds = 0
-
-    def add(self, counts: Tensor, proposed: int) -> None:
-        """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
-        drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
-        it are counted (rollout/window.py, Exploration)."""
-        acc, rej = counts[1], counts[2].bool()
-        took = acc >= self.depth                                            # (D, k)
-        reached = took | ((acc == self.depth - 1) & rej)
-        keep = self.depth <= proposed                                       # (D, 1)
-        self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
-        self.rounds += 1
-
-    def read(self, live: Tensor) -> tuple[int, Acceptance]:
-        """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
-        host = torch.cat([live.sum().view(1), self.counts.view(-1)]).tolist()
-        D = self.counts.shape[1]
-        acceptance = Acceptance(D, self.rounds)
-        acceptance.add(host[1: 1 + D], host[1 + D:])
-        return int(host[0]), acceptance
 
 
 def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
@@ -240,28 +200,26 @@ class StaticStates:
 def forward_window(model, st: JacobiState, req: Request, plan: Plan,
                    rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The round's verifier forward over the windows of `st`'s rows (cache rows `rows`, None =
-    Full execution).  -> logits (2B or B, W, V) (C columns with candidate drafting), positions
-    (B, W or C) and offset (B,) from `window_inputs`."""
+    Full execution).  -> logits (2B or B, W, V), positions (B, W) and offset (B,) from
+    `window_inputs`; C columns for W with candidate drafting (`candidates.tree_forward`)."""
     tokens, positions, offset = window_inputs(st, plan)
-    if plan.tree is None:
+    if plan.tree is not None:             # (B, C) windows with the candidates' branches
+        logits, positions = tree_forward(model, st, tokens, positions, offset, req, rows,
+                                         plan.tree)
+    else:
         logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
-    else:                                 # (B, C) windows with the candidates' branches
-        tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand,
-                                              plan.tree)
-        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
-                                      cfg_rows(mask, req))
     return logits, positions, offset
 
 
 def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, offset: Tensor,
                   req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
     """The round's verification step: guide the logits, verify every window and advance `st`
-    in place (rollout/jacobi.py); with candidate drafting move the winning branch's cache
-    slots into place.  -> counts (3, B) int64: committed, accepted, rejected."""
+    in place (rollout/jacobi.py); a tree window's winning branch (the branch jacobi_update
+    returns only then) then moves into place (`candidates.move_branch`).  -> counts (3, B)
+    int64: committed, accepted, rejected."""
     counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
     if taken is not None:
-        src, dst = moves(positions[:, 0], offset, taken, plan.tree)
-        model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
+        move_branch(model, positions, offset, taken, req, rows, plan.tree)
     return counts
 
 
@@ -273,19 +231,11 @@ def _single_token(model, req: Request, times: list) -> RolloutResult:
     zeros = torch.zeros(B, dtype=torch.long, device=dev)
     synchronize(dev)
     times.append(time.perf_counter())
-    return _result(req, torch.cat([req.prefix, first[:, None]], 1), [torch.ones_like(zeros)],
-                   zeros, zeros.clone(), [R], ["full"], times, len(parts) - 1,
-                   logprobs=logp[:, None])
-
-
-def _result(req, tokens, committed, accepted, rejected, active, modes, times,
-            prefills=0, first_round=None, logprobs=None, windows=None) -> RolloutResult:
-    return RolloutResult(tokens=tokens.clone(), prefix_len=req.prefix_len,
-                         committed=torch.stack(committed), accepted=accepted,
-                         rejected=rejected, active=active, modes=modes, wall_time=0.0,
-                         round_times=[b - a for a, b in zip(times, times[1:])],
-                         prefills=prefills, first_round=first_round,
-                         logprobs=logprobs.contiguous(), windows=list(windows or []))
+    return RolloutResult(tokens=torch.cat([req.prefix, first[:, None]], 1).clone(),
+                         prefix_len=req.prefix_len, committed=torch.ones_like(zeros)[None],
+                         accepted=zeros, rejected=zeros.clone(), active=[R], modes=["full"],
+                         wall_time=0.0, round_times=[times[1] - times[0]],
+                         prefills=len(parts) - 1, logprobs=logp[:, None].contiguous())
 
 
 class JacobiEngine(Engine):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from rollout.candidates import Tree, candidates, choose_path, make_tree
+from rollout.candidates import Tree, make_tree, next_candidates, no_candidates, tree_path
 from rollout.engine import Request
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
                               inverse_cdf, uniform, warp)
@@ -157,8 +157,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
         logp[:, P] = first_logp
     cand = on_tree = None
     if plan.tree is not None:
-        cand = torch.zeros(B, plan.tree.K, dtype=torch.long, device=first.device)
-        on_tree = torch.zeros(B, dtype=torch.bool, device=first.device)
+        cand, on_tree = no_candidates(B, plan.tree, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
@@ -206,65 +205,6 @@ def commit_count(a: Tensor, offset: Tensor, W: int, sync: bool) -> Tensor:
     return m
 
 
-def root_token(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor,
-               u: Tensor | None, plan: Plan) -> Tensor:
-    """Candidate drafting: the token cur the root column chooses (rollout/candidates.py).
-    guided: (B, C, V) logits of the tree window, p: their warped probabilities (sampled; else
-    None), u: (4, B, W, 1) the round's uniforms (sampled) -> (B,) int64: the argmax (greedy),
-    or (sampled) `verify_sample` of the root column alone: its draft c_0 = seq[cur] kept with
-    probability min(1, p(c_0) / q(c_0)), else the residual draw -- the same uniforms, so the
-    same token as the whole window's verification gives that column on branch 0."""
-    B, V = guided.shape[0], guided.shape[-1]
-    col = offset.clamp(max=plan.W - 1).view(B, 1, 1)
-    if u is None:
-        return guided.gather(1, col.expand(B, 1, V)).argmax(-1).view(B)
-    c0 = st.seq.gather(1, st.cur[:, None]).view(B, 1, 1)
-    p0, q0 = (x.gather(1, col.expand(B, 1, V)) for x in (p, st.q))          # (B, 1, V)
-    u0 = u.gather(2, col.expand(4, B, 1, 1))                                 # (4, B, 1, 1)
-    no = torch.zeros(B, 1, 1, dtype=torch.bool, device=col.device)
-    _, token = verify_sample(p0, c0, q0, no, ~no, u0, plan.col[:1], False)
-    return token.view(B)
-
-
-def tree_path(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor, root: Tensor,
-              plan: Plan) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
-    """Candidate drafting: verify along the branch whose candidate is `root` (B,), the token
-    the root column chose (rollout/candidates.py).  guided: (B, C, V) logits of the tree
-    window, p: their probabilities or None -> the path's logits and probabilities as a plain
-    window (B, W, V), checked (B, W, 1) bool, last (B, 1, 1) the first column not checked, and
-    the branch (B,) each row took.  Writes the winning candidate into seq as draft cur."""
-    B, W, V = guided.shape[0], plan.W, guided.shape[-1]
-    branch, path, t_width = choose_path(root, offset, st.cand, st.on_tree, plan.tree)
-    behind = plan.ar - offset[:, None]                        # (B, W) path index of column c
-    on = st.on_tree[:, None] & (behind >= 0)
-    cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
-    first = st.seq.gather(1, st.cur[:, None])
-    st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
-                                                    st.cand.gather(1, branch[:, None]), first))
-    valid = torch.minimum(W - offset, t_width)               # predictions under committed
-    last = (offset + valid - 1).view(B, 1, 1)
-    idx = cols[..., None].expand(B, W, V)
-    return (guided.gather(1, idx), None if p is None else p.gather(1, idx), plan.col < last,
-            last, branch)
-
-
-def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
-                    last: Tensor, branch: Tensor, plan: Plan) -> None:
-    """After a correction at `a` the next window is a tree: the candidates for token cur + m
-    (before `st.cur` advances).  guided: (B, W, V) the path's logits, a, m, last:
-    (B, 1, 1)."""
-    B, W, V = guided.shape
-    col = (offset.view(B, 1, 1) + m).clamp(max=W - 1)                 # predicts token cur + m
-    logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
-    nxt = st.cur[:, None] + m.view(B, 1)
-    draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
-    known = st.seq.gather(1, (nxt - plan.known).clamp(min=0))        # (B, h) tokens before it
-    st.cand = candidates(logits, draft, known, plan.tree.K)
-    stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
-    live, nxt = offset < W, nxt.view(B)
-    st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
-
-
 def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
                    plan: Plan) -> Tensor:
     """q of the next window: its column c holds token start' + c (start' = its first token),
@@ -286,26 +226,28 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     tree's branches after the window); offset from `window_inputs`.
     Returns counts (3, B) int64 -- tokens committed, drafts accepted and drafts rejected (0 or
     1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
-    window took (else None)."""
+    window took (else None).  Candidate drafting (plan.tree) has two seams here, both in
+    rollout/candidates.py: `tree_path` reads the tree window as the plain window along the
+    branch the root column chose, `next_candidates` drafts the next window's candidates."""
     B, W = st.cur.shape[0], plan.W
     off = offset.view(B, 1, 1)
     start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
     pos = start + plan.col                                            # (B, W, 1) column's token
     seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
     done = plan.col < off                                             # committed before
-    held, checked, last, branch, p, u = done, plan.checked, W - 1, None, None, None
+    held, checked, drafted, last, branch = done, plan.checked, None, W - 1, None
+    p = u = None
     if req.sampled:
         u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
     if req.sampled or st.logp is not None:
         p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
-    if plan.tree is not None:
-        root = root_token(st, guided, p, offset, u, plan)
-        guided, p, checked, last, branch = tree_path(st, guided, p, offset, root, plan)
-        held = done | ((plan.col == off) & (branch > 0).view(B, 1, 1))   # c_j: chosen above
+    if plan.tree is not None:       # candidate drafting: the path the root column chose
+        guided, p, held, checked, drafted, last, branch = tree_path(st, guided, p, u, offset,
+                                                                    off, done, plan)
     drafts = seq.gather(1, pos)                                       # (B, W, 1)
     if req.sampled:     # on a tree path the drafts past its valid predictions are coupled too
         a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
-                                  None if plan.tree is None else plan.checked)
+                                  drafted)
     else:
         tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
         a = verify_greedy(tokens, drafts, held, checked)
@@ -322,7 +264,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     if plan.sync:                 # a row past the batch minimum commits accepted drafts only
         accepted, rejected = torch.minimum(accepted, m), rejected & (accepted < m)
     counts = torch.stack([m, accepted, rejected.long()])
-    if plan.tree is not None:
+    if plan.tree is not None:       # candidate drafting: the next window's candidates
         next_candidates(st, guided, offset, a, m, last, branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)

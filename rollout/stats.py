@@ -1,10 +1,12 @@
 """The result of one `engine.generate` call: tokens plus per-round rollout statistics.
 
 A *round* is one sequential model forward (the prefill counts as round 0): Cached AR needs N
-rounds for N new tokens, a Jacobi engine fewer when drafts are accepted.
+rounds for N new tokens, a Jacobi engine fewer when drafts are accepted.  A Jacobi rollout
+keeps its statistics round by round in a `RoundLog` (rollout/hbsjd.py `run_jacobi`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,3 +105,56 @@ class RolloutResult:
             "prefills": self.prefills,
             "wall_time_s": self.wall_time,
         }
+
+
+class RoundLog:
+    """A Jacobi rollout's statistics round by round (round 0 = the prefill), as `RolloutResult`
+    holds them: per-image counts on the device, per-round lists on the host."""
+
+    def __init__(self, B: int, device: torch.device):
+        self.times = [time.perf_counter()]     # round boundaries (each follows a device sync)
+        self.committed: list[Tensor] = []      # per round (B,) int64
+        self.accepted = torch.zeros(B, dtype=torch.long, device=device)
+        self.rejected = torch.zeros_like(self.accepted)
+        self.active: list[int] = []
+        self.modes: list[str] = []
+        self.windows: list[int] = []
+        self.prefills = 0                      # prefill forwards after round 0
+        self.first_round = torch.zeros_like(self.accepted)  # (B,) round of each image's prefill
+
+    def prefill(self, images: Tensor) -> None:
+        """Round 0: the prefill of `images` (B,) int64, one token each."""
+        self.committed.append(torch.zeros_like(self.accepted).index_fill_(0, images, 1))
+        self.active.append(images.shape[0])
+        self.modes.append("full")
+        self.windows.append(0)
+
+    def admit(self, images: Tensor) -> None:
+        """Images (k,) int64 prefilled into free rows: their token counts in the last round."""
+        self.committed[-1][images] = 1
+        self.first_round[images] = len(self.committed) - 1
+        self.prefills += 1
+
+    def tick(self) -> None:
+        """A round boundary (after the round's device sync)."""
+        self.times.append(time.perf_counter())
+
+    def add(self, per_image: Tensor, active: int, mode: str, W: int) -> None:
+        """A verifier round: per_image (3, B) int64 committed / accepted / rejected of each
+        image, its active count, execution and window."""
+        self.windows.append(W)
+        self.committed.append(per_image[0])
+        self.accepted += per_image[1]
+        self.rejected += per_image[2]
+        self.active.append(active)
+        self.modes.append(mode)
+
+    def result(self, tokens: Tensor, prefix_len: int, logprobs: Tensor) -> RolloutResult:
+        """tokens (B, P + N) int64 (P = prefix_len), logprobs (B, N) float32."""
+        return RolloutResult(tokens=tokens.clone(), prefix_len=prefix_len,
+                             committed=torch.stack(self.committed), accepted=self.accepted,
+                             rejected=self.rejected, active=self.active, modes=self.modes,
+                             wall_time=0.0,
+                             round_times=[b - a for a, b in zip(self.times, self.times[1:])],
+                             prefills=self.prefills, first_round=self.first_round,
+                             logprobs=logprobs.contiguous(), windows=list(self.windows))

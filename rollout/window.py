@@ -37,8 +37,8 @@ with depth: conditionally on the earlier drafts).  So on verification rounds r w
 r % PROBE in (0, 1), r > 1, the policy takes the next wider window than the rule's choice
 (a probe of two rounds, in the better mode): at most two rounds in PROBE pay the difference,
 and a probe that pays moves the rule itself one window wider.  Two, because
-only drafts a previous round proposed are counted (the engine counts depth k of a round only
-when the round before had k drafts or more, rollout/hbsjd.py `AcceptanceCounts`): the drafts
+only drafts a previous round proposed are counted (`AcceptanceCounts` counts depth k of a
+round only when the round before had k drafts or more): the drafts
 of the first round after a narrower one are history fill or left-overs (sampled: proposal
 one-hot at the token), accepted far less often than the round's steady drafts, and would
 teach the estimate that speculation does not pay.
@@ -55,6 +55,9 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
@@ -226,3 +229,31 @@ class WindowPolicy:
                     best, choice = rate, (W, compact)
         return choice
 
+
+class AcceptanceCounts:
+    """Per-depth acceptance counts of a rollout on the device (rollout/window.py `Acceptance`),
+    read once per round together with the active count."""
+
+    def __init__(self, depth: int, device: torch.device):
+        self.depth = torch.arange(1, depth + 1, device=device)[:, None]     # (D, 1)
+        self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.rounds = 0
+
+    def add(self, counts: Tensor, proposed: int) -> None:
+        """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
+        drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
+        it are counted (rollout/window.py, Exploration)."""
+        acc, rej = counts[1], counts[2].bool()
+        took = acc >= self.depth                                            # (D, k)
+        reached = took | ((acc == self.depth - 1) & rej)
+        keep = self.depth <= proposed                                       # (D, 1)
+        self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
+        self.rounds += 1
+
+    def read(self, live: Tensor) -> tuple[int, Acceptance]:
+        """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
+        host = torch.cat([live.sum().view(1), self.counts.view(-1)]).tolist()
+        D = self.counts.shape[1]
+        acceptance = Acceptance(D, self.rounds)
+        acceptance.add(host[1: 1 + D], host[1 + D:])
+        return int(host[0]), acceptance

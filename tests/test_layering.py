@@ -27,6 +27,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of a module except those under `if TYPE_CHECKING:` (imports for annotations
+    only, never executed, so never part of a cycle)."""
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+            for b in node.body for n in ast.walk(b)}
+    return (n for n in ast.walk(tree) if id(n) not in skip)
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the modules of the four packages it imports (at any depth of its code, so a
     lazy import inside a function counts): `from a.b import c` is an edge to a.b.c when c is a
@@ -34,7 +43,7 @@ def import_graph() -> dict[str, set[str]]:
     modules = {module_name(f): f for p in PACKAGES for f in (ROOT / p).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -128,6 +137,12 @@ def test_no_import_cycles():
             "scripts.soak", "scripts.node_loss"} <= set(graph)
     assert "scripts.node_loss" in graph["scripts.soak"]            # the soak runs the node faults
     assert cycles(graph) == []
+
+
+def test_annotation_only_imports_are_not_edges():
+    tree = ast.parse("import typing\nif typing.TYPE_CHECKING:\n    import a.b\nimport c\n")
+    names = {a.name for n in runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert names == {"typing", "c"}
 
 
 def test_cycle_finder_sees_a_cycle_and_measures_depth():

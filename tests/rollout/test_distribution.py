@@ -280,15 +280,15 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
 def branch_wins(monkeypatch):
     """Counts the rows whose window was a tree and those a branch j > 0 won, so every case
     shows that its candidates were drafted and chosen."""
-    import rollout.jacobi
-    real, seen = rollout.jacobi.choose_path, {"tree": 0, "won": 0}
+    import rollout.candidates
+    real, seen = rollout.candidates.choose_path, {"tree": 0, "won": 0}
 
     def spy(root, offset, cand, on, tree):
         branch, path, valid = real(root, offset, cand, on, tree)
         seen["tree"] += int(on.sum())
         seen["won"] += int((branch > 0).sum())
         return branch, path, valid
-    monkeypatch.setattr(rollout.jacobi, "choose_path", spy)
+    monkeypatch.setattr(rollout.candidates, "choose_path", spy)
     return seen
 
 
@@ -332,8 +332,8 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
     """After c_0's rejection a fixed candidate may only win when the residual's draw is it;
     accepting c_1 with its probability under p instead (the plain rule for a draft that was
     not drawn from q) biases the tokens, and the same statistics must reject it."""
-    import rollout.jacobi
-    real = rollout.jacobi.root_token
+    import rollout.candidates
+    real = rollout.candidates.root_token
 
     def accept_c1_by_p(st, guided, p, offset, u, plan):
         root = real(st, guided, p, offset, u, plan)
@@ -348,7 +348,7 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
     engine = make_engine("hbsjd", W=5, decoding="sample", candidates=3, branch=2)
     counts, probs = candidate_counts(model, engine, prefix, None)
     assert chi2_pvalue(counts, probs) > 1e-3                 # the real rule, same samples
-    monkeypatch.setattr(rollout.jacobi, "root_token", accept_c1_by_p)
+    monkeypatch.setattr(rollout.candidates, "root_token", accept_c1_by_p)
     counts, probs = candidate_counts(model, engine, prefix, None)
     assert chi2_pvalue(counts, probs) < 1e-8
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05

@@ -361,7 +361,7 @@ def test_the_table_is_made_non_decreasing_in_w():
 def test_only_drafts_a_previous_round_proposed_are_counted():
     """A round's depth k counts only when the round before had k drafts (W - 1) or more: the
     first round after W 1 (drafts from history, no proposal) teaches nothing."""
-    from rollout.hbsjd import AcceptanceCounts
+    from rollout.window import AcceptanceCounts
     counts = torch.tensor([[3, 1, 2], [2, 0, 1], [0, 1, 1]])   # accepted 2, 0, 1; rej 0, 1, 1
     seen = AcceptanceCounts(3, torch.device("cpu"))
     seen.add(counts, 0)

@@ -1,0 +1,59 @@
+"""Continuous batching (`generate(..., slots=R)`, config rollout.slots): a call's B images run
+through R <= B physical rows of a Jacobi engine.
+
+Images 0..R-1 start; whenever rows' images are complete at the start of a round and images
+wait, the rows' tokens are kept and the next waiting images are prefilled into those rows (one
+prefill forward for all of them, attributed to the round that completed the old images), then
+the round goes on (rollout/hbsjd.py `run_jacobi`).  An image's tokens never depend on its row:
+its random numbers are keyed by the image (rollout/sampling.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollout.engine import Request, prefill_token
+from rollout.jacobi import JacobiState, Plan, init_state
+
+
+class Slots:
+    """B = req.batch images over R = req.rows rows: the image in each row, the next waiting
+    image, and the tokens of the images that left their rows."""
+
+    def __init__(self, req: Request):
+        B, T, dev = req.batch, req.total, req.labels.device
+        self.img = torch.arange(req.rows, device=dev)            # (R,) the image in each row
+        self.waiting = req.rows                                  # the next image to admit
+        self.out = torch.empty(B, T, dtype=torch.long, device=dev)
+        self.out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
+
+    def refill(self, model, req: Request, st: JacobiState, live: Tensor, plan: Plan) -> Tensor:
+        """Rows not `live` (R,) take the next waiting images, in place of `st`'s rows -> the
+        admitted images (k,) int64."""
+        B, T = req.batch, req.total
+        done = (~live).nonzero().squeeze(1)[: B - self.waiting]
+        new = torch.arange(self.waiting, self.waiting + done.shape[0], device=live.device)
+        self.out[self.img[done]] = st.seq[done, :T]
+        self.out_logp[self.img[done]] = st.logp[done, :T]
+        self.img[done] = new
+        token, logp = prefill_token(model, req, new, done)
+        st.assign(done, init_state(req, new, token, plan, model.vocab_size, logp),
+                  new_images=True)
+        self.waiting += done.shape[0]
+        return new
+
+    def per_image(self, counts: Tensor, idx: Tensor | None, compiled: bool) -> Tensor:
+        """A round's counts (3, k) of rows idx (None: every row) -> (3, B) per image."""
+        B = self.out.shape[0]
+        if idx is None and self.img.shape[0] == B:     # no slots, Full: row b holds image b
+            # (a CUDA graph's outputs are rewritten by its next replay)
+            return counts.clone() if compiled else counts
+        per_image = torch.zeros(3, B, dtype=torch.long, device=counts.device)
+        return per_image.index_add_(1, self.img if idx is None else self.img[idx], counts)
+
+    def collect(self, st: JacobiState) -> tuple[Tensor, Tensor]:
+        """-> every image's tokens (B, T) int64 and behaviour log-probs (B, T) float32."""
+        T = self.out.shape[1]
+        self.out[self.img] = st.seq[:, :T]
+        self.out_logp[self.img] = st.logp[:, :T]
+        return self.out, self.out_logp
