@@ -62,7 +62,7 @@ from opd.run.loop import StepLog, check_objectives
 from opd.distill.pieces import take_rows
 from opd.distill.results import PieceAnswer
 from opd.data.splits import open_dataset
-from opd.distill.steps import rollout as roll_out
+from opd.distill.steps import generate
 
 WAIT_S = 30.0
 
@@ -192,7 +192,7 @@ class Pipeline:
         tags = None if plan.scored else [self._tag(plan, p) for p in plan.pieces_of[part]]
         job, queue, version = plan.jobs[part], self.groups.queue, plan.version
         if plan.source == "data":               # no model: the suffix comes from the data
-            traj = roll_out(None, None, job, self.cfg, policy_version=plan.version)
+            traj = generate(None, None, job, self.cfg, policy_version=plan.version)
             if tags is None:
                 made = put_payload(traj, 0.0)
             else:

@@ -19,7 +19,7 @@ from opd.run.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config.schema import RunConfig
 from opd.models import create_model
 from opd.models.factory import model_overrides
-from opd.distill.steps import RolloutJob, build_engine, rollout
+from opd.distill.steps import RolloutJob, build_engine, generate
 
 
 class StaleWeightsError(RuntimeError):
@@ -70,7 +70,7 @@ class RolloutWorker(Worker):
                                     f"asked to generate batch {job.batch_id} at version {version}")
         start = time.perf_counter()
         self.io.received(job)
-        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
+        traj = generate(self.model, self.engine, job, self.cfg, policy_version=version)
         s = traj.rollout_stats
         seconds = float(s.rollout_seconds)
         tokens = job_tokens(job)

@@ -14,7 +14,7 @@ from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
 from opd.distill.pieces import take_rows
 from opd.models.factory import load_role_model
-from opd.distill.steps import RolloutJob, build_engine, rollout, score
+from opd.distill.steps import RolloutJob, build_engine, generate, score
 
 
 class TeacherWorker(Worker):
@@ -55,7 +55,7 @@ class TeacherWorker(Worker):
         start = time.perf_counter()
         self.version = version
         self.io.received(job)
-        traj = rollout(self.model, self.engine, job, self.cfg, policy_version=version)
+        traj = generate(self.model, self.engine, job, self.cfg, policy_version=version)
         seconds = float(traj.rollout_stats.rollout_seconds)
         tokens = job_tokens(job)
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,

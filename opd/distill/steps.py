@@ -1,4 +1,4 @@
-"""The roles of one OPD step as pure functions: rollout → score → learn.
+"""The roles of one OPD step as pure functions: generate (the rollout) → score → learn.
 
 The single-process reference loop (`opd.run.reference`) and the Ray actors (`actors/`) call exactly
 these functions, so a distributed run computes what the reference computes (invariant 5,
@@ -90,7 +90,7 @@ class RolloutJob:
     #                                  sub-batch keeps its rows' ids so its random numbers match
 
 
-def rollout(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
+def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
     """Complete the real prefixes of `job` with `model` (the student, or the teacher for
     SeqKD).  A "data" job takes its suffix from the dataset and runs no model.  A student
     rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/distill/onpolicy.py)."""

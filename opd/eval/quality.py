@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from opd.config.schema import RunConfig
 from opd.data import TokenDataset
-from opd.distill.steps import RolloutJob, build_engine, prefix_len_for, rollout
+from opd.distill.steps import RolloutJob, build_engine, prefix_len_for, generate
 
 KL_BATCH = 50
 """Held-out rows per rollout of `quality_report` (a batch size γ calibration must cover)."""
@@ -47,7 +47,7 @@ def quality_report(student, teacher, heldout: TokenDataset, cfg: RunConfig, *,
         sums["kl_data"] += (t.exp() * (t - s)).sum().item()
         data_tokens += tokens.numel()
         job = RolloutJob(10**9 + start, labels, tokens, P, "student", seed)
-        traj = rollout(student, engine, job, cfg, policy_version=-1)
+        traj = generate(student, engine, job, cfg, policy_version=-1)
         gen = traj.tokens
         s, t = _log_probs(student, labels, gen)[:, P:], _log_probs(teacher, labels, gen)[:, P:]
         sums["kl_samples"] += (t.exp() * (t - s)).sum().item()

@@ -9,7 +9,7 @@ Per step k (policy version k = the number of updates the student has had):
                                                                objective, λ, prefix ratios, lr)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
     for piece in pieces(batch):                                (distill.pieces, opd/distill/pieces.py)
-        traj = rollout(current student, engine, piece)        (eval mode, no label dropout)
+        traj = generate(current student, engine, piece)        (eval mode, no label dropout)
         traj = score(teacher, traj)                           (teacher log-probs, full or top-k)
     learn(student, optimizer, trajs, objective)                (gradients accumulated over the
                                                                pieces in order, one update; loss
@@ -43,7 +43,7 @@ from opd.distill.phases import objectives, phase_at, rolls_out
 from opd.distill.pieces import merge_batches, step_layout, take_rows
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, rollout, score
+from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, generate, score
 from opd.distill.phases import learning_rate
 
 
@@ -131,7 +131,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             model = teacher if source == "teacher" else policy(student)   # version `step`
             for c, part in enumerate(step_jobs(cfg, step, source, pb, train.seq_len, layout)):
                 t0 = time.perf_counter()
-                traj = rollout(model, engine, part, cfg, policy_version=step)
+                traj = generate(model, engine, part, cfg, policy_version=step)
                 seconds["rollout"] += time.perf_counter() - t0
                 part_stats.append(traj.rollout_stats)
                 for p in layout.parts[c]:                      # its pieces, in order

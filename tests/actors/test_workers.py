@@ -13,7 +13,7 @@ from opd.config.schema import load_config
 from opd.data import PrefixBatcher
 from opd.models.factory import load_role_model
 from opd.data.splits import open_dataset
-from opd.distill.steps import RolloutJob, build_engine, prefix_len_for, rollout, score
+from opd.distill.steps import RolloutJob, build_engine, prefix_len_for, generate, score
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
     worker.load_weights(3, tag_weights(weights, 3))
     report = worker.generate(job, 3)                  # no tag: put whole, for a teacher
     got = TrajectoryBatch.from_numpy_dict(ray_get(report.payload))
-    want = rollout(student, build_engine(cfg), job, cfg, policy_version=3)
+    want = generate(student, build_engine(cfg), job, cfg, policy_version=3)
     assert torch.equal(got.tokens, want.tokens) and got.policy_version == 3
     assert (report.rows, report.generated_tokens) == (4, want.num_generated_tokens)
     with pytest.raises(StaleWeightsError, match="holds policy version 3"):
@@ -56,7 +56,7 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     from actors.workers.queue import QueueItem, TrajectoryQueue
     from opd.distill.pieces import take_rows
     cfg, job, student = setup
-    traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
+    traj = generate(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)
     cuts = piece_cuts(piece_rows(8, 2, 2)[0], shard_rows(8, 2))
     assert cuts == ((0, 2), (2, 4))

@@ -12,7 +12,7 @@ from opd.config.schema import load_config
 from opd.models import create_model
 from opd.distill.onpolicy import STRICT_BOUND, combine_gaps, logprob_gap, recompute_logprobs
 from opd.run.reference import run_reference
-from opd.distill.steps import (RolloutJob, build_engine, build_objective, learn, make_optimizer, rollout,
+from opd.distill.steps import (RolloutJob, build_engine, build_objective, learn, make_optimizer, generate,
                        score)
 
 SAMPLED = ["rollout.decoding=sample", "rollout.cfg_scale=2.0", "rollout.temperature=0.9",
@@ -45,7 +45,7 @@ def models_and_job(B=6, P=5, seed=0):
 def test_same_weights_give_a_gap_below_the_bound(extra):
     cfg = load_config("tiny", extra)
     student, _, job = models_and_job()
-    traj = rollout(student, build_engine(cfg), job, cfg, policy_version=0)
+    traj = generate(student, build_engine(cfg), job, cfg, policy_version=0)
     gap = logprob_gap(student, traj, cfg)
     assert gap["onpolicy_tokens"] == 6 * (16 - 5)
     assert gap["onpolicy_logprob_delta_max"] < STRICT_BOUND
@@ -60,7 +60,7 @@ def test_the_check_on_the_loss_forward_equals_a_forward_of_its_own(extra):
     from opd.distill.steps import student_loss
     cfg = load_config("tiny", extra)                  # on-policy GKD
     student, teacher, job = models_and_job()
-    traj = score(teacher, rollout(student, build_engine(cfg), job, cfg, policy_version=0), cfg)
+    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, policy_version=0), cfg)
     alone = logprob_gap(student, traj, cfg)
     for dropout in (False, True):
         _, metrics = student_loss(student, traj, build_objective(cfg), dropout=dropout, check=cfg)
@@ -74,7 +74,7 @@ def test_stale_weights_give_the_weights_own_logprob_change():
     strict bound."""
     cfg = load_config("tiny", SAMPLED + ["learner.lr=0.01", "learner.warmup_steps=0"])
     old, teacher, job = models_and_job()
-    traj = rollout(old, build_engine(cfg), job, cfg, policy_version=0)
+    traj = generate(old, build_engine(cfg), job, cfg, policy_version=0)
     new = copy.deepcopy(old)
     learn(new, make_optimizer(new, cfg), score(teacher, traj, cfg), build_objective(cfg),
           grad_clip=1.0, dropout=False)
@@ -95,7 +95,7 @@ def test_batches_without_student_tokens_report_nan(source):
     cfg = load_config("tiny", SAMPLED)
     student, teacher, job = models_and_job()
     job = RolloutJob(job.batch_id, job.labels, job.tokens, job.prefix_len, source, job.seed)
-    traj = rollout(teacher, build_engine(cfg), job, cfg, policy_version=0)
+    traj = generate(teacher, build_engine(cfg), job, cfg, policy_version=0)
     assert traj.behaviour_logprobs is None
     gap = logprob_gap(student, traj, cfg)
     assert gap["onpolicy_tokens"] == 0

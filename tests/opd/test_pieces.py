@@ -11,7 +11,7 @@ from opd.distill.pieces import (auto_pieces, merge_batches, piece_cuts, step_lay
 from opd.distill.results import combine_metrics
 from opd.config.schema import load_config
 from opd.models import create_model
-from opd.distill.steps import RolloutJob, backward_piece, build_engine, build_objective, rollout, score
+from opd.distill.steps import RolloutJob, backward_piece, build_engine, build_objective, generate, score
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def test_row_ranges_cover_the_batch_in_order():
 def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     cfg, student, job = setup
     engine = build_engine(cfg)
-    whole = rollout(student, engine, job, cfg, policy_version=2)
-    subs = [rollout(student, engine, j, cfg, policy_version=2) for j in split_job(job, piece_rows(5, 1, parts))]
+    whole = generate(student, engine, job, cfg, policy_version=2)
+    subs = [generate(student, engine, j, cfg, policy_version=2) for j in split_job(job, piece_rows(5, 1, parts))]
     merged = merge_batches(subs)
     assert torch.equal(merged.tokens, whole.tokens)
     assert torch.equal(merged.labels, whole.labels)
@@ -51,7 +51,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     assert torch.equal(shard.behaviour_logprobs, whole.behaviour_logprobs[1:3])
     assert merged.rollout_stats.generated_tokens == whole.rollout_stats.generated_tokens
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
-    plain = [rollout(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
+    plain = [generate(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
              for j in split_job(job, piece_rows(5, 1, parts))]
     assert not torch.equal(merge_batches(plain).tokens, whole.tokens)
 
@@ -59,7 +59,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
 def test_scored_parts_merge_to_the_scores_of_the_whole(setup):
     cfg, student, job = setup
     engine = build_engine(cfg)
-    whole = score(student, rollout(student, engine, job, cfg, 0), cfg)
+    whole = score(student, generate(student, engine, job, cfg, 0), cfg)
     parts = [score(student, take_rows(whole, a, b), cfg) for a, b in row_ranges(5, 2)]
     merged = merge_batches(parts)
     assert torch.equal(merged.teacher_topk_indices, whole.teacher_topk_indices)
@@ -69,7 +69,7 @@ def test_scored_parts_merge_to_the_scores_of_the_whole(setup):
 
 def test_merge_refuses_parts_of_different_batches(setup):
     cfg, student, job = setup
-    traj = rollout(student, build_engine(cfg), job, cfg, 0)
+    traj = generate(student, build_engine(cfg), job, cfg, 0)
     other = take_rows(traj, 0, 2)
     other.batch_id = 8
     with pytest.raises(ValueError, match="do not belong together"):
@@ -104,7 +104,7 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
     torch.manual_seed(5)
     teacher = create_model("GPT-digits-S", grid_size=4).eval()
     objective = build_objective(load_config("tiny", ["distill.objective=gkd", "distill.beta=0.3"]))
-    traj = score(teacher, rollout(student, build_engine(cfg), job, cfg, 0), cfg)
+    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, 0), cfg)
 
     def grads(batches):
         model = copy.deepcopy(student)

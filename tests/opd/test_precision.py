@@ -117,13 +117,13 @@ def test_bf16_model_samples_from_float32_distributions(engine, opts, monkeypatch
 
 def test_bf16_teacher_scores_are_float32(tiny_overrides):
     from opd.models.factory import load_role_model
-    from opd.distill.steps import RolloutJob, build_engine, rollout as do_rollout, score
+    from opd.distill.steps import RolloutJob, build_engine, generate, score
     cfg = cfg_for(tiny_overrides, *BF16)
     teacher = precision.to_role(load_role_model(cfg, "teacher", progress=False), cfg, "teacher")
     assert next(teacher.parameters()).dtype == torch.bfloat16
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 64))
     job = RolloutJob(0, torch.tensor([3, 4]), tokens, 32, "teacher", 0)
-    traj = do_rollout(teacher, build_engine(cfg), job, cfg, policy_version=0)
+    traj = generate(teacher, build_engine(cfg), job, cfg, policy_version=0)
     for transport in ("full", "topk"):
         c = cfg_for(tiny_overrides, *BF16, f"teacher.transport={transport}", "teacher.topk=4")
         out = score(teacher, traj, c)

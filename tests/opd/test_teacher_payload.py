@@ -11,7 +11,7 @@ from opd.data import PrefixBatcher
 from opd.models import create_model
 from opd.models.factory import model_overrides
 from opd.data.splits import open_dataset
-from opd.distill.steps import (RolloutJob, build_objective, prefix_len_for, rollout, score, student_loss,
+from opd.distill.steps import (RolloutJob, build_objective, prefix_len_for, generate, score, student_loss,
                        teacher_logits)
 
 B, K = 4, 5
@@ -26,7 +26,7 @@ def setup(tiny_overrides):
     train = open_dataset(cfg, "train")
     pb = next(PrefixBatcher(train, B, 0))
     P = prefix_len_for(0.5, train.seq_len)
-    traj = rollout(None, None, RolloutJob(pb.batch_id, pb.labels, pb.tokens, P, "data", 0), cfg, 0)
+    traj = generate(None, None, RolloutJob(pb.batch_id, pb.labels, pb.tokens, P, "data", 0), cfg, 0)
     return cfg, teacher, student, traj
 
 
