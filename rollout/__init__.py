@@ -1,17 +1,29 @@
 """Rollout engines for class-conditional AR image models (pure torch).
 
     from rollout import make_engine
-    engine = make_engine("hbsjd", W=16, decoding="greedy", execution="hybrid", gamma="auto")
+    engine = make_engine("hbsjd", window=16, decoding="greedy", execution="hybrid", gamma="auto")
     result = engine.generate(model, labels, prefix, num_new_tokens, cfg_scale=2.0, seed=0)
     result.tokens          # (B, P + N) int64
 
-Engines (ENGINES): cached_ar, sjd_sync, sjd_independent, hbsjd.  The model protocol is in
-rollout/protocol.py.
+Engines (ENGINES): cached_ar, sjd_sync, sjd_independent, hbsjd; their options are declared in
+rollout/options.py, which imports no torch.  The names below are loaded on first use (and the
+engines registered then), so `import rollout.options` alone stays torch-free for the run
+config.  The model protocol is in rollout/protocol.py.
 """
-from rollout import cached_ar, hbsjd, sjd_sync  # noqa: F401  (register the engines)
-from rollout.engine import DECODINGS, ENGINES, EXECUTIONS, Engine, make_engine
-from rollout.protocol import RolloutModel
-from rollout.stats import RolloutResult
+from __future__ import annotations
 
-__all__ = ["DECODINGS", "ENGINES", "EXECUTIONS", "Engine", "RolloutModel", "RolloutResult",
-           "make_engine"]
+import importlib
+
+_EXPORTS = {"ENGINES": "rollout.engine", "Engine": "rollout.engine",
+            "make_engine": "rollout.engine", "DECODINGS": "rollout.options",
+            "EXECUTIONS": "rollout.options", "RolloutModel": "rollout.protocol",
+            "RolloutResult": "rollout.stats"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    from rollout import cached_ar, hbsjd, sjd_sync  # noqa: F401  (register the engines)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

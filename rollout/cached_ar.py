@@ -39,7 +39,6 @@ def decode_tokens(model, req: Request, first: torch.Tensor, first_logp: torch.Te
 @register("cached_ar")
 class CachedAR(Engine):
     """Options: decoding = greedy (argmax) | sample (keyed inverse-CDF sampling)."""
-    DEFAULTS = dict(decoding="greedy")
 
     def run(self, model, req: Request) -> RolloutResult:
         B, N = req.batch, req.num_new

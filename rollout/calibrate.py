@@ -163,7 +163,7 @@ def measure_round_overhead(model, batch: int, W: int, forward_s: float, *, cfg: 
     labels = torch.randint(0, model.num_classes, (batch,), generator=g).to(_device(model))
     out = {}
     for decoding in ("greedy", "sample"):
-        engine = make_engine("hbsjd", W=W, decoding=decoding, execution="full")
+        engine = make_engine("hbsjd", window=W, decoding=decoding, execution="full")
         rounds = []
         for rep in range(2):                                  # the first is a warm-up
             res = engine.generate(model, labels, None, model.block_size,

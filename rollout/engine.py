@@ -1,11 +1,12 @@
-"""Engine registry, option checks and what every engine shares (request, prefill, token choice).
+"""Engine registry and what every engine shares (request, prefill, token choice).
 
-    engine = make_engine("hbsjd", W=16, decoding="greedy", execution="hybrid", gamma=24)
+    engine = make_engine("hbsjd", window=16, decoding="greedy", execution="hybrid", gamma=24)
     result = engine.generate(model, labels, prefix, num_new_tokens, cfg_scale=2.0, seed=0)
 
-An engine is a small object holding its options; `generate` validates the call, puts the model
-in eval mode (no label dropout), sizes the KV cache itself (R physical rows, 2R with CFG:
-conditional rows first, then the null-class rows) and returns a `RolloutResult`.
+An engine is a small object holding its options (declared in rollout/options.py); `generate`
+validates the call, puts the model in eval mode (no label dropout), sizes the KV cache itself
+(R physical rows, 2R with CFG: conditional rows first, then the null-class rows) and returns a
+`RolloutResult`.
 
 `slots=S` runs the B images of a call through R = min(S, B) physical rows (continuous
 batching): a Jacobi engine prefills the next waiting image into the row of one that finished
@@ -14,27 +15,27 @@ batches.  An image's tokens never depend on its row or on S (keyed random number
 """
 from __future__ import annotations
 
-import difflib
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from rollout.options import ENGINE_OPTIONS, check_engine_name, check_options, engine_options
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, sample_from,
                               token_logprob, uniform, uses_cfg, warp)
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
-"""Engine classes by name: cached_ar, sjd_sync, sjd_independent, hbsjd."""
-
-DECODINGS = ("greedy", "sample")
-COMPILE_BACKENDS = (False, True, "inductor", "aot_eager", "eager")
-REFRESHES = ("coupled", "resample")
-EXECUTIONS = ("full", "compact", "hybrid")
+"""Engine classes by name, each registered under its name in rollout/options.py's
+ENGINE_OPTIONS (which also declares the options it takes)."""
 
 
 def register(name: str):
+    if name not in ENGINE_OPTIONS:
+        raise ValueError(f"engine {name!r} is not declared in rollout/options.py's "
+                         f"ENGINE_OPTIONS; add it there with its options")
+
     def wrap(cls):
         cls.name = name
         ENGINES[name] = cls
@@ -44,10 +45,10 @@ def register(name: str):
 
 def engine_class(name: str) -> type[Engine]:
     """The engine class registered under `name` (ValueError naming the known ones)."""
+    check_engine_name(name)
     if name not in ENGINES:
-        close = difflib.get_close_matches(str(name), ENGINES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown engine {name!r}{hint}; known engines: {', '.join(ENGINES)}")
+        raise ValueError(f"engine {name!r} is declared but not registered: import make_engine "
+                         f"from rollout (`from rollout import make_engine`), which loads them all")
     return ENGINES[name]
 
 
@@ -55,60 +56,6 @@ def make_engine(name: str, **options) -> Engine:
     """The engine registered under `name`, with its options checked (ValueError naming the
     option on a bad one)."""
     return engine_class(name)(**options)
-
-
-def engine_options(name: str) -> dict:
-    """The options engine `name` takes, with their defaults: its class's DEFAULTS and compile,
-    which every engine takes.  The one declaration `make_engine`'s check, opd's `build_engine`
-    and the run config's checks read."""
-    return {**engine_class(name).DEFAULTS, "compile": False}
-
-
-def engines_taking(option: str) -> list[str]:
-    """The engines that take `option`, in registration order."""
-    return [name for name in ENGINES if option in engine_options(name)]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_options(engine: str, options: dict, allowed: dict) -> dict:
-    """Merge `options` over the engine's defaults `allowed`; ValueError naming a bad option."""
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"engine {engine!r} has no option {unknown[0]!r}; "
-                         f"its options are: {', '.join(allowed) or 'none'}")
-    o = {**allowed, **options}
-    auto = engine == "hbsjd" and o.get("W") == "auto"      # the window policy, rollout/window.py
-    if "W" in o and not auto and not (_is_int(o["W"]) and o["W"] >= 1):
-        also = " or 'auto' (HB-SJD: chosen per round)" if engine == "hbsjd" else ""
-        raise ValueError(f"option W (window) must be an int >= 1{also}, got {o['W']!r}")
-    if "H" in o and o["H"] is not None and not (_is_int(o["H"]) and o["H"] >= 1):
-        raise ValueError(f"option H (history offset) must be None or an int >= 1, got {o['H']!r}")
-    if "decoding" in o and o["decoding"] not in DECODINGS:
-        raise ValueError(f"option decoding must be one of {DECODINGS}, got {o['decoding']!r}")
-    c = o.get("compile")
-    if "compile" in o and not (isinstance(c, bool) or c in COMPILE_BACKENDS[2:]):
-        raise ValueError(f"option compile must be one of {COMPILE_BACKENDS} (True = inductor), "
-                         f"got {o['compile']!r}")
-    if "refresh" in o and o["refresh"] not in REFRESHES:
-        raise ValueError(f"option refresh must be one of {REFRESHES}, got {o['refresh']!r}")
-    if "execution" in o and o["execution"] not in EXECUTIONS:
-        raise ValueError(f"option execution must be one of {EXECUTIONS}, got {o['execution']!r}")
-    k = o.get("candidates", 0)
-    if "candidates" in o and not (_is_int(k) and k >= 0):
-        raise ValueError(f"option candidates must be an int >= 0 (0 = off), got {k!r}")
-    if k and o.get("compile"):
-        raise ValueError("option candidates cannot be combined with compile (the compiled "
-                         "verifier has no tree window); turn one of them off")
-    br = o.get("branch")
-    if "branch" in o and br is not None and not (_is_int(br) and br >= 1):
-        raise ValueError(f"option branch must be None or an int >= 1, got {br!r}")
-    g = o.get("gamma")
-    if "gamma" in o and g is not None and g != "auto" and not (_is_int(g) and g >= 0):
-        raise ValueError(f"option gamma must be an int >= 0, 'auto' or None, got {g!r}")
-    return o
 
 
 @dataclass
@@ -159,6 +106,10 @@ class Request:
     @property
     def cfg(self) -> bool:
         return uses_cfg(self.cfg_scale)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
@@ -268,7 +219,6 @@ class Engine:
     shapes (`Engine.step`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
     graph), run on the model's static cache (`static_cache`); prefills stay eager."""
     name = "engine"
-    DEFAULTS: dict = {}
 
     def __init__(self, **options):
         self.options = check_options(self.name, options, engine_options(self.name))

@@ -239,8 +239,8 @@ def _single_token(model, req: Request, times: list) -> RolloutResult:
 
 
 class JacobiEngine(Engine):
-    """Shared option handling: W (window = tokens per verifier forward, [last committed,
-    W - 1 drafts]), H (history offset; None = one grid row), decoding, refresh (sampled drafts
+    """Shared option handling: window (W = tokens per verifier forward, [last committed,
+    W - 1 drafts]), history_offset (H; None = one grid row), decoding, refresh (sampled drafts
     after the commit point: "coupled" = maximal coupling with their new distribution,
     "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
     also take candidates (K >= 2: after a correction the next window also verifies K - 1
@@ -254,13 +254,13 @@ class JacobiEngine(Engine):
         self._states = StaticStates()    # compiled rounds' state buffers
 
     def history(self, model) -> int:
-        H = self.options["H"]
+        H = self.options["history_offset"]
         return (1 if self.DEFAULT_H_IS_ONE else model.grid_size) if H is None else H
 
     def check_model(self, model, req: Request) -> None:
         H = self.history(model)
         if H >= model.block_size:
-            raise ValueError(f"option H={H} is outside the sequence: the history offset must "
+            raise ValueError(f"option history_offset={H} is outside the sequence: the history offset must "
                              f"be in [1, block_size - 1 = {model.block_size - 1}]")
 
     def gamma(self, model, req: Request) -> int:
@@ -272,11 +272,11 @@ class JacobiEngine(Engine):
         return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
 
     def plan(self, model, req: Request, W: int | None = None, span: int | None = None) -> Plan:
-        """The constants of a call (`jacobi.make_plan`) at window W (default option W; W
+        """The constants of a call (`jacobi.make_plan`) at window W (default option window;
         "auto": the largest window the policy may choose); the window is clipped to N - 1
         tokens, the most predictions a round can use."""
         o = self.options
-        W = W or (max(WINDOWS) if o["W"] == "auto" else o["W"])
+        W = W or (max(WINDOWS) if o["window"] == "auto" else o["window"])
         return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
@@ -285,7 +285,7 @@ class JacobiEngine(Engine):
     def run(self, model, req: Request) -> RolloutResult:
         dev = req.labels.device
         policy = plan_for = None
-        if self.options["W"] == "auto":
+        if self.options["window"] == "auto":
             policy = self.policy(model, req)
             plans = {}
 
@@ -302,14 +302,12 @@ class JacobiEngine(Engine):
                           self.step(compact_round, dev), self._states.hold, policy, plan_for)
 
     def policy(self, model, req: Request) -> WindowPolicy:
-        raise ValueError(f"engine {self.name!r} has no window policy: set option W to an int")
+        raise ValueError(f"engine {self.name!r} has no window policy: set option window to an int")
 
 
 @register("sjd_independent")
 class IndependentSJD(JacobiEngine):
     """Independent Batched SJD: per-image cursors, Full execution, no switching."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", candidates=0,
-                    branch=None)
 
 
 @register("hbsjd")
@@ -319,9 +317,6 @@ class HBSJD(JacobiEngine):
     $OPD_CACHE/calibration.json; with calibrate_missing=True a missing entry is measured here,
     a few forwards, and saved under the file's lock), or
     None (uncalibrated fallback: half the batch, rounded up)."""
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled", execution="hybrid",
-                    gamma=None, calibration=None, calibrate_missing=False, candidates=0,
-                    branch=None, costs=None)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -329,7 +324,7 @@ class HBSJD(JacobiEngine):
         self._tables: dict[tuple, CostTable] = {}
 
     def policy(self, model, req: Request) -> WindowPolicy:
-        """W "auto" (rollout/window.py): the windows of `WINDOWS` a call of N new tokens can
+        """window "auto" (rollout/window.py): the windows of `WINDOWS` a call of N new tokens can
         use, the modes option execution allows (hybrid: both, chosen per round; gamma is not
         used), candidate drafting's extra columns, and the cost table (`cost_table`)."""
         o, R = self.options, req.rows
@@ -358,7 +353,7 @@ class HBSJD(JacobiEngine):
             if missing:
                 if not self.options["calibrate_missing"]:
                     raise ValueError(
-                        f"W='auto': calibration file {path} has no round costs for model "
+                        f"window='auto': calibration file {path} has no round costs for model "
                         f"{key[0]} at batch={req.rows} W={missing} cfg={req.cfg}; run `opd "
                         f"calibrate --model PRESET --batch {req.rows} --window auto"
                         f"{' --cfg-scale 2.0' if req.cfg else ''}`")
@@ -379,16 +374,16 @@ class HBSJD(JacobiEngine):
             return (req.rows + 1) // 2
         if g == "auto":
             from rollout.calibrate import ensure_calibration, load_gamma, model_signature
-            key = (model_signature(model), req.rows, self.options["W"], req.cfg)
+            key = (model_signature(model), req.rows, self.options["window"], req.cfg)
             if key not in self._auto:
                 path = calibration_path(self.options)
                 try:
-                    self._auto[key] = load_gamma(path, model, req.rows, self.options["W"],
+                    self._auto[key] = load_gamma(path, model, req.rows, self.options["window"],
                                                  req.cfg)
                 except ValueError:
                     if not self.options["calibrate_missing"]:
                         raise
-                    entry = ensure_calibration(model, [req.rows], self.options["W"],
+                    entry = ensure_calibration(model, [req.rows], self.options["window"],
                                                cfg=req.cfg, path=path)[req.rows]
                     self._auto[key] = int(entry["gamma"])
             return self._auto[key]

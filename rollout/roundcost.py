@@ -1,6 +1,6 @@
 """What one Jacobi round costs: the verifier forward against the verification step.
 
-    costs = round_costs(model, make_engine("hbsjd", W=4, decoding="sample"), labels, None, 64)
+    costs = round_costs(model, make_engine("hbsjd", window=4, decoding="sample"), labels, None, 64)
     costs["verify_ops"], costs["forward_ms"], costs["verify_ms"]
 
 The rollout runs as `hbsjd.run_jacobi` runs it with Full execution (every row in every round,

@@ -13,6 +13,5 @@ from rollout.hbsjd import JacobiEngine
 
 @register("sjd_sync")
 class SyncSJD(JacobiEngine):
-    DEFAULTS = dict(W=16, H=None, decoding="greedy", refresh="coupled")
     SYNC = True
     DEFAULT_H_IS_ONE = True

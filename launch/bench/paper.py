@@ -229,11 +229,11 @@ class Context:
                 execution: str = "hybrid", gamma: int | None = None, **row) -> Variant:
         options = {"decoding": decoding or self.b.decoding}
         if engine in JACOBI:
-            options.update(W=W or self.b.W, H=H or self.H)
+            options.update(window=W or self.b.W, history_offset=H or self.H)
         if engine == "hbsjd":
             options["execution"] = execution
             if execution == "hybrid":
-                options["gamma"] = self.gamma(B, options["W"]) if gamma is None else gamma
+                options["gamma"] = self.gamma(B, options["window"]) if gamma is None else gamma
         ratio = self.b.prefix_ratio if ratio is None else ratio
         return Variant(label, engine, options, B, ratio, **row)
 

@@ -102,7 +102,7 @@ def make_row(c: Models, v: Variant, times: list[float], results: list, base: lis
     o = v.options
     row = {"variant": v.label, "engine": v.engine, "decoding": o["decoding"], "batch": v.batch,
            "prefix_len": results[0].prefix_len, "new_tokens": results[0].num_new_tokens,
-           "W": o.get("W"), "H": o.get("H"), "execution": _execution_label(v),
+           "W": o.get("window"), "H": o.get("history_offset"), "execution": _execution_label(v),
            "gamma": o.get("gamma"), "model": v.model,
            "rounds": rounds[0] if len(rounds) == 1 else float(np.mean(rounds)),
            "rounds_each": rounds, "image_rounds": [r.image_rounds.tolist() for r in results],
@@ -157,7 +157,7 @@ def round_floor(model, res, v: Variant, cfg: bool, bandwidth_gbs: float) -> dict
         return None
     weights, kv = verifier_bytes(model)
     B, T, N = res.tokens.shape[0], res.tokens.shape[1], res.num_new_tokens
-    W = 1 if v.engine == AR else min(v.options["W"], max(1, N - 1))
+    W = 1 if v.engine == AR else min(v.options["window"], max(1, N - 1))
     per_image = kv * (2 if cfg else 1)
     cur = res.progress[1:-1].cpu()                       # (R - 1, B) committed before round r
     live = res.committed[1:].cpu() > 0

@@ -181,7 +181,7 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
                 for refresh in (b.refreshes if d == "sample" else ["coupled"]):
                     for K in (b.candidates if label != "sjd_sync" else [0]):
                         name, opts = VARIANTS[label]
-                        opts = dict(opts, W=W, H=b.H, decoding=d, refresh=refresh)
+                        opts = dict(opts, window=W, history_offset=b.H, decoding=d, refresh=refresh)
                         if K:
                             opts["candidates"] = K
                         if label == "hbsjd-hybrid" and W != "auto":

@@ -7,7 +7,7 @@
 
 It writes the one calibration file, $OPD_CACHE/calibration.json (`rollout.calibrate.calibration_file`),
 which training (reference loop and Ray rollout workers), evaluation and the benches read with
-`gamma="auto"` and the window policy's cost table with `W="auto"` (rollout/window.py: `--window
+`gamma="auto"` and the window policy's cost table with `window="auto"` (rollout/window.py: `--window
 auto`, the default config's, measures W = 1, 2, 4, 8, 16) (key: model shape + dtype + device,
 batch, W, CFG on/off).  Latency does not
 depend on the weights, so no checkpoint is loaded.

@@ -17,16 +17,8 @@ Pydantic says which key failed and how (`loc`, error type); this module words it
 naming the dotted key and the value as written, and checks the `bounded` ranges.  Of several
 problems the one met first in the file is reported.
 
-Why pydantic and not OmegaConf: pydantic v2 is already installed (`ray[default]` depends on
-it), validates the existing stdlib dataclasses unchanged through `TypeAdapter` (no second set
-of classes), and its error locations are tuples of field names that turn into dotted keys.
-OmegaConf would be a new dependency and needs its own structured-config objects; its last
-stable release (2.3) takes neither `Literal` fields nor a union with a container, such as
-`int | tuple[int, int]`, both of which this schema uses (they arrive in the 2.4 pre-release).
-The schema stays stdlib dataclasses rather than pydantic dataclasses: built in code
-(`RunConfig()`, `dataclasses.replace`) a config is not validated field by field and raises no
-pydantic error, it pickles over Ray as before, and validation stays one step, on load, whose
-errors this module words.
+Why pydantic (and not OmegaConf), and why the schema stays stdlib dataclasses:
+docs/ARCHITECTURE.md, "Key decisions", Config.
 
 Over 400 lines: the schema walk, the spellings, the wording of every pydantic error and the
 dotted overrides are one concept (a key and its value as the user wrote them) and share their
@@ -75,6 +67,12 @@ def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
     if factory:
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def choices(names: Any) -> Any:
+    """`Literal[...]` of the names in `names` (a registry: a dict's keys or a tuple), so a
+    field's allowed values are read from the registry that owns them."""
+    return Literal[tuple(names)]
 
 
 # ---- the schema ------------------------------------------------------------------------------

@@ -11,9 +11,14 @@ embedded digits setup), a YAML preset from `configs/` (or any path, `extends:` a
 cross-field constraints raise `ConfigError` naming the full dotted key and the value.
 
 This module is the schema and the run-config entry points; the machinery is shared with the
-bench presets: `opd.config.loader` validates a tree against a dataclass schema on pydantic
-(and says why pydantic), applies dotted overrides and words the errors; `opd.config.files`
-finds presets, merges `extends:` and writes the resolved config back (YAML, hash).
+bench presets: `opd.config.loader` validates a tree against a dataclass schema on pydantic,
+applies dotted overrides and words the errors; `opd.config.files` finds presets, merges
+`extends:` and writes the resolved config back (YAML, hash).
+
+What a registry owns is read from it, not repeated: the engines, their options' names and
+defaults and the decoding / refresh / execution modes (rollout/options.py), the objectives and
+the ranges and defaults of λ, β, τ (opd/config/objective_settings.py); `tests/opd/test_registries.py`
+holds the two to each other.
 
 Adding a field is one line plus its docstring: `name: type = default`, or
 `name: type = bounded(default, ge=..., lt=...)` for a numeric range. Supported types:
@@ -37,14 +42,20 @@ from typing import Any, Callable, Literal
 from opd.config import loader
 from opd.config.files import (config_to_dict, read_preset,
                               resolve_preset)
-from opd.config.loader import ConfigError, bounded, strict_schema
+from opd.config.loader import ConfigError, bounded, choices, strict_schema
+from opd.config.objective_settings import BETA, LAM, OBJECTIVE_SETTINGS, TEMPERATURE
+from rollout.options import (DECODINGS, ENGINE_OPTIONS, EXECUTIONS, REFRESHES, check_options,
+                             engine_options, engines_taking, option_defaults)
 
 # --------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------
 
 DType = Literal["float32", "bfloat16", "float64"]
-Engine = Literal["hbsjd", "cached_ar", "sjd_sync", "sjd_independent"]
+Engine = choices(ENGINE_OPTIONS)
+Decoding = choices(DECODINGS)
+Refresh = choices(REFRESHES)
+Execution = choices(EXECUTIONS)
 Logger = Literal["tensorboard", "mlflow", "wandb"]
 
 
@@ -95,12 +106,17 @@ class DataConfig:
     """Sequences per training step (prefix batch size)."""
 
 
-ENGINE_OPTIONS = {"window": "W", "history_offset": "H", "decoding": "decoding",
-                  "refresh": "refresh", "compile": "compile", "candidates": "candidates",
-                  "execution": "execution", "gamma": "gamma"}
-"""The `rollout.*` keys that are rollout engine options, by the engine's name for them; each
-engine takes those it declares (rollout/engine.py: `engine_options`), checks them, and holds
-every rule between them (e.g. candidates need greedy decoding)."""
+ENGINE_DEFAULTS = option_defaults()
+"""The engines' option defaults (rollout/options.py).  A `rollout.*` key named like an engine
+option is that option: each engine takes those it declares, checks them, and holds every rule
+between them (e.g. candidates cannot be compiled).  The run defaults below are the engines',
+but for `window`, `decoding` and `gamma`, the digits run's own choices (RUN_CHOICES)."""
+
+RUN_CHOICES = dict(window=4, decoding="sample", gamma="auto")
+"""The run defaults that differ from the engines': a window of 4 for the digits student on a
+CPU (the engines' 16 is the paper's), sampled rollouts for on-policy distillation (greedy ones
+collapse onto the background), and Hybrid's threshold calibrated on this machine (the engines'
+None is the uncalibrated half-batch fallback)."""
 
 
 @dataclass
@@ -111,23 +127,23 @@ class RolloutConfig:
     """Rollout engine: HB-SJD, Cached AR, batch-synchronous SJD or independent batched SJD."""
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
-    window: int | Literal["auto"] = bounded(4, ge=1)
+    window: int | Literal["auto"] = bounded(RUN_CHOICES["window"], ge=1)
     """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) from this machine's calibrated verifier costs and the acceptance seen so far (docs/WINDOW_POLICY.md)."""
-    history_offset: int | None = bounded(None, ge=1)
+    history_offset: int | None = bounded(ENGINE_DEFAULTS["history_offset"], ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
-    decoding: Literal["greedy", "sample"] = "sample"
+    decoding: Decoding = RUN_CHOICES["decoding"]
     """Greedy verification (lossless vs greedy AR) or probabilistic (sampling) verification."""
-    refresh: Literal["coupled", "resample"] = "coupled"
+    refresh: Refresh = ENGINE_DEFAULTS["refresh"]
     """Sampled drafts after the commit point: kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
-    compile: bool = False
+    compile: bool = ENGINE_DEFAULTS["compile"]
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
-    candidates: int = bounded(0, ge=0)
+    candidates: int = bounded(ENGINE_DEFAULTS["candidates"], ge=0)
     """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (docs/ROLLOUTS.md, "Candidate drafting")."""
-    execution: Literal["full", "compact", "hybrid"] = "hybrid"
+    execution: Execution = ENGINE_DEFAULTS["execution"]
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
-    gamma: int | Literal["auto"] = bounded("auto", ge=0)
+    gamma: int | Literal["auto"] = bounded(RUN_CHOICES["gamma"], ge=0)
     """Hybrid threshold: compact once fewer than gamma images are active; "auto" = calibrated."""
     cfg_scale: float = bounded(1.0, ge=0.0)
     """Classifier-free guidance scale; 1.0 disables guidance (no unconditional branch)."""
@@ -144,8 +160,8 @@ class RolloutConfig:
 
     def engine_options(self, takes: dict) -> dict:
         """The engine options these keys set, of those an engine takes (`takes`: its
-        `rollout.engine.engine_options`)."""
-        return {opt: getattr(self, key) for key, opt in ENGINE_OPTIONS.items() if opt in takes}
+        `rollout.options.engine_options`)."""
+        return {key: getattr(self, key) for key in ENGINE_KEYS if key in takes}
     elastic_grow_wait: float = bounded(0.5, gt=0.0, le=1.0)
     """Elastic pool ("min..max"): add a worker after steps where the learner waited on student rollouts for at least this fraction of the step."""
     elastic_shrink_wait: float = bounded(0.1, ge=0.0, le=1.0)
@@ -154,6 +170,10 @@ class RolloutConfig:
     """Elastic pool: steps in a row at or over elastic_grow_wait before a worker is added."""
     elastic_idle_steps: int = bounded(5, ge=1)
     """Elastic pool: idle steps in a row before an added worker is retired (never below min)."""
+
+
+ENGINE_KEYS = tuple(f for f in RolloutConfig.__dataclass_fields__ if f in ENGINE_DEFAULTS)
+"""The `rollout.*` keys that are engine options (named as the engines name them)."""
 
 
 @dataclass
@@ -211,7 +231,7 @@ class LearnerConfig:
     """Bucket size of the collective weight broadcast (MiB of parameters per broadcast call)."""
 
 
-ObjectiveName = Literal["gkd", "varkd", "kd", "seqkd"]
+ObjectiveName = choices(OBJECTIVE_SETTINGS)
 
 
 @dataclass
@@ -225,13 +245,13 @@ class PhaseConfig:
     """Learner steps of the phase; null (the last phase only) = the rest of distill.steps."""
     objective: ObjectiveName | None = None
     """Objective of the phase's steps (`kd`, `gkd`, `varkd`, `seqkd`)."""
-    lam: float | None = bounded(None, ge=0.0, le=1.0)
+    lam: float | None = bounded(None, **LAM.bounds)
     """GKD's on-policy fraction lambda at the phase's first step."""
-    lam_end: float | None = bounded(None, ge=0.0, le=1.0)
+    lam_end: float | None = bounded(None, **LAM.bounds)
     """GKD: lambda at the phase's last step, linear from `lam` in between (a ramp); null = `lam`."""
-    beta: float | None = bounded(None, ge=0.0, le=1.0)
+    beta: float | None = bounded(None, **BETA.bounds)
     """GKD / VarKD generalized-JSD beta."""
-    temperature: float | None = bounded(None, gt=0.0)
+    temperature: float | None = bounded(None, **TEMPERATURE.bounds)
     """Softmax temperature of the loss."""
     prefix_ratio: float | None = bounded(None, ge=0.0, lt=1.0)
     """Real-prefix ratio of the phase's batches (instead of data.prefix_ratio(s))."""
@@ -256,11 +276,11 @@ class DistillConfig:
     phases: `opd train distill.objective=kd` is plain KD for the whole run."""
     steps: int = bounded(600, ge=1)
     """Learner steps."""
-    beta: float = bounded(0.5, ge=0.0, le=1.0)
-    """GKD generalized-JSD interpolation: 0 = forward KL(P||Q), 1 = reverse KL(Q||P)."""
-    lam: float = bounded(1.0, ge=0.0, le=1.0)
+    beta: float = bounded(BETA.default, **BETA.bounds)
+    """GKD / VarKD generalized-JSD interpolation: 0 = forward KL(P||Q), 1 = reverse KL(Q||P)."""
+    lam: float = bounded(LAM.default, **LAM.bounds)
     """On-policy fraction lambda: probability that a batch is student-generated (else data)."""
-    temperature: float = bounded(1.0, gt=0.0)
+    temperature: float = bounded(TEMPERATURE.default, **TEMPERATURE.bounds)
     """Softmax temperature of teacher and student logits in the loss."""
     staleness: int = bounded(0, ge=0)
     """Max policy-version lag of consumed trajectories; 0 = strict on-policy."""
@@ -341,7 +361,7 @@ class EvalConfig:
     """Local Inception weights file for the inception-v3-compat extractor."""
     engine: Engine | None = None
     """Engine used to sample evaluation images; None = rollout.engine."""
-    decoding: Literal["greedy", "sample"] | None = "sample"
+    decoding: Decoding | None = "sample"
     """Decoding of evaluation samples: sample (the field's practice; greedy gives one image per class), None = rollout.decoding."""
     seed: int = 0
     """Seed of the evaluation samples (image i is keyed by (seed, i)); the same for every run compared."""
@@ -439,12 +459,10 @@ def _rollout_top_k(cfg: RunConfig) -> None:
 
 @cross_check
 def _candidates(cfg: RunConfig) -> None:
-    """Candidate drafting, checked by the engine's own rules (rollout/engine.py) when it is on
-    (rollout is imported only then: the config stays torch-free)."""
+    """Candidate drafting, checked by the engines' own rules (rollout/options.py)."""
     r = cfg.rollout
     if not r.candidates:
         return
-    from rollout.engine import check_options, engine_options, engines_taking
     takes = engine_options(r.engine)
     if "candidates" not in takes:
         raise ConfigError(f"rollout.candidates={r.candidates}: only the "
@@ -461,10 +479,15 @@ def _window(cfg: RunConfig) -> None:
     """`rollout.window: auto` is HB-SJD's window policy (rollout/window.py); the other Jacobi
     engines run a fixed window."""
     r = cfg.rollout
-    if r.window == "auto" and r.engine in ("sjd_sync", "sjd_independent"):
+    takes = engine_options(r.engine)
+    if r.window != "auto" or "window" not in takes:
+        return
+    try:
+        check_options(r.engine, {"window": "auto"}, takes)
+    except ValueError:
         raise ConfigError(f"rollout.window=auto: only the hbsjd engine chooses its window per "
                           f"round; set rollout.window to an int for rollout.engine={r.engine!r}",
-                          "rollout.window")
+                          "rollout.window") from None
 
 
 @cross_check

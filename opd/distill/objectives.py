@@ -11,7 +11,9 @@ An objective is a small config dataclass with
   student's distributions of image tokens 0..L-1, aligned with `batch.tokens` (B, L); the loss
   is a token average over `batch.loss_mask` (the generated suffix).
 
-`get_objective(name, **cfg)` builds one from the run config.
+`get_objective(name, **cfg)` builds one from the run config.  The objectives' names and the
+run settings each reads (λ, β, τ, with their ranges and defaults) are declared in
+opd/config/objective_settings.py; an objective has a dataclass field of the same name for each.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from opd.distill.batch import TrajectoryBatch
+from opd.config.objective_settings import BETA, LAM, OBJECTIVE_SETTINGS, SETTINGS, TEMPERATURE
 from opd.distill.divergences import (
     TeacherDist,
     entropy,
@@ -44,6 +47,12 @@ def register_objective(name: str) -> Callable[[type[Objective]], type[Objective]
     def wrap(cls: type[Objective]) -> type[Objective]:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is already registered")
+        if name not in OBJECTIVE_SETTINGS:
+            raise ValueError(f"objective {name!r} is not declared in opd/config/objective_settings.py's "
+                             f"OBJECTIVE_SETTINGS; add it there with the settings it reads")
+        missing = set(OBJECTIVE_SETTINGS[name]) - {f.name for f in dataclasses.fields(cls)}
+        if missing:
+            raise ValueError(f"objective {name!r} reads {sorted(missing)} but has no such field")
         cls.name = name
         OBJECTIVES[name] = cls
         return cls
@@ -112,6 +121,11 @@ class Objective:
         """The sequence source of training step `step` (deterministic in (step, seed))."""
         return self.source
 
+    def __post_init__(self) -> None:
+        """Range checks of the run settings the objective reads (opd/config/objective_settings.py)."""
+        for key in OBJECTIVE_SETTINGS[self.name]:
+            SETTINGS[key].check(self.name, getattr(self, key))
+
     def check(self, student_logits: Tensor, batch: TrajectoryBatch) -> None:
         """Raise if the batch's source, teacher transport or shape does not fit this loss."""
         if batch.source not in self.accepts:
@@ -145,12 +159,9 @@ class KD(Objective):
     temperature: τ on both teacher and student (no τ² rescaling).
     """
 
-    temperature: float = 1.0
+    temperature: float = TEMPERATURE.default
     needs: ClassVar[tuple[str, ...]] = ("full", "topk")
     accepts: ClassVar[tuple[str, ...]] = ("data",)
-
-    def __post_init__(self) -> None:
-        _check_positive("kd.temperature", self.temperature)
 
     def _loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
         loss = masked_divergence(*scored_positions(student_logits, batch), "forward_kl",
@@ -181,29 +192,24 @@ class GKD(Objective):
     """Generalized KD (Agarwal et al.): JSD_β between teacher and student on a mix of on-policy
     student rollouts (probability λ per step) and data sequences.
 
-    lmbda: on-policy fraction λ in [0, 1]; beta: JSD β in [0, 1] (0 forward KL, 1 reverse KL);
+    lam: on-policy fraction λ in [0, 1]; beta: JSD β in [0, 1] (0 forward KL, 1 reverse KL);
     temperature: τ on both sides.
     """
 
-    lmbda: float = 0.5
-    beta: float = 0.5
-    temperature: float = 1.0
+    lam: float = LAM.default
+    beta: float = BETA.default
+    temperature: float = TEMPERATURE.default
     needs: ClassVar[tuple[str, ...]] = ("full", "topk")
     accepts: ClassVar[tuple[str, ...]] = ("student", "data")
 
-    def __post_init__(self) -> None:
-        _check_unit("gkd.lmbda", self.lmbda)
-        _check_unit("gkd.beta", self.beta)
-        _check_positive("gkd.temperature", self.temperature)
-
     @property
     def source(self) -> str:
-        return "student" if self.lmbda == 1.0 else "data" if self.lmbda == 0.0 else "mixed"
+        return "student" if self.lam == 1.0 else "data" if self.lam == 0.0 else "mixed"
 
     def choose_source(self, step: int, seed: int) -> str:
         """"student" with probability λ, else "data"; one uniform draw keyed by (seed, step)."""
         u = np.random.default_rng([int(seed), int(step)]).random()
-        return "student" if u < self.lmbda else "data"
+        return "student" if u < self.lam else "data"
 
     def _loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
         loss = masked_divergence(*scored_positions(student_logits, batch), "jsd",
@@ -238,8 +244,8 @@ class VarKD(Objective):
     Defaults are a starting point, not tuned values from the paper.
     """
 
-    beta: float = 0.5
-    temperature: float = 1.0
+    beta: float = BETA.default
+    temperature: float = TEMPERATURE.default
     teacher_temperature: float = 1.0
     smoothing: float = 0.1
     smoothing_topk: int = 8
@@ -250,9 +256,8 @@ class VarKD(Objective):
     accepts: ClassVar[tuple[str, ...]] = ("student",)
 
     def __post_init__(self) -> None:
-        _check_unit("varkd.beta", self.beta)
+        super().__post_init__()
         _check_unit("varkd.smoothing", self.smoothing)
-        _check_positive("varkd.temperature", self.temperature)
         _check_positive("varkd.teacher_temperature", self.teacher_temperature)
         _check_positive("varkd.weight_temperature", self.weight_temperature)
         if self.smoothing_topk < 1:

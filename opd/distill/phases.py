@@ -22,6 +22,7 @@ from typing import Any
 
 from opd.config.schema import RunConfig
 from opd.distill.objectives import Objective, get_objective
+from opd.config.objective_settings import OBJECTIVE_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,12 @@ def phase_at(cfg: RunConfig, step: int) -> Phase:
 
 
 def phase_objective(phase: Phase, step: int | None = None) -> Objective:
-    """The objective of `phase` at `step` (its first step when None), built by name."""
-    lam = phase.lam_at(phase.start if step is None else step)
-    common = {"gkd": dict(lmbda=lam, beta=phase.beta, temperature=phase.temperature),
-              "kd": dict(temperature=phase.temperature),
-              "seqkd": {},
-              "varkd": dict(beta=phase.beta, temperature=phase.temperature)}[phase.objective]
-    return get_objective(phase.objective, **{**common, **phase.options})
+    """The objective of `phase` at `step` (its first step when None), built by name from the
+    settings it reads (opd/config/objective_settings.py), λ the ramp's at `step`."""
+    values = dict(lam=phase.lam_at(phase.start if step is None else step), beta=phase.beta,
+                  temperature=phase.temperature)
+    reads = {key: values[key] for key in OBJECTIVE_SETTINGS[phase.objective]}
+    return get_objective(phase.objective, **{**reads, **phase.options})
 
 
 def objective_at(cfg: RunConfig, step: int) -> Objective:

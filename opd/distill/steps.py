@@ -25,7 +25,7 @@ from opd.distill.results import combine_metrics
 from opd.distill.rollout_stats import RolloutStats
 from opd.distill.phases import objective_at, phase_at
 from rollout import make_engine
-from rollout.engine import engine_options
+from rollout.options import engine_options
 
 
 def prefix_len_for(ratio: float, seq_len: int) -> int:
@@ -65,13 +65,13 @@ def batch_source(objective: Objective, step: int, seed: int) -> str:
 
 def build_engine(cfg: RunConfig, engine: str | None = None):
     """The configured rollout engine: the `rollout.*` options it takes (opd.config.schema
-    ENGINE_OPTIONS, rollout.engine.engine_options), the others left out.  `rollout.window:
+    ENGINE_KEYS, rollout.options.engine_options), the others left out.  `rollout.window:
     auto` is HB-SJD's window policy; another Jacobi engine named here runs its default W."""
     name = engine or cfg.rollout.engine
     takes = engine_options(name)
     options = cfg.rollout.engine_options(takes)
-    if options.get("W") == "auto" and name != "hbsjd":
-        options["W"] = takes["W"]
+    if options.get("window") == "auto" and name != "hbsjd":
+        options["window"] = takes["window"]
     if "calibration" in takes:                      # gamma=auto: measured once, under the lock
         options.update(calibration=str(calibration_file()), calibrate_missing=True)
     return make_engine(name, **options)

@@ -163,9 +163,10 @@ def test_round_floor_counts_bytes():
     assert floor["reads_mb"] == pytest.approx(floor["need_mb"])       # AR reads what it needs
     assert floor["floor_ms"] == pytest.approx(sum(need) / len(need) / 20e9 * 1e3)
     for execution in ("full", "compact"):
-        v = Variant("j", "hbsjd", {"decoding": "greedy", "W": 4, "H": 4, "execution": execution},
+        v = Variant("j", "hbsjd", {"decoding": "greedy", "window": 4, "history_offset": 4,
+                                  "execution": execution},
                     B, 0.3)
-        res = make_engine("hbsjd", W=4, execution=execution).generate(
+        res = make_engine("hbsjd", window=4, execution=execution).generate(
             model, labels, prefix, N, cfg_scale=2.0)
         f = round_floor(model, res, v, True, 20)
         assert f["reads_mb"] >= f["need_mb"] > weights / 1e6

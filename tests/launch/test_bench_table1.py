@@ -58,10 +58,10 @@ def test_rows_measure_the_run_configs_engine(tiny):
     s = t1.resolve(b.workloads[0])
     model = t1.build_student(b, s)
     labels, prefix = common.make_inputs(model, s.batch, 0.25, "random", b.seed, "cpu")
-    res = make_engine("hbsjd", W=4, decoding="greedy", candidates=2, execution="hybrid",
+    res = make_engine("hbsjd", window=4, decoding="greedy", candidates=2, execution="hybrid",
                       gamma=1).generate(model, labels, prefix, s.new_tokens, cfg_scale=2.0,
                                         seed=b.seed)
-    no_k = make_engine("hbsjd", W=4, decoding="greedy", execution="hybrid", gamma=1).generate(
+    no_k = make_engine("hbsjd", window=4, decoding="greedy", execution="hybrid", gamma=1).generate(
         model, labels, prefix, s.new_tokens, cfg_scale=2.0, seed=b.seed)
     _, eager, eager_no_k = rows_of(report, "tiny GKD", "eager")
     _, compiled = rows_of(report, "tiny GKD", "compiled")

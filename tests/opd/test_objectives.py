@@ -217,23 +217,24 @@ def test_declared_needs_and_sources():
     assert set(OBJECTIVES) >= {"kd", "seqkd", "gkd", "varkd"}
     kd, seqkd, gkd, varkd = (get_objective(n) for n in ("kd", "seqkd", "gkd", "varkd"))
     assert kd.needs == gkd.needs == varkd.needs == ("full", "topk") and seqkd.needs == ("tokens",)
-    assert (kd.source, seqkd.source, gkd.source, varkd.source) == ("data", "teacher", "mixed", "student")
-    assert get_objective("gkd", lmbda=1.0).source == "student"
-    assert get_objective("gkd", lmbda=0.0).source == "data"
+    # GKD's default λ is distill.lam's (opd/config/objective_settings.py): all on-policy
+    assert (kd.source, seqkd.source, gkd.source, varkd.source) == ("data", "teacher", "student", "student")
+    assert get_objective("gkd", lam=0.5).source == "mixed"
+    assert get_objective("gkd", lam=0.0).source == "data"
     assert kd.supports("topk") and not seqkd.supports("full")
     assert [kd.choose_source(s, 0) for s in range(3)] == ["data"] * 3
     assert varkd.choose_source(5, 1) == "student" and seqkd.choose_source(5, 1) == "teacher"
 
 
 def test_gkd_choose_source_is_seeded_and_follows_lambda():
-    gkd = GKD(lmbda=0.3)
+    gkd = GKD(lam=0.3)
     a = [gkd.choose_source(s, seed=11) for s in range(2000)]
     assert a == [gkd.choose_source(s, seed=11) for s in range(2000)]
     assert a != [gkd.choose_source(s, seed=12) for s in range(2000)]
     assert set(a) == {"student", "data"}
     assert 0.27 < a.count("student") / len(a) < 0.33
-    assert all(GKD(lmbda=1.0).choose_source(s, 3) == "student" for s in range(200))
-    assert all(GKD(lmbda=0.0).choose_source(s, 3) == "data" for s in range(200))
+    assert all(GKD(lam=1.0).choose_source(s, 3) == "student" for s in range(200))
+    assert all(GKD(lam=0.0).choose_source(s, 3) == "data" for s in range(200))
 
 
 def test_errors_name_the_problem():

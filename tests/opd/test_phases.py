@@ -33,7 +33,7 @@ def test_phases_resolve_to_step_ranges_with_the_run_defaults():
     assert (on.name, on.start, on.end, on.beta, on.prefix_ratios) == ("late", 4, 10, 0.3, (0.25,))
     assert [phase_at(cfg, s).index for s in (0, 3, 4, 9, 12)] == [0, 0, 1, 1, 1]
     # the λ ramp: 0.5 at the phase's first step, 1.0 at its last, linear between
-    assert [objective_at(cfg, s).lmbda for s in range(4, 10)] == pytest.approx(
+    assert [objective_at(cfg, s).lam for s in range(4, 10)] == pytest.approx(
         [0.5, 0.6, 0.7, 0.8, 0.9, 1.0], abs=1e-12)
     assert objective_at(cfg, 2).name == "kd" and rolls_out(cfg)
     assert on.describe() == "late: steps 4-9 (6), gkd (λ 0.5→1, β 0.3)"

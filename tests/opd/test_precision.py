@@ -88,8 +88,8 @@ def test_autocast_forward_is_bf16_but_weights_and_grads_stay_float32():
 
 # ---- a bf16 model in rollout/: distributions stay float32 -----------------------------------
 
-@pytest.mark.parametrize("engine,opts", [("hbsjd", dict(W=4)), ("cached_ar", {}),
-                                         ("hbsjd", dict(W=4, candidates=2))])
+@pytest.mark.parametrize("engine,opts", [("hbsjd", dict(window=4)), ("cached_ar", {}),
+                                         ("hbsjd", dict(window=4, candidates=2))])
 def test_bf16_model_samples_from_float32_distributions(engine, opts, monkeypatch):
     torch.manual_seed(3)
     model = create_model("GPT-tiny").eval()

@@ -52,10 +52,10 @@ def test_calibration_file_round_trip_and_gamma_auto(tiny, batch, tmp_path):
     assert load_gamma(path, model, 4, 5, True) == 3
     assert load_gamma(path, model, 4, 8, True) == 2
 
-    engine = make_engine("hbsjd", W=5, gamma="auto", calibration=str(path))
+    engine = make_engine("hbsjd", window=5, gamma="auto", calibration=str(path))
     labels, prefix = batch(model, 4, 0)
     res = engine.generate(model, labels, prefix, 16, cfg_scale=2.0)
-    ref = make_engine("hbsjd", W=5, gamma=3).generate(model, labels, prefix, 16, cfg_scale=2.0)
+    ref = make_engine("hbsjd", window=5, gamma=3).generate(model, labels, prefix, 16, cfg_scale=2.0)
     assert torch.equal(res.tokens, ref.tokens) and res.modes == ref.modes
     with pytest.raises(ValueError, match=r"no calibration .* batch=4 W=5 cfg=False.*opd calibrate"):
         engine.generate(model, labels, prefix, 16)                    # no CFG entry
@@ -76,10 +76,10 @@ def test_signature_separates_models(tiny):
 def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
     model, path = tiny(0), tmp_path / "cal.json"
     labels, prefix = torch.tensor([0, 1, 2]), torch.zeros(3, 2, dtype=torch.long)
-    strict = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path))
+    strict = make_engine("hbsjd", window=4, gamma="auto", calibration=str(path))
     with pytest.raises(ValueError, match="does not exist"):
         strict.generate(model, labels, prefix, 6)
-    engine = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path),
+    engine = make_engine("hbsjd", window=4, gamma="auto", calibration=str(path),
                          calibrate_missing=True)
     out = engine.generate(model, labels, prefix, 6)
     entries = json.loads(path.read_text())["entries"]
@@ -124,7 +124,7 @@ def test_ensure_calibration_measures_only_missing_entries(tiny, tmp_path, monkey
     assert measured == [2, 3, 4]                                  # only batch 4 was missing
     assert again[2] == first[2] and again[3] == first[3]
     assert [(e["batch"], e["W"]) for e in read_calibration(path)] == [(2, 4), (3, 4), (4, 4)]
-    engine = make_engine("hbsjd", W=4, gamma="auto", calibration=str(path),
+    engine = make_engine("hbsjd", window=4, gamma="auto", calibration=str(path),
                          calibrate_missing=True)
     engine.generate(model, torch.tensor([0, 1, 2]), torch.zeros(3, 2, dtype=torch.long), 6)
     assert measured == [2, 3, 4]                                  # gamma='auto' read batch 3

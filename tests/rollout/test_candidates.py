@@ -72,7 +72,7 @@ def test_greedy_candidates_return_cached_ar_tokens(tiny, batch, B, P, cfg):
         for W in (2, 4, 16):
             for K, L in ((2, 1), (3, 2), (5, 1), (11, 1), (16, 3)):
                 for name, opts in engines():
-                    res = make_engine(name, W=W, candidates=K, branch=L, **opts).generate(
+                    res = make_engine(name, window=W, candidates=K, branch=L, **opts).generate(
                         model, labels, prefix, T - P, cfg_scale=cfg)
                     assert torch.equal(res.tokens, ref.tokens), (seed, name, opts, W, K, L)
                     assert res.committed.sum(0).tolist() == [T - P] * B
@@ -87,7 +87,7 @@ def test_candidates_with_slots_and_a_larger_grid(tiny, batch, cfg):
     ref = make_engine("cached_ar").generate(model, labels, prefix, 29, cfg_scale=cfg)
     for W in (3, 8):
         for name, opts in engines():
-            e = make_engine(name, W=W, candidates=3, **opts)
+            e = make_engine(name, window=W, candidates=3, **opts)
             full = e.generate(model, labels, prefix, 29, cfg_scale=cfg)
             slotted = e.generate(model, labels, prefix, 29, cfg_scale=cfg, slots=3)
             assert torch.equal(full.tokens, ref.tokens) and torch.equal(slotted.tokens,
@@ -102,7 +102,7 @@ def test_candidates_save_rounds_where_the_window_stalls(tiny, batch):
     labels, prefix = batch(model, 8, 0)
     image_rounds = {}
     for K in (0, 2, 3, 5):
-        res = make_engine("hbsjd", W=8, execution="full", candidates=K).generate(
+        res = make_engine("hbsjd", window=8, execution="full", candidates=K).generate(
             model, labels, prefix, T)
         image_rounds[K] = int(res.image_rounds.sum())
         assert res.mean_committed >= 16 * 8 / image_rounds[K] - 1e-9
@@ -133,13 +133,13 @@ def test_sampled_candidates_never_depend_on_execution_or_slots(tiny, batch, cfg,
     for W, K, L in ((3, 2, 1), (8, 4, 2)):
         ref = None
         for name, opts in engines():
-            e = make_engine(name, W=W, candidates=K, branch=L, decoding="sample", **opts)
+            e = make_engine(name, window=W, candidates=K, branch=L, decoding="sample", **opts)
             for slots in (None, 3):
                 res = e.generate(model, labels, prefix, 29, cfg_scale=cfg, seed=5, slots=slots,
                                  **warps)
                 got = (res.tokens, res.logprobs, res.committed.sum(0))
                 ref = ref or got
                 assert all(torch.equal(a, b) for a, b in zip(got, ref)), (name, opts, W, slots)
-        plain = make_engine("hbsjd", W=W, decoding="sample", execution="full").generate(
+        plain = make_engine("hbsjd", window=W, decoding="sample", execution="full").generate(
             model, labels, prefix, 29, cfg_scale=cfg, seed=5, **warps)
         assert not torch.equal(plain.tokens, ref[0])     # K changes a seed's tokens (not law)

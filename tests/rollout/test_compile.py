@@ -13,12 +13,12 @@ from rollout import make_engine
 from rollout.hbsjd import bucket, bucket_rows
 
 JACOBI = [  # name, options
-    ("hbsjd", dict(W=4, execution="full")),
-    ("hbsjd", dict(W=3, execution="compact")),
-    ("hbsjd", dict(W=4, execution="hybrid", gamma=5)),
-    ("hbsjd", dict(W=4, execution="hybrid", gamma=5, refresh="resample")),
-    ("sjd_independent", dict(W=5)),
-    ("sjd_sync", dict(W=4)),
+    ("hbsjd", dict(window=4, execution="full")),
+    ("hbsjd", dict(window=3, execution="compact")),
+    ("hbsjd", dict(window=4, execution="hybrid", gamma=5)),
+    ("hbsjd", dict(window=4, execution="hybrid", gamma=5, refresh="resample")),
+    ("sjd_independent", dict(window=5)),
+    ("sjd_sync", dict(window=4)),
 ]
 
 
@@ -65,7 +65,7 @@ def test_functionalized_rounds_give_the_eager_tokens(tiny, batch, decoding):
     model = tiny(6, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 6, 2, seed=7)
     kw = dict(cfg_scale=2.0, seed=1, slots=4)
-    opts = dict(W=4, decoding=decoding, execution="hybrid", gamma=3)
+    opts = dict(window=4, decoding=decoding, execution="hybrid", gamma=3)
     eager = make_engine("hbsjd", **opts).generate(model, labels, prefix, 14, **kw)
     compiled = make_engine("hbsjd", compile="aot_eager", **opts).generate(model, labels, prefix,
                                                                           14, **kw)
@@ -83,7 +83,7 @@ def test_compact_rounds_compile_one_graph_per_bucket(tiny, batch):
     labels, prefix = batch(model, 8, 1, seed=3)
     torch._dynamo.reset()
     counters.clear()
-    res = make_engine("hbsjd", W=4, execution="compact", compile="eager").generate(
+    res = make_engine("hbsjd", window=4, execution="compact", compile="eager").generate(
         model, labels, prefix, 15)
     buckets = {bucket(a, 8) for a in res.active[1:]}
     assert len(set(res.active[1:])) > len(buckets)       # the buckets saved graphs

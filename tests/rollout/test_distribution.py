@@ -81,14 +81,14 @@ def chi2_pvalue(counts, probs) -> float:
 
 CASES = [  # engine, options, P, cfg, warps
     ("cached_ar", {}, 0, None, {}),
-    ("sjd_independent", dict(W=4), 0, None, {}),
-    ("sjd_independent", dict(W=4, refresh="resample"), 0, None, {}),
-    ("hbsjd", dict(W=4, execution="compact"), 0, 2.0, {}),
-    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2), 1, None, {}),
-    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2, refresh="resample"), 1, None,
+    ("sjd_independent", dict(window=4), 0, None, {}),
+    ("sjd_independent", dict(window=4, refresh="resample"), 0, None, {}),
+    ("hbsjd", dict(window=4, execution="compact"), 0, 2.0, {}),
+    ("hbsjd", dict(window=3, execution="hybrid", gamma=SAMPLES // 2), 1, None, {}),
+    ("hbsjd", dict(window=3, execution="hybrid", gamma=SAMPLES // 2, refresh="resample"), 1, None,
      {}),
-    ("hbsjd", dict(W=4, H=1), 0, 1.5, dict(temperature=0.7, top_k=2)),
-    ("hbsjd", dict(W=4), 0, None, dict(temperature=1.3, top_p=0.8)),
+    ("hbsjd", dict(window=4, history_offset=1), 0, 1.5, dict(temperature=0.7, top_k=2)),
+    ("hbsjd", dict(window=4), 0, None, dict(temperature=1.3, top_p=0.8)),
 ]
 
 
@@ -109,7 +109,7 @@ def test_samples_follow_the_exact_ar_distribution(model, name, opts, P, cfg, war
 
 def test_sync_sjd_samples_follow_the_exact_distribution(model):
     """Batch-Synchronous SJD in small batches (a huge batch would almost never accept)."""
-    engine = make_engine("sjd_sync", W=4, decoding="sample")
+    engine = make_engine("sjd_sync", window=4, decoding="sample")
     prefix, N, B = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, 4
     counts = torch.zeros(V ** N, dtype=torch.float64)
     accepted = 0
@@ -129,7 +129,7 @@ def test_a_wrong_resampling_rule_is_detected(model, monkeypatch):
     prefix, N, cfg = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, None
     probs = exact_distribution(model, 1, prefix, N, cfg)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(model, make_engine("hbsjd", W=4, decoding="sample"), 1, prefix,
+    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="sample"), 1, prefix,
                               N, cfg, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
@@ -144,7 +144,7 @@ def test_a_wrong_acceptance_rule_is_detected(model, monkeypatch):
     def ignore_q(p, drafts, q, *args):
         return real(p, drafts, torch.ones_like(q), *args)
     monkeypatch.setattr("rollout.jacobi.verify_sample", ignore_q)
-    counts, _ = sample_counts(model, make_engine("hbsjd", W=4, decoding="sample"), 1, prefix,
+    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="sample"), 1, prefix,
                               N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
 
@@ -173,12 +173,12 @@ def long_exact(model, prefix, cfg, **warps):
 
 
 LONG_CASES = [  # engine, options, P, cfg, warps
-    ("sjd_independent", dict(W=6), 0, None, {}),
-    ("sjd_sync", dict(W=4), 0, None, {}),
-    ("hbsjd", dict(W=6, execution="full", H=1), 2, None, {}),
-    ("hbsjd", dict(W=8, execution="compact"), 0, 2.0, dict(temperature=0.8)),
-    ("hbsjd", dict(W=5, execution="hybrid", gamma=SAMPLES // 3), 3, 1.5, dict(top_p=0.9)),
-    ("hbsjd", dict(W=8, execution="hybrid", gamma=SAMPLES // 2), 1, None,
+    ("sjd_independent", dict(window=6), 0, None, {}),
+    ("sjd_sync", dict(window=4), 0, None, {}),
+    ("hbsjd", dict(window=6, execution="full", history_offset=1), 2, None, {}),
+    ("hbsjd", dict(window=8, execution="compact"), 0, 2.0, dict(temperature=0.8)),
+    ("hbsjd", dict(window=5, execution="hybrid", gamma=SAMPLES // 3), 3, 1.5, dict(top_p=0.9)),
+    ("hbsjd", dict(window=8, execution="hybrid", gamma=SAMPLES // 2), 1, None,
      dict(temperature=1.2, top_k=2)),
 ]
 
@@ -269,7 +269,7 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
         return real(p, drafts, q, done, checked, u, *args)
     monkeypatch.setattr(rollout.jacobi, "verify_sample", keep_all)
     prefix = torch.zeros(1, 0, dtype=torch.long)
-    engine = make_engine("hbsjd", W=8, decoding="sample", refresh="coupled", execution="full")
+    engine = make_engine("hbsjd", window=8, decoding="sample", refresh="coupled", execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
     assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8
 
@@ -303,14 +303,14 @@ def candidate_counts(model, engine, prefix, cfg, **warps):
 
 
 CANDIDATE_CASES = [  # model (seed, V, grid), P, engine, options, cfg, warps
-    ((7, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="full"), None, {}),
-    ((1, 4, 2), 0, "sjd_independent", dict(W=3, candidates=2), 2.0, dict(temperature=0.8)),
-    ((5, 5, 2), 0, "hbsjd", dict(W=4, candidates=4, execution="compact"), 1.5, dict(top_k=3)),
-    ((5, 4, 2), 0, "hbsjd", dict(W=4, candidates=4, branch=2, execution="hybrid",
+    ((7, 4, 2), 0, "hbsjd", dict(window=4, candidates=4, execution="full"), None, {}),
+    ((1, 4, 2), 0, "sjd_independent", dict(window=3, candidates=2), 2.0, dict(temperature=0.8)),
+    ((5, 5, 2), 0, "hbsjd", dict(window=4, candidates=4, execution="compact"), 1.5, dict(top_k=3)),
+    ((5, 4, 2), 0, "hbsjd", dict(window=4, candidates=4, branch=2, execution="hybrid",
                                  gamma=SAMPLES // 2), None, dict(temperature=1.3, top_p=0.9)),
-    ((3, 3, 3), 3, "hbsjd", dict(W=6, candidates=2, branch=2, refresh="resample"), 2.0,
+    ((3, 3, 3), 3, "hbsjd", dict(window=6, candidates=2, branch=2, refresh="resample"), 2.0,
      dict(temperature=0.8)),
-    ((3, 3, 3), 4, "hbsjd", dict(W=5, candidates=3, branch=2), None, {}),
+    ((3, 3, 3), 4, "hbsjd", dict(window=5, candidates=3, branch=2), None, {}),
 ]
 
 
@@ -345,7 +345,7 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
         return torch.where(take & st.on_tree, c1, root)
     model = peaked_model(3, 3, 3, 0.5)
     prefix = torch.tensor([[1, 0, 2, 1]])
-    engine = make_engine("hbsjd", W=5, decoding="sample", candidates=3, branch=2)
+    engine = make_engine("hbsjd", window=5, decoding="sample", candidates=3, branch=2)
     counts, probs = candidate_counts(model, engine, prefix, None)
     assert chi2_pvalue(counts, probs) > 1e-3                 # the real rule, same samples
     monkeypatch.setattr(rollout.candidates, "root_token", accept_c1_by_p)
@@ -362,9 +362,9 @@ def bf16_model():
 
 
 BF16_CASES = [  # engine, options, P, cfg, warps
-    ("sjd_independent", dict(W=4), 0, None, {}),
-    ("hbsjd", dict(W=4, execution="compact"), 0, 2.0, {}),
-    ("hbsjd", dict(W=3, execution="hybrid", gamma=SAMPLES // 2), 1, 1.5, dict(temperature=0.8)),
+    ("sjd_independent", dict(window=4), 0, None, {}),
+    ("hbsjd", dict(window=4, execution="compact"), 0, 2.0, {}),
+    ("hbsjd", dict(window=3, execution="hybrid", gamma=SAMPLES // 2), 1, 1.5, dict(temperature=0.8)),
 ]
 
 
@@ -391,6 +391,6 @@ def test_bf16_model_with_a_wrong_resampling_rule_is_detected(bf16_model, monkeyp
     prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
     probs = exact_distribution(bf16_model, 1, prefix, N, None)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(bf16_model, make_engine("hbsjd", W=4, decoding="sample"), 1,
+    counts, _ = sample_counts(bf16_model, make_engine("hbsjd", window=4, decoding="sample"), 1,
                               prefix, N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8

@@ -8,17 +8,18 @@ from rollout import ENGINES, RolloutModel, make_engine
 def test_registry_and_protocol(tiny):
     assert set(ENGINES) == {"cached_ar", "sjd_sync", "sjd_independent", "hbsjd"}
     assert isinstance(tiny(0), RolloutModel)
-    e = make_engine("hbsjd", W=8, H=2, decoding="sample", execution="compact")
-    assert e.options["W"] == 8 and e.options["execution"] == "compact" and "hbsjd" in repr(e)
-    assert make_engine("sjd_sync").options == dict(W=16, H=None, decoding="greedy",
-                                                   refresh="coupled", compile=False)
+    e = make_engine("hbsjd", window=8, history_offset=2, decoding="sample", execution="compact")
+    assert e.options["window"] == 8 and e.options["execution"] == "compact" and "hbsjd" in repr(e)
+    assert make_engine("sjd_sync").options == dict(window=16, history_offset=None,
+                                                   decoding="greedy", refresh="coupled",
+                                                   compile=False)
 
 
 @pytest.mark.parametrize("name,options,word", [
-    ("hbsjd", dict(W=0), "option W"),
-    ("hbsjd", dict(W=2.5), "option W"),
-    ("sjd_sync", dict(W=True), "option W"),
-    ("sjd_independent", dict(H=0), "option H"),
+    ("hbsjd", dict(window=0), "option window"),
+    ("hbsjd", dict(window=2.5), "option window"),
+    ("sjd_sync", dict(window=True), "option window"),
+    ("sjd_independent", dict(history_offset=0), "option history_offset"),
     ("hbsjd", dict(decoding="beam"), "option decoding"),
     ("cached_ar", dict(decoding="topk"), "option decoding"),
     ("hbsjd", dict(execution="half"), "option execution"),
@@ -27,9 +28,9 @@ def test_registry_and_protocol(tiny):
     ("hbsjd", dict(compile="fast"), "option compile must be one of"),
     ("hbsjd", dict(gamma=-1), "option gamma"),
     ("hbsjd", dict(gamma="fast"), "option gamma"),
-    ("cached_ar", dict(W=4), "no option 'W'"),
+    ("cached_ar", dict(window=4), "no option 'window'"),
     ("sjd_independent", dict(execution="compact"), "no option 'execution'"),
-    ("hbsjd", dict(window=4), "no option 'window'"),
+    ("hbsjd", dict(W=4), "no option 'W'"),
     ("hbsdj", {}, "unknown engine 'hbsdj' \\(did you mean 'hbsjd'"),
 ])
 def test_bad_options(name, options, word):
@@ -57,8 +58,8 @@ def call(model, engine="hbsjd", B=2, P=3, N=None, opts=None, **kw):
     (dict(prefix=torch.zeros(3, 3, dtype=torch.long)), "prefix must be"),
     (dict(seed=1.5), "seed"),
     (dict(image_ids=torch.arange(3)), "image_ids"),
-    (dict(opts=dict(H=16)), "option H=16 is outside the sequence"),
-    (dict(engine="sjd_sync", opts=dict(H=99)), "option H=99"),
+    (dict(opts=dict(history_offset=16)), "option history_offset=16 is outside the sequence"),
+    (dict(engine="sjd_sync", opts=dict(history_offset=99)), "option history_offset=99"),
 ])
 def test_bad_generate_arguments(tiny, kw, word):
     with pytest.raises(ValueError, match=word):
@@ -69,5 +70,5 @@ def test_boundary_arguments_are_accepted(tiny):
     model = tiny(0)
     assert call(model, P=15, N=1).tokens.shape == (2, 16)          # all but one token
     assert call(model, P=0, N=16, top_k=11, top_p=1.0).tokens.shape == (2, 16)
-    assert call(model, opts=dict(H=15, W=100)).tokens.shape == (2, 16)
+    assert call(model, opts=dict(history_offset=15, window=100)).tokens.shape == (2, 16)
     assert call(model, prefix=None, N=5).tokens.shape == (2, 5)

@@ -21,17 +21,17 @@ def test_full_compact_and_hybrid_at_every_gamma_give_identical_tokens(tiny, batc
     model = tiny(1)
     B = 6
     labels, prefix = batch(model, B, 2, 1)
-    full = run(model, labels, prefix, W=W, decoding=decoding, execution="full")
+    full = run(model, labels, prefix, window=W, decoding=decoding, execution="full")
     assert set(full.modes) == {"full"}
-    independent = run(model, labels, prefix, "sjd_independent", W=W, decoding=decoding)
+    independent = run(model, labels, prefix, "sjd_independent", window=W, decoding=decoding)
     assert torch.equal(independent.tokens, full.tokens)
-    compact = run(model, labels, prefix, W=W, decoding=decoding, execution="compact")
+    compact = run(model, labels, prefix, window=W, decoding=decoding, execution="compact")
     assert set(compact.modes[1:]) == {"compact"}
     assert torch.equal(compact.tokens, full.tokens)
     assert torch.equal(compact.committed, full.committed)
     switched = False
     for gamma in range(B + 2):
-        hybrid = run(model, labels, prefix, W=W, decoding=decoding, execution="hybrid",
+        hybrid = run(model, labels, prefix, window=W, decoding=decoding, execution="hybrid",
                      gamma=gamma)
         assert torch.equal(hybrid.tokens, full.tokens), gamma
         assert torch.equal(hybrid.accepted, full.accepted)
@@ -44,7 +44,7 @@ def test_full_compact_and_hybrid_at_every_gamma_give_identical_tokens(tiny, batc
 def test_images_finish_at_different_rounds_and_hybrid_switches(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 8, 0, 0)
-    res = run(model, labels, prefix, W=8, decoding="greedy", execution="hybrid", gamma=4)
+    res = run(model, labels, prefix, window=8, decoding="greedy", execution="hybrid", gamma=4)
     rounds = res.image_rounds
     assert rounds.min() < rounds.max(), "all images took the same rounds: no switching to test"
     assert "compact" in res.modes and "full" in res.modes
@@ -60,8 +60,8 @@ def test_images_finish_at_different_rounds_and_hybrid_switches(tiny, batch):
     assert len(res.round_times) == res.rounds and res.wall_time > 0
 
 
-@pytest.mark.parametrize("name,opts", [("cached_ar", {}), ("sjd_independent", dict(W=4)),
-                                       ("hbsjd", dict(W=6, execution="hybrid", gamma=3))])
+@pytest.mark.parametrize("name,opts", [("cached_ar", {}), ("sjd_independent", dict(window=4)),
+                                       ("hbsjd", dict(window=6, execution="hybrid", gamma=3))])
 def test_sampled_tokens_do_not_depend_on_batch_composition(tiny, batch, name, opts):
     model = tiny(0)
     labels, prefix = batch(model, 8, 3, 5)
@@ -81,8 +81,8 @@ def test_per_image_seeds(tiny, batch):
     model = tiny(0)
     labels, prefix = batch(model, 4, 3, 5)
     seeds = torch.tensor([9, 8, 7, 6])
-    whole = run(model, labels, prefix, decoding="sample", seed=seeds, W=4)
-    alone = run(model, labels[2:3], prefix[2:3], decoding="sample", seed=7, W=4,
+    whole = run(model, labels, prefix, decoding="sample", seed=seeds, window=4)
+    alone = run(model, labels[2:3], prefix[2:3], decoding="sample", seed=7, window=4,
                 ids=torch.tensor([2]))
     assert torch.equal(alone.tokens, whole.tokens[2:3])
 
@@ -90,9 +90,9 @@ def test_per_image_seeds(tiny, batch):
 def test_sampling_is_reproducible_and_differs_from_greedy(tiny, batch):
     model = tiny(0, std=0.3)
     labels, prefix = batch(model, 4, 0)
-    a = run(model, labels, prefix, decoding="sample", W=4)
-    b = run(model, labels, prefix, decoding="sample", W=4)
-    g = run(model, labels, prefix, decoding="greedy", W=4)
+    a = run(model, labels, prefix, decoding="sample", window=4)
+    b = run(model, labels, prefix, decoding="sample", window=4)
+    g = run(model, labels, prefix, decoding="greedy", window=4)
     assert torch.equal(a.tokens, b.tokens)
     assert not torch.equal(a.tokens, g.tokens)
 
@@ -102,7 +102,7 @@ def test_first_sampled_token_is_shared_by_cached_ar_and_hbsjd(tiny, batch):
     model = tiny(0, std=0.3)
     labels, prefix = batch(model, 8, 4)
     ar = run(model, labels, prefix, "cached_ar", decoding="sample")
-    hb = run(model, labels, prefix, decoding="sample", W=4)
+    hb = run(model, labels, prefix, decoding="sample", window=4)
     assert torch.equal(ar.tokens[:, 4], hb.tokens[:, 4])
 
 
@@ -118,9 +118,9 @@ def test_cached_ar_statistics(tiny, batch):
 def test_sync_sjd_advances_the_batch_together(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 8, 0, 0)
-    res = run(model, labels, prefix, "sjd_sync", W=8, decoding="greedy")
+    res = run(model, labels, prefix, "sjd_sync", window=8, decoding="greedy")
     assert (res.committed == res.committed[:, :1]).all()      # one shared cursor
-    ind = run(model, labels, prefix, "sjd_independent", W=8, decoding="greedy")
+    ind = run(model, labels, prefix, "sjd_independent", window=8, decoding="greedy")
     assert res.rounds >= ind.rounds
     assert torch.equal(res.tokens, ind.tokens)
 
@@ -129,7 +129,7 @@ def test_results_are_ordinary_tensors_usable_for_training(tiny, batch):
     """Rollout tokens feed the learner: they must not be inference-mode tensors."""
     model = tiny(0)
     labels, prefix = batch(model, 2, 3)
-    res = run(model, labels, prefix, decoding="greedy", W=4)
+    res = run(model, labels, prefix, decoding="greedy", window=4)
     assert not res.tokens.is_inference() and not res.tokens.requires_grad
     res.tokens[:, -1] = 0                                     # in-place edits are allowed
     loss = model(labels, res.tokens[:, :-1]).logsumexp(-1).mean()

@@ -28,7 +28,7 @@ def test_every_engine_returns_cached_ar_tokens(tiny, batch, seed, B, P, cfg):
     assert ref.tokens.shape == (B, T) and torch.equal(ref.tokens[:, :P], prefix)
     for W in (1, 4, 16):
         for name, opts in engines(B):
-            res = make_engine(name, W=W, **opts).generate(model, labels, prefix, T - P,
+            res = make_engine(name, window=W, **opts).generate(model, labels, prefix, T - P,
                                                           cfg_scale=cfg)
             assert torch.equal(res.tokens, ref.tokens), (name, opts, W)
             assert res.committed.sum(0).tolist() == [T - P] * B
@@ -43,7 +43,7 @@ def test_drafts_are_accepted_and_still_lossless(tiny, batch, cfg):
     labels, prefix = batch(model, 8, 0)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T, cfg_scale=cfg)
     for name, opts in engines(8):
-        res = make_engine(name, W=8, **opts).generate(model, labels, prefix, T, cfg_scale=cfg)
+        res = make_engine(name, window=8, **opts).generate(model, labels, prefix, T, cfg_scale=cfg)
         assert torch.equal(res.tokens, ref.tokens), (name, opts)
         assert res.rounds < T and int(res.accepted.sum()) > 0, (name, opts)
         if name != "sjd_sync":
@@ -56,7 +56,7 @@ def test_any_history_offset_is_lossless(tiny, batch, H):
     labels, prefix = batch(model, 4, 3, 2)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T - 3, cfg_scale=1.5)
     for name in ("sjd_sync", "sjd_independent", "hbsjd"):
-        res = make_engine(name, W=6, H=H).generate(model, labels, prefix, T - 3, cfg_scale=1.5)
+        res = make_engine(name, window=6, history_offset=H).generate(model, labels, prefix, T - 3, cfg_scale=1.5)
         assert torch.equal(res.tokens, ref.tokens), (name, H)
 
 
@@ -68,7 +68,7 @@ def test_partial_generation_and_larger_grid(tiny, batch):
     assert ref.tokens.shape == (5, 27)
     for W in (2, 5, 19, 30):
         for name, opts in engines(5):
-            res = make_engine(name, W=W, **opts).generate(model, labels, prefix, 20,
+            res = make_engine(name, window=W, **opts).generate(model, labels, prefix, 20,
                                                           cfg_scale=3.0)
             assert torch.equal(res.tokens, ref.tokens), (name, opts, W)
 
@@ -79,7 +79,7 @@ def test_model_in_train_mode_is_rolled_out_without_label_dropout(tiny, batch):
     ref = make_engine("cached_ar").generate(model, labels, prefix, 12)
     model.train()
     try:
-        res = make_engine("hbsjd", W=4).generate(model, labels, prefix, 12)
+        res = make_engine("hbsjd", window=4).generate(model, labels, prefix, 12)
         assert model.training
     finally:
         model.eval()
@@ -100,7 +100,7 @@ def test_the_window_policy_returns_cached_ar_tokens(tiny, batch, B, P, cfg):
               CostTable.from_function(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
     for costs in tables:
         for execution in ("full", "compact", "hybrid"):
-            res = make_engine("hbsjd", W="auto", costs=costs, execution=execution).generate(
+            res = make_engine("hbsjd", window="auto", costs=costs, execution=execution).generate(
                 model, labels, prefix, T - P, cfg_scale=cfg)
             assert torch.equal(res.tokens, ref.tokens), (costs, execution)
             assert res.committed.sum(0).tolist() == [T - P] * B

@@ -11,9 +11,9 @@ from rollout.sampling import guide, token_logprob, warp
 
 T, P = 16, 3
 WARP = dict(temperature=0.9, top_k=8, top_p=0.95)
-ENGINES = [("cached_ar", {}), ("sjd_sync", dict(W=4)), ("sjd_independent", dict(W=5)),
-           ("hbsjd", dict(W=4, execution="full")), ("hbsjd", dict(W=4, execution="compact")),
-           ("hbsjd", dict(W=6, execution="hybrid", gamma=3))]
+ENGINES = [("cached_ar", {}), ("sjd_sync", dict(window=4)), ("sjd_independent", dict(window=5)),
+           ("hbsjd", dict(window=4, execution="full")), ("hbsjd", dict(window=4, execution="compact")),
+           ("hbsjd", dict(window=6, execution="hybrid", gamma=3))]
 
 
 def teacher_forced(model, labels, tokens, prefix_len, cfg_scale):
@@ -59,7 +59,7 @@ def test_logprobs_belong_to_their_tokens(tiny, batch):
     """A changed token changes the recomputed log-prob: the comparison is not vacuous."""
     model = tiny(0)
     labels, prefix = batch(model, 4, P, 1)
-    res = make_engine("hbsjd", W=4, decoding="sample").generate(
+    res = make_engine("hbsjd", window=4, decoding="sample").generate(
         model, labels, prefix, T - P, cfg_scale=2.0, seed=3, **WARP)
     other = res.tokens.clone()
     other[:, P + 5] = (other[:, P + 5] + 1) % model.vocab_size

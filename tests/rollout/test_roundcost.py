@@ -18,7 +18,7 @@ def test_count_ops_separates_called_and_nested_operators():
 def test_round_costs_follow_the_rollout(tiny, batch):
     model = tiny(0)
     labels, prefix = batch(model, 5, 3, 0)
-    engine = make_engine("hbsjd", W=4, decoding="sample", execution="full")
+    engine = make_engine("hbsjd", window=4, decoding="sample", execution="full")
     res = engine.generate(model, labels, prefix, 13, seed=2)
     costs = round_costs(model, engine, labels, prefix, 13, seed=2, profiled=2)
     assert costs["rounds"] == res.rounds - 1                     # the prefill is no round
@@ -39,7 +39,7 @@ def digits_student():
 def verify_ops(model, B, P, W, cfg=None, **opts):
     labels = torch.arange(B) % model.num_classes
     prefix = torch.randint(0, model.vocab_size, (B, P), generator=torch.Generator().manual_seed(0))
-    engine = make_engine("hbsjd", W=W, execution="full", **opts)
+    engine = make_engine("hbsjd", window=W, execution="full", **opts)
     return round_costs(model, engine, labels, prefix, model.block_size - P, cfg_scale=cfg,
                        profiled=2)["verify_ops"]
 

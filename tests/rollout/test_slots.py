@@ -14,11 +14,11 @@ from rollout import make_engine
 
 ENGINES = [  # name, options
     ("cached_ar", {}),
-    ("sjd_independent", dict(W=4)),
-    ("hbsjd", dict(W=5, execution="full")),
-    ("hbsjd", dict(W=3, execution="compact")),
-    ("hbsjd", dict(W=4, execution="hybrid", gamma=3)),
-    ("hbsjd", dict(W=4, execution="hybrid", gamma=3, refresh="resample")),
+    ("sjd_independent", dict(window=4)),
+    ("hbsjd", dict(window=5, execution="full")),
+    ("hbsjd", dict(window=3, execution="compact")),
+    ("hbsjd", dict(window=4, execution="hybrid", gamma=3)),
+    ("hbsjd", dict(window=4, execution="hybrid", gamma=3, refresh="resample")),
 ]
 
 
@@ -52,7 +52,7 @@ def test_sync_sjd_with_slots_stays_greedy_exact(tiny, batch):
     model = tiny(1, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 7, 2, seed=1)
     ar = make_engine("cached_ar").generate(model, labels, prefix, 14)
-    res = make_engine("sjd_sync", W=4).generate(model, labels, prefix, 14, slots=3)
+    res = make_engine("sjd_sync", window=4).generate(model, labels, prefix, 14, slots=3)
     assert torch.equal(res.tokens, ar.tokens)
 
 
@@ -67,7 +67,7 @@ def test_the_kv_cache_is_allocated_once_and_reused(tiny, batch):
     equal those of a freshly zeroed cache."""
     model = tiny(3, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 6, 2, seed=9)
-    engine = make_engine("hbsjd", W=4, decoding="sample")
+    engine = make_engine("hbsjd", window=4, decoding="sample")
     first = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1)
     storage = model.layers[0].attention.k_cache.data_ptr()
     again = engine.generate(model, labels[:4], prefix[:4], 14, cfg_scale=2.0, seed=1)

@@ -30,7 +30,7 @@ def test_histogram_and_stalls_of_a_known_schedule():
 def test_engine_results_count_every_token_once(tiny, batch):
     model = tiny(2, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 6, 2, seed=4)
-    res = make_engine("hbsjd", W=4, decoding="sample").generate(model, labels, prefix, 14,
+    res = make_engine("hbsjd", window=4, decoding="sample").generate(model, labels, prefix, 14,
                                                                 slots=4)
     hist = res.commit_histogram(4)
     assert sum((k + 1) * n for k, n in enumerate(hist)) == 6 * 14

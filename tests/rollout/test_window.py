@@ -73,11 +73,11 @@ def graded_table(R: int) -> CostTable:
 
 def engines(R: int):
     table = switching_table(R)
-    yield dict(W="auto", costs=table)
-    yield dict(W="auto", costs=table, execution="full")
-    yield dict(W="auto", costs=table, execution="compact")
-    yield dict(W="auto", costs=table, candidates=3)
-    yield dict(W="auto", costs=CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W))
+    yield dict(window="auto", costs=table)
+    yield dict(window="auto", costs=table, execution="full")
+    yield dict(window="auto", costs=table, execution="compact")
+    yield dict(window="auto", costs=table, candidates=3)
+    yield dict(window="auto", costs=CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W))
 
 
 @pytest.mark.parametrize("cfg", [None, 2.0])
@@ -100,7 +100,7 @@ def test_policy_returns_cached_ar_tokens(tiny, batch, cfg, P, B, slots):
 def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 8, 0, 1)
-    res = make_engine("hbsjd", W="auto", costs=switching_table(8)).generate(model, labels,
+    res = make_engine("hbsjd", window="auto", costs=switching_table(8)).generate(model, labels,
                                                                             prefix, T)
     pairs = set(zip(res.windows[1:], res.modes[1:]))
     assert (15, "full") in pairs and any(m == "compact" for _, m in pairs), pairs
@@ -118,7 +118,7 @@ def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch,
     out = {}
     for execution in ("full", "compact", "hybrid", "hybrid"):
         out.setdefault(execution, []).append(make_engine(
-            "hbsjd", W="auto", costs=table, execution=execution, decoding=decoding).generate(
+            "hbsjd", window="auto", costs=table, execution=execution, decoding=decoding).generate(
                 model, labels, prefix, T - 2, cfg_scale=2.0, seed=3, temperature=0.9, top_k=8))
     full = out["full"][0]
     assert len(set(full.windows[1:])) >= 2, full.windows
@@ -130,7 +130,7 @@ def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch,
 def test_a_fixed_window_is_unchanged(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 5, 1, 1)
-    res = make_engine("hbsjd", W=4, decoding="sample").generate(model, labels, prefix, T - 1,
+    res = make_engine("hbsjd", window=4, decoding="sample").generate(model, labels, prefix, T - 1,
                                                                 seed=2)
     assert set(res.windows[1:]) == {4}
     assert res.window_histogram(16)[3] == res.rounds - 1
@@ -139,13 +139,13 @@ def test_a_fixed_window_is_unchanged(tiny, batch):
 def test_w_auto_without_a_calibration_names_the_command(tiny, batch, tmp_path):
     model = tiny(0)
     labels, prefix = batch(model, 2, 0)
-    engine = make_engine("hbsjd", W="auto", calibration=str(tmp_path / "none.json"))
+    engine = make_engine("hbsjd", window="auto", calibration=str(tmp_path / "none.json"))
     with pytest.raises(ValueError, match=r"--window auto"):
         engine.generate(model, labels, prefix, T)
     with pytest.raises(ValueError, match=r"'auto' \(HB-SJD"):
-        make_engine("hbsjd", W="automatic")
+        make_engine("hbsjd", window="automatic")
     with pytest.raises(ValueError, match=r"must be an int >= 1, got 'auto'"):
-        make_engine("sjd_independent", W="auto")
+        make_engine("sjd_independent", window="auto")
 
 
 def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkeypatch):
@@ -160,7 +160,7 @@ def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkey
     labels, prefix = batch(model, 3, 0)
     path = tmp_path / "cal.json"
     for _ in range(2):
-        engine = make_engine("hbsjd", W="auto", calibration=str(path), calibrate_missing=True)
+        engine = make_engine("hbsjd", window="auto", calibration=str(path), calibrate_missing=True)
         engine.generate(model, labels, prefix, T)
     assert measured == [(3, W) for W in WINDOWS]
     assert {(e["batch"], e["W"]) for e in rc.read_calibration(path)} == {(3, W) for W in WINDOWS}
@@ -207,7 +207,7 @@ def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P,
     probs = exact_distribution(model, 1, prefix, model.block_size - P, cfg, **warps)
     seen = set()
     for table in (switching_table(SAMPLES), graded_table(SAMPLES)):
-        counts, windows = sampled_counts(model, dict(W="auto", costs=table, **opts), prefix,
+        counts, windows = sampled_counts(model, dict(window="auto", costs=table, **opts), prefix,
                                          cfg, **warps)
         assert chi2_pvalue(counts, probs) > 1e-3
         assert {m for _, m in windows} == {"full", "compact"}
@@ -240,7 +240,7 @@ def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
     model = peaked_model(5, 4, 2, 0.6)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, 4, None)
-    opts = dict(W="auto", costs=graded_table(SAMPLES))
+    opts = dict(window="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
     monkeypatch.setattr(rollout.hbsjd, "choose_round", stepped)
     counts, windows = sampled_counts(model, opts, prefix)
@@ -268,7 +268,7 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     model = peaked_model(7, 3, 2, 0.6)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, 4, None)
-    opts = dict(W="auto", costs=CostTable.from_function(1, lambda c, rows, W: 1.0))
+    opts = dict(window="auto", costs=CostTable.from_function(1, lambda c, rows, W: 1.0))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 1000)
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {3}
@@ -337,7 +337,7 @@ def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
     labels, prefix = batch(model, 4, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T)
     table = CostTable.from_function(4, lambda c, rows, W: float(W) ** 2)
-    runs = [make_engine("hbsjd", W="auto", costs=table, execution="full").generate(
+    runs = [make_engine("hbsjd", window="auto", costs=table, execution="full").generate(
         model, labels, prefix, T) for _ in range(2)]
     res = runs[0]
     assert torch.equal(res.tokens, ref.tokens) and runs[1].windows == res.windows
