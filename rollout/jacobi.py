@@ -69,6 +69,9 @@ class Plan:
     #                              before token cur join its candidates, (H,) greedy, (1, H)
     #                              sampled (`candidates.candidates`)
     span: int = 0        # slots of seq / logp past T (>= W; the largest window with W "auto")
+    K: int = 0           # candidates of the call (>= 2: the state carries cand and on_tree,
+    #                      also in a window without a tree, W 1 of W "auto", so rows
+    #                      refilled then match the rest)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
@@ -90,7 +93,7 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
                 known=torch.tensor([1, H] if sampled else [H], device=device),
-                span=max(W, span or W))
+                span=max(W, span or W), K=candidates if candidates >= 2 else 0)
 
 
 @dataclass
@@ -103,8 +106,8 @@ class JacobiState:
     #                      mode; the last column's is never used), else None
     logp: Tensor | None = None  # (B, T + span) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
-    cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.tree)
-    on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.tree)
+    cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.K)
+    on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.K)
 
     def select(self, idx: Tensor) -> JacobiState:
         """The sub-batch of rows idx (copies)."""
@@ -156,8 +159,8 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
         logp = torch.zeros(B, T + plan.span, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
     cand = on_tree = None
-    if plan.tree is not None:
-        cand, on_tree = no_candidates(B, plan.tree, first.device)
+    if plan.K:
+        cand, on_tree = no_candidates(B, plan.K, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
