@@ -31,7 +31,7 @@ tokens past the next window are never read before a later round writes them agai
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -165,27 +165,31 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
 
 
 def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
-    """The state of a round of window new.W after rounds of window old.W (W "auto"), in place
-    but for q.  Sampled: column c of the new window holds token start' + c (start' =
-    cur.clamp(max=T - new.W)); where that token was a column of the old window's layout its
-    proposal is kept, else (a token past the old drafts: filled from history or left from an
-    earlier round, a function of the past either way) the proposal is one-hot at the token
-    itself, with which speculative sampling is exact whatever the token (the draft is accepted
-    with probability p(token), else the residual is p without it).  Candidate drafting: a
-    window without a tree (W = 1) leaves no tree for the next one."""
-    if st.q is not None:
+    """The state of a round of window new.W after rounds of window old.W (W "auto"): a new
+    JacobiState with its own q (and on_tree where it changes), sharing st's other tensors; st
+    itself is left as it was (with compile it is a held buffer of old.W's shapes,
+    `hbsjd.StaticStates`, which a later hold of those shapes copies into).  Sampled: column c
+    of the new window holds token start' + c (start' = cur.clamp(max=T - new.W)); where that
+    token was a column of the old window's layout its proposal is kept, else (a token past the
+    old drafts: filled from history or left from an earlier round, a function of the past
+    either way) the proposal is one-hot at the token itself, with which speculative sampling
+    is exact whatever the token (the draft is accepted with probability p(token), else the
+    residual is p without it).  Candidate drafting: a window without a tree (W = 1) leaves no
+    tree for the next one."""
+    q, on_tree = st.q, st.on_tree
+    if q is not None:
         B = st.cur.shape[0]
         start = st.cur.clamp(max=old.T - old.W)
         start_new = st.cur.clamp(max=new.T - new.W)
         col = (start_new - start)[:, None] + new.ar                      # (B, W') old column
         kept = (col >= 0) & (col < old.W)
         tokens = st.seq.gather(1, start_new[:, None] + new.ar)
-        V = st.q.shape[-1]
-        q = st.q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
-        st.q = torch.where(kept[..., None], q, one_hot(tokens, V, st.q.dtype))
-    if st.on_tree is not None and new.tree is None:
-        st.on_tree = torch.zeros_like(st.on_tree)
-    return st
+        V = q.shape[-1]
+        moved = q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
+        q = torch.where(kept[..., None], moved, one_hot(tokens, V, q.dtype))
+    if on_tree is not None and new.tree is None:
+        on_tree = torch.zeros_like(on_tree)
+    return replace(st, q=q, on_tree=on_tree)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
