@@ -115,20 +115,21 @@ def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     return pool.gather(1, order)
 
 
-def no_candidates(B: int, tree: Tree, device: torch.device) -> tuple[Tensor, Tensor]:
+def no_candidates(B: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The candidate state of B fresh images: cand (B, K) int64 zeros, on_tree (B,) False."""
-    return (torch.zeros(B, tree.K, dtype=torch.long, device=device),
+    return (torch.zeros(B, K, dtype=torch.long, device=device),
             torch.zeros(B, dtype=torch.bool, device=device))
 
 
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
-                tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
+                tree: Tree, T: int) -> tuple[Tensor, Tensor, Tensor]:
     """Append the branches j > 0 to plain windows.  tokens, positions (B, W) and offset (B,)
-    from `window_inputs`, seq (B, T + W), cand (B, K) -> tokens, positions (B, C) and the
-    attention mask (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions
-    cur + 1..; it sees the window's columns up to the root (column offset) and its own earlier
-    columns.  Only rows with candidates use it (elsewhere the columns are computed, ignored)."""
-    W, T = tokens.shape[1], seq.shape[1] - tokens.shape[1]
+    from `window_inputs`, seq (B, T + span) (span >= W: the largest window with W "auto"),
+    cand (B, K), T = P + N (`Plan.T`) -> tokens, positions (B, C) and the attention mask
+    (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions cur + 1..; it
+    sees the window's columns up to the root (column offset) and its own earlier columns.  Only
+    rows with candidates use it (elsewhere the columns are computed, ignored)."""
+    W = tokens.shape[1]
     root = positions.gather(1, offset.clamp(max=W - 1)[:, None])          # (B, 1) = cur
     pos = (root + tree.depth[W:]).clamp_(max=T - 1)     # past token T - 1: unused columns
     alt = seq.gather(1, pos - 1)
@@ -139,11 +140,12 @@ def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, 
 
 
 def tree_forward(model, st: JacobiState, tokens: Tensor, positions: Tensor, offset: Tensor,
-                 req: Request, rows: Tensor | None, tree: Tree) -> tuple[Tensor, Tensor]:
+                 req: Request, rows: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor]:
     """The verifier forward of the plain windows tokens, positions (B, W) with their branches
-    (`tree_window`; cache rows `rows`, None = Full execution) -> logits (2B or B, C, V) and
-    positions (B, C)."""
-    tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand, tree)
+    (`tree_window` of plan.tree; cache rows `rows`, None = Full execution) -> logits (2B or B,
+    C, V) and positions (B, C)."""
+    tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand, plan.tree,
+                                          plan.T)
     logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
                                   cfg_rows(mask, req))
     return logits, positions

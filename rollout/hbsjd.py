@@ -204,8 +204,7 @@ def forward_window(model, st: JacobiState, req: Request, plan: Plan,
     `window_inputs`; C columns for W with candidate drafting (`candidates.tree_forward`)."""
     tokens, positions, offset = window_inputs(st, plan)
     if plan.tree is not None:             # (B, C) windows with the candidates' branches
-        logits, positions = tree_forward(model, st, tokens, positions, offset, req, rows,
-                                         plan.tree)
+        logits, positions = tree_forward(model, st, tokens, positions, offset, req, rows, plan)
     else:
         logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
     return logits, positions, offset

@@ -31,7 +31,7 @@ tokens past the next window are never read before a later round writes them agai
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -69,6 +69,9 @@ class Plan:
     #                              before token cur join its candidates, (H,) greedy, (1, H)
     #                              sampled (`candidates.candidates`)
     span: int = 0        # slots of seq / logp past T (>= W; the largest window with W "auto")
+    K: int = 0           # candidates of the call (>= 2: the state carries cand and on_tree,
+    #                      also in a window without a tree, W 1 of W "auto", so rows
+    #                      refilled then match the rest)
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
@@ -90,7 +93,7 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
                 known=torch.tensor([1, H] if sampled else [H], device=device),
-                span=max(W, span or W))
+                span=max(W, span or W), K=candidates if candidates >= 2 else 0)
 
 
 @dataclass
@@ -103,8 +106,8 @@ class JacobiState:
     #                      mode; the last column's is never used), else None
     logp: Tensor | None = None  # (B, T + span) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
-    cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.tree)
-    on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.tree)
+    cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.K)
+    on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.K)
 
     def select(self, idx: Tensor) -> JacobiState:
         """The sub-batch of rows idx (copies)."""
@@ -156,33 +159,37 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
         logp = torch.zeros(B, T + plan.span, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
     cand = on_tree = None
-    if plan.tree is not None:
-        cand, on_tree = no_candidates(B, plan.tree, first.device)
+    if plan.K:
+        cand, on_tree = no_candidates(B, plan.K, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
 def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
-    """The state of a round of window new.W after rounds of window old.W (W "auto"), in place
-    but for q.  Sampled: column c of the new window holds token start' + c (start' =
-    cur.clamp(max=T - new.W)); where that token was a column of the old window's layout its
-    proposal is kept, else (a token past the old drafts: filled from history or left from an
-    earlier round, a function of the past either way) the proposal is one-hot at the token
-    itself, with which speculative sampling is exact whatever the token (the draft is accepted
-    with probability p(token), else the residual is p without it).  Candidate drafting: a
-    window without a tree (W = 1) leaves no tree for the next one."""
-    if st.q is not None:
+    """The state of a round of window new.W after rounds of window old.W (W "auto"): a new
+    JacobiState with its own q (and on_tree where it changes), sharing st's other tensors; st
+    itself is left as it was (with compile it is a held buffer of old.W's shapes,
+    `hbsjd.StaticStates`, which a later hold of those shapes copies into).  Sampled: column c
+    of the new window holds token start' + c (start' = cur.clamp(max=T - new.W)); where that
+    token was a column of the old window's layout its proposal is kept, else (a token past the
+    old drafts: filled from history or left from an earlier round, a function of the past
+    either way) the proposal is one-hot at the token itself, with which speculative sampling
+    is exact whatever the token (the draft is accepted with probability p(token), else the
+    residual is p without it).  Candidate drafting: a window without a tree (W = 1) leaves no
+    tree for the next one."""
+    q, on_tree = st.q, st.on_tree
+    if q is not None:
         B = st.cur.shape[0]
         start = st.cur.clamp(max=old.T - old.W)
         start_new = st.cur.clamp(max=new.T - new.W)
         col = (start_new - start)[:, None] + new.ar                      # (B, W') old column
         kept = (col >= 0) & (col < old.W)
         tokens = st.seq.gather(1, start_new[:, None] + new.ar)
-        V = st.q.shape[-1]
-        q = st.q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
-        st.q = torch.where(kept[..., None], q, one_hot(tokens, V, st.q.dtype))
-    if st.on_tree is not None and new.tree is None:
-        st.on_tree = torch.zeros_like(st.on_tree)
-    return st
+        V = q.shape[-1]
+        moved = q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
+        q = torch.where(kept[..., None], moved, one_hot(tokens, V, q.dtype))
+    if on_tree is not None and new.tree is None:
+        on_tree = torch.zeros_like(on_tree)
+    return replace(st, q=q, on_tree=on_tree)
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:

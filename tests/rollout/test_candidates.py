@@ -6,6 +6,7 @@ import torch
 
 from rollout import make_engine
 from rollout.candidates import candidates, choose_path, make_tree, moves
+from rollout.window import CostTable
 
 T = 16  # GPT-tiny: grid 4, vocab 11
 
@@ -94,6 +95,31 @@ def test_candidates_with_slots_and_a_larger_grid(tiny, batch, cfg):
                                                                          ref.tokens)
             assert torch.equal(full.committed.sum(0), slotted.committed.sum(0))
             assert slotted.prefills > 0
+
+
+@pytest.mark.parametrize("cfg", [None, 2.0])
+@pytest.mark.parametrize("slots", [None, 3])
+def test_candidates_under_the_window_policy_return_cached_ar_tokens(tiny, batch, cfg, slots):
+    """W "auto" sizes the state for the largest window (15 here); a tree window of a smaller W
+    still clips its branches' positions at token T - 1 (`tree_window` reads plan.T, not the
+    state's width): greedy tokens are Cached AR's, with and without slots, while the rounds
+    run tree windows narrower than the largest."""
+    model = tiny(2)
+    labels, prefix = batch(model, 8, 0, 1)
+    ref = make_engine("cached_ar").generate(model, labels, prefix, T, cfg_scale=cfg)
+    R = slots or 8
+    tables = (CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W),
+              CostTable.from_function(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
+                                      else 1.0 + 0.1 * W))
+    narrower = set()
+    for table in tables:
+        for K, L in ((3, 2), (5, 3)):
+            res = make_engine("hbsjd", W="auto", costs=table, candidates=K, branch=L).generate(
+                model, labels, prefix, T, cfg_scale=cfg, slots=slots)
+            assert torch.equal(res.tokens, ref.tokens), (K, L)
+            assert res.committed.sum(0).tolist() == [T] * 8
+            narrower |= {W for W in res.windows[1:] if 2 <= W < T - 1}
+    assert len(narrower) >= 2, narrower
 
 
 def test_candidates_save_rounds_where_the_window_stalls(tiny, batch):

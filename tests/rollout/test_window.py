@@ -193,6 +193,7 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
     ((3, 2, 3), 2, dict(), 1.5, dict(top_p=0.9)),
     ((5, 4, 2), 0, dict(candidates=3), None, {}),
     ((3, 3, 3), 4, dict(candidates=3, branch=2), None, dict(temperature=1.2)),
+    ((3, 2, 3), 0, dict(candidates=2, branch=3), None, {}),   # trees of W 4 in a state for 8
 ]
 
 
