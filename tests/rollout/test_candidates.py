@@ -114,7 +114,7 @@ def test_candidates_under_the_window_policy_return_cached_ar_tokens(tiny, batch,
     narrower = set()
     for table in tables:
         for K, L in ((3, 2), (5, 3)):
-            res = make_engine("hbsjd", W="auto", costs=table, candidates=K, branch=L).generate(
+            res = make_engine("hbsjd", window="auto", costs=table, candidates=K, branch=L).generate(
                 model, labels, prefix, T, cfg_scale=cfg, slots=slots)
             assert torch.equal(res.tokens, ref.tokens), (K, L)
             assert res.committed.sum(0).tolist() == [T] * 8

@@ -69,7 +69,7 @@ def test_compiled_window_policy_gives_the_eager_tokens(tiny, batch, decoding, ba
     model = tiny(4, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 7, 2, seed=5)
     kw = dict(cfg_scale=2.0, seed=3, slots=4)
-    opts = dict(W="auto", costs=bucket_blind_table(4), decoding=decoding)
+    opts = dict(window="auto", costs=bucket_blind_table(4), decoding=decoding)
     eager = make_engine("hbsjd", **opts).generate(model, labels, prefix, 14, **kw)
     assert len(set(eager.windows[1:])) >= 2 and set(eager.modes[1:]) == {"full", "compact"}
     engine = make_engine("hbsjd", compile=backend, **opts)
