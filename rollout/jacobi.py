@@ -175,14 +175,19 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
     either way) the proposal is one-hot at the token itself, with which speculative sampling
     is exact whatever the token (the draft is accepted with probability p(token), else the
     residual is p without it).  Candidate drafting: a window without a tree (W = 1) leaves no
-    tree for the next one."""
-    q, on_tree = st.q, st.on_tree
+    tree for the next one.  After rounds of W = 1 (`hbsjd.ar_round`: no drafts, no history
+    fill, no proposals kept) the new window's drafts are filled from history first, in place
+    (tokens cur .. cur + W' - 2: st's seq past cur, which no round has read since), each with
+    a one-hot proposal."""
+    q, on_tree, B = st.q, st.on_tree, st.cur.shape[0]
+    after_ar = old.W == 1 < new.W
+    if after_ar:
+        fill_history(st.seq.unsqueeze(2), st.cur.view(B, 1, 1), new)
     if q is not None:
-        B = st.cur.shape[0]
         start = st.cur.clamp(max=old.T - old.W)
         start_new = st.cur.clamp(max=new.T - new.W)
         col = (start_new - start)[:, None] + new.ar                      # (B, W') old column
-        kept = (col >= 0) & (col < old.W)
+        kept = (col >= 0) & (col < old.W) & (not after_ar)
         tokens = st.seq.gather(1, start_new[:, None] + new.ar)
         V = q.shape[-1]
         moved = q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))

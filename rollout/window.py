@@ -242,13 +242,16 @@ class AcceptanceCounts:
     def add(self, counts: Tensor, proposed: int) -> None:
         """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
         drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
-        it are counted (rollout/window.py, Exploration)."""
+        it are counted (rollout/window.py, Exploration); 0: nothing to count (the round after
+        the prefill, a round of W = 1 or after one), only the round."""
+        self.rounds += 1
+        if proposed <= 0:
+            return
         acc, rej = counts[1], counts[2].bool()
         took = acc >= self.depth                                            # (D, k)
         reached = took | ((acc == self.depth - 1) & rej)
         keep = self.depth <= proposed                                       # (D, 1)
         self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
-        self.rounds += 1
 
     def read(self, live: Tensor) -> tuple[int, Acceptance]:
         """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
