@@ -65,6 +65,20 @@ def parse_pieces(pieces: str) -> list[int]:
     return out
 
 
+def _engine_arm(arm: str) -> bool:
+    """An --engines entry: an engine name, or a Jacobi engine and its window (hbsjd:16,
+    hbsjd:auto; `engine_overrides`)."""
+    name, _, W = arm.partition(":")
+    return name in ENGINES and (not W or (name != "cached_ar" and (W == "auto" and name == "hbsjd"
+                                                                    or W.isdigit() and int(W) >= 1)))
+
+
+def engine_overrides(arm: str) -> list[str]:
+    """--engines entry -> its config overrides: rollout.engine, and rollout.window when given."""
+    name, _, W = arm.partition(":")
+    return [f"rollout.engine={name}"] + ([f"rollout.window={W}"] if W else [])
+
+
 def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, repeats: int,
                     compiles: str = "false", objectives: str = "gkd"
                     ) -> tuple[list[str], list[str], list, list[str]]:
@@ -80,9 +94,10 @@ def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, rep
     if not c or any(x not in COMPILES for x in c):
         raise ConfigError(f"--compile {compiles!r}: must be comma-separated values of "
                           f"rollout.compile from {', '.join(COMPILES)}", "compile")
-    if not e or any(x not in ENGINES for x in e):
+    if not e or any(not _engine_arm(x) for x in e):
         raise ConfigError(f"--engines {engines!r}: must be comma-separated names from "
-                          f"{', '.join(ENGINES)}", "engines")
+                          f"{', '.join(ENGINES)}, a Jacobi engine optionally with its window "
+                          f"as NAME:W or NAME:auto (e.g. hbsjd:4,hbsjd:auto)", "engines")
     if not m or any(x not in MODES for x in m):
         raise ConfigError(f"--modes {modes!r}: must be reference, ray or both, "
                           f"comma-separated", "modes")
@@ -118,7 +133,7 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
         count[key] += 1
         tag = "" if compile is False else f"-compile_{compile}"
         arm = engine if objective == "gkd" else objective
-        run_dir = out / "runs" / f"{mode}-{arm}{tag}-p{piece}-{count[key]}"
+        run_dir = out / "runs" / f"{mode}-{arm.replace(':', '_W')}{tag}-p{piece}-{count[key]}"
         # On-policy GKD (lambda 1) unless the objective rolls out itself (VarKD, SeqKD): the
         # bench measures rollouts inside the step, which the digits default (KD on data) has not.
         if objective == "kd":
@@ -128,9 +143,9 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
                          else ["distill.objective=gkd", "distill.lam=1"])
         engine = cfg.rollout.engine if engine == "-" else engine
         # engines that draft no candidates compare with candidate drafting off
-        plain = ([] if engine in ("hbsjd", "sjd_independent") and compile is False
-                 else ["rollout.candidates=0"])
-        run_cfg = apply_overrides(cfg, [f"rollout.engine={engine}", f"run.mode={mode}",
+        plain = ([] if engine.partition(":")[0] in ("hbsjd", "sjd_independent")
+                 and compile is False else ["rollout.candidates=0"])
+        run_cfg = apply_overrides(cfg, [*engine_overrides(engine), f"run.mode={mode}",
                                         f"rollout.compile={str(compile is not False).lower()}",
                                         *on_policy, *plain,
                                         f"distill.steps={warmup_steps + steps}",
