@@ -14,7 +14,11 @@ means Compact was faster even with every image active; gamma = 1 means never Com
 Each entry also holds `overhead_s` {decoding: seconds}: the rest of a round at (B, W) -- the
 verification step, the loop's Python, the round's sync -- measured as the median round of a
 Full-execution HB-SJD rollout at W minus the Full forward at B (`measure_round_overhead`), the
-window policy's fixed cost per round (rollout/window.py).
+window policy's fixed cost per round (rollout/window.py).  The window policy compares the
+entries of different W, so `calibrate_windows` measures a batch's windows interleaved (each
+active count and repeat runs every W in turn, `measure_verifier_latencies`; the overhead
+rollouts likewise): measured one W after another, a load change on a shared CPU once made a
+(32, 1) forward cost twice a (32, 4) one in the table, and W auto ran W 1 where W 4 paid.
 
 The JSON file holds a list of entries keyed by (model signature, batch, W, cfg); writing an
 entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` uses.
@@ -83,20 +87,28 @@ def default_active_counts(batch: int, points: int = 24) -> list[int]:
     return sorted({1 + round(i * step) for i in range(points)})
 
 
-def measure_verifier_latency(model, batch: int, W: int, *, cfg: bool = False,
-                             active: list[int] | None = None, repeats: int = 5,
-                             warmup: int = 2, context: int | None = None,
-                             seed: int = 0) -> dict:
-    """Median seconds of Full and Compact verifier forwards of width W over active counts.
+def measure_verifier_latency(model, batch: int, W: int, **kw) -> dict:
+    """Median seconds of Full and Compact verifier forwards of width W over active counts:
+    {"active": [A...], "full_s": [...], "compact_s": [...]} (`measure_verifier_latencies`)."""
+    return measure_verifier_latencies(model, batch, [W], **kw)[W]
 
-    The cache is filled to `context` positions (default half the sequence) by a prefill of
-    random tokens, so attention spans a realistic length.  Returns
-    {"active": [A...], "full_s": [...], "compact_s": [...]}."""
-    if batch < 1 or W < 1 or repeats < 1:
-        raise ValueError(f"batch, W and repeats must be >= 1, got {batch}, {W}, {repeats}")
+
+def measure_verifier_latencies(model, batch: int, windows, *, cfg: bool = False,
+                               active: list[int] | None = None, repeats: int = 5,
+                               warmup: int = 2, context: int | None = None,
+                               seed: int = 0) -> dict[int, dict]:
+    """{W: curves} of `measure_verifier_latency` for every W of windows, measured interleaved
+    (for each active count and repeat, every W's Full and Compact forward in turn), so a shared
+    machine's load drift hits every window alike: the window policy compares them
+    (rollout/window.py).  The cache is filled to `context` positions (default half the
+    sequence, at most T - the largest W) by a prefill of random tokens, so attention spans a
+    realistic length."""
+    windows = sorted({int(W) for W in windows})
+    if batch < 1 or not windows or windows[0] < 1 or repeats < 1:
+        raise ValueError(f"batch, W and repeats must be >= 1, got {batch}, {windows}, {repeats}")
     T = model.block_size
-    W = min(W, T - 1)
-    ctx = min(context if context is not None else T // 2, T - W)
+    width = {W: min(W, T - 1) for W in windows}            # the forward's tokens per row
+    ctx = min(context if context is not None else T // 2, T - width[windows[-1]])
     active = active or default_active_counts(batch)
     if min(active) < 1 or max(active) > batch:
         raise ValueError(f"active counts must be in [1, batch={batch}], got {active}")
@@ -104,40 +116,43 @@ def measure_verifier_latency(model, batch: int, W: int, *, cfg: bool = False,
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, model.vocab_size, (rows, ctx - 1), generator=g).to(dev)
     labels = torch.randint(0, model.num_classes, (rows,), generator=g).to(dev)
-    tokens = torch.randint(0, model.vocab_size, (rows, W), generator=g).to(dev)
-    positions = (ctx + torch.arange(W, device=dev)).expand(rows, W)
+    tokens = torch.randint(0, model.vocab_size, (rows, width[windows[-1]]), generator=g).to(dev)
+    positions = (ctx + torch.arange(width[windows[-1]], device=dev)).expand(rows, -1)
     perm = torch.randperm(batch, generator=g).to(dev)
 
-    def full():
-        model.forward_cached(tokens, positions, None)
+    def full(W):
+        model.forward_cached(tokens[:, :width[W]], positions[:, :width[W]], None)
 
-    def compact(a):
+    def compact(W, a):
         idx = perm[:a].sort().values
         r = torch.cat([idx, idx + batch]) if cfg else idx
-        model.forward_cached(tokens[: len(r)], positions[: len(r)], r)
+        model.forward_cached(tokens[: len(r), :width[W]], positions[: len(r), :width[W]], r)
 
-    def timed(fn) -> float:
+    def timed(fn, *args) -> float:
         synchronize(dev)
         t = time.perf_counter()
-        fn()
+        fn(*args)
         synchronize(dev)
         return time.perf_counter() - t
 
+    out = {W: {"active": list(active), "full_s": [], "compact_s": []} for W in windows}
     with torch.no_grad():
         model.setup_cache(rows, T)
         model.prefill(labels, prefix, None)
         for _ in range(warmup):
-            full()
-            compact(max(active))
-        full_s, compact_s = [], []
+            for W in windows:
+                full(W)
+                compact(W, max(active))
         for a in active:
-            f, c = [], []
-            for _ in range(repeats):               # interleaved: drift hits both alike
-                f.append(timed(full))
-                c.append(timed(lambda: compact(a)))
-            full_s.append(statistics.median(f))
-            compact_s.append(statistics.median(c))
-    return {"active": list(active), "full_s": full_s, "compact_s": compact_s}
+            f, c = {W: [] for W in windows}, {W: [] for W in windows}
+            for _ in range(repeats):               # interleaved: drift hits all alike
+                for W in windows:
+                    f[W].append(timed(full, W))
+                    c[W].append(timed(compact, W, a))
+            for W in windows:
+                out[W]["full_s"].append(statistics.median(f[W]))
+                out[W]["compact_s"].append(statistics.median(c[W]))
+    return out
 
 
 def choose_gamma(active: list[int], full_s: list[float], compact_s: list[float]) -> int:
@@ -155,21 +170,32 @@ def choose_gamma(active: list[int], full_s: list[float], compact_s: list[float])
 
 def measure_round_overhead(model, batch: int, W: int, forward_s: float, *, cfg: bool = False,
                            seed: int = 0) -> dict:
-    """{decoding: seconds}: the median round of an eager Full-execution HB-SJD rollout of
-    `batch` whole images at window W (after a warm-up rollout), minus forward_s (the Full
-    forward at that batch, the cost table's), at least 0."""
+    """{decoding: seconds} of `measure_round_overheads` at one window."""
+    return measure_round_overheads(model, batch, {W: forward_s}, cfg=cfg, seed=seed)[W]
+
+
+def measure_round_overheads(model, batch: int, forward_s: dict, *, cfg: bool = False,
+                            seed: int = 0, rollouts: int = 1) -> dict[int, dict]:
+    """{W: {decoding: seconds}} for each W of forward_s {W: the Full forward at that batch,
+    the cost table's}: the median round of eager Full-execution HB-SJD rollouts of `batch`
+    whole images at window W (`rollouts` of them after a warm-up, the windows interleaved per
+    rollout) minus forward_s[W], at least 0."""
     from rollout.engine import make_engine        # rollout.hbsjd imports this module
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, model.num_classes, (batch,), generator=g).to(_device(model))
-    out = {}
+    out = {W: {} for W in forward_s}
     for decoding in ("greedy", "sample"):
-        engine = make_engine("hbsjd", window=W, decoding=decoding, execution="full")
-        rounds = []
-        for rep in range(2):                                  # the first is a warm-up
-            res = engine.generate(model, labels, None, model.block_size,
-                                  cfg_scale=2.0 if cfg else None, seed=seed + rep)
-            rounds = res.round_times[1:]                      # [0] is the prefill
-        out[decoding] = max(statistics.median(rounds) - forward_s, 0.0) if rounds else 0.0
+        engines = {W: make_engine("hbsjd", window=W, decoding=decoding, execution="full")
+                   for W in forward_s}
+        rounds = {W: [] for W in forward_s}
+        for rep in range(1 + rollouts):                       # the first is a warm-up
+            for W, engine in engines.items():
+                res = engine.generate(model, labels, None, model.block_size,
+                                      cfg_scale=2.0 if cfg else None, seed=seed + rep)
+                if rep:
+                    rounds[W] += res.round_times[1:]          # [0] is the prefill
+        for W, times in rounds.items():
+            out[W][decoding] = max(statistics.median(times) - forward_s[W], 0.0) if times else 0.0
     return out
 
 
@@ -177,14 +203,21 @@ def calibrate(model, batch: int, W: int, *, cfg: bool = False, preset: str | Non
               **measure_kw) -> dict:
     """Measure and choose gamma, and the round's fixed cost -> one calibration entry
     (JSON-serialisable)."""
-    curves = measure_verifier_latency(model, batch, W, cfg=cfg, **measure_kw)
+    return calibrate_windows(model, batch, [W], cfg=cfg, preset=preset, **measure_kw)[W]
+
+
+def calibrate_windows(model, batch: int, windows, *, cfg: bool = False,
+                      preset: str | None = None, **measure_kw) -> dict[int, dict]:
+    """`calibrate` at every W of windows, measured interleaved (`measure_verifier_latencies`,
+    `measure_round_overheads`) -> {W: entry}."""
+    curves = measure_verifier_latencies(model, batch, windows, cfg=cfg, **measure_kw)
     # a Full forward's cost does not depend on the active count: the median over all of them
-    overhead = measure_round_overhead(model, batch, W, statistics.median(curves["full_s"]),
-                                      cfg=cfg)
-    return {"model": model_signature(model), "preset": preset, "batch": batch, "W": W,
-            "cfg": bool(cfg), "gamma": choose_gamma(**curves), **curves,
-            "overhead_s": overhead,
-            "device": str(_device(model)), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    overheads = measure_round_overheads(
+        model, batch, {W: statistics.median(c["full_s"]) for W, c in curves.items()}, cfg=cfg)
+    return {W: {"model": model_signature(model), "preset": preset, "batch": batch, "W": W,
+                "cfg": bool(cfg), "gamma": choose_gamma(**c), **c, "overhead_s": overheads[W],
+                "device": str(_device(model)), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            for W, c in curves.items()}
 
 
 def _key(entry: dict) -> tuple:
@@ -248,25 +281,40 @@ def find_entry(path: str | Path, model, batch: int, W: int, cfg: bool) -> dict |
 def ensure_calibration(model, batches, W: int, *, cfg: bool = False,
                        path: str | Path | None = None, preset: str | None = None,
                        repeats: int = 3, need: tuple = (), **measure_kw) -> dict[int, dict]:
-    """{batch: entry} for (this model, each batch, W, cfg) from the calibration file (default
-    `calibration_file()`), measuring and saving only the entries it lacks (or whose entry
-    lacks a key of `need`, e.g. an older file's entry without "overhead_s").  The measuring
-    happens under `file_lock(path)` after reading the file again, so of several processes
-    that need the same entry one measures it and the others read it."""
+    """{batch: entry} for (this model, each batch, W, cfg) (`ensure_calibrations`)."""
+    found = ensure_calibrations(model, batches, [W], cfg=cfg, path=path, preset=preset,
+                                repeats=repeats, need=need, **measure_kw)
+    return {b: e for (b, _), e in found.items()}
+
+
+def ensure_calibrations(model, batches, windows, *, cfg: bool = False,
+                        path: str | Path | None = None, preset: str | None = None,
+                        repeats: int = 3, need: tuple = (), **measure_kw) -> dict[tuple, dict]:
+    """{(batch, W): entry} for (this model, each batch, each W of windows, cfg) from the
+    calibration file (default `calibration_file()`), measuring and saving only the entries it
+    lacks (or whose entry lacks a key of `need`, e.g. an older file's entry without
+    "overhead_s"), a batch's missing windows together (`calibrate_windows`: interleaved).  The
+    measuring happens under `file_lock(path)` after reading the file again, so of several
+    processes that need the same entry one measures it and the others read it."""
     path = Path(path or calibration_file())
     batches = sorted(set(int(b) for b in batches))
+    windows = sorted(set(int(W) for W in windows))
+
     def complete(e):
         return e is not None and all(k in e for k in need)
-    found = {b: find_entry(path, model, b, W, cfg) for b in batches}
+    found = {(b, W): find_entry(path, model, b, W, cfg) for b in batches for W in windows}
     if all(complete(e) for e in found.values()):
         return found
     with file_lock(path):
         for b in batches:
-            found[b] = find_entry(path, model, b, W, cfg)
-            if not complete(found[b]):
-                found[b] = calibrate(model, b, W, cfg=cfg, preset=preset, repeats=repeats,
-                                     **measure_kw)
-                _write_entry(path, found[b])
+            for W in windows:
+                found[b, W] = find_entry(path, model, b, W, cfg)
+            missing = [W for W in windows if not complete(found[b, W])]
+            if missing:
+                for W, entry in calibrate_windows(model, b, missing, cfg=cfg, preset=preset,
+                                                  repeats=repeats, **measure_kw).items():
+                    found[b, W] = entry
+                    _write_entry(path, entry)
     return found
 
 

@@ -376,7 +376,7 @@ class HBSJD(JacobiEngine):
         how to make them."""
         if self.options["costs"] is not None:
             return self.options["costs"]
-        from rollout.calibrate import ensure_calibration, find_entry, model_signature
+        from rollout.calibrate import ensure_calibrations, find_entry, model_signature
         key = (model_signature(model), req.rows, req.cfg, req.sampled)
         if key not in self._tables:
             path = calibration_path(self.options)
@@ -389,9 +389,9 @@ class HBSJD(JacobiEngine):
                         f"{key[0]} at batch={req.rows} W={missing} cfg={req.cfg}; run `opd "
                         f"calibrate --model PRESET --batch {req.rows} --window auto"
                         f"{' --cfg-scale 2.0' if req.cfg else ''}`")
-                for W in WINDOWS:
-                    found[W] = ensure_calibration(model, [req.rows], W, cfg=req.cfg,
-                                                  path=path, need=("overhead_s",))[req.rows]
+                found = {W: e for (_, W), e in ensure_calibrations(       # interleaved
+                    model, [req.rows], WINDOWS, cfg=req.cfg, path=path,
+                    need=("overhead_s",)).items()}
             self._tables[key] = CostTable.from_entries(
                 found, "sample" if req.sampled else "greedy")
         return self._tables[key]

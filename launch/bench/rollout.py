@@ -43,7 +43,7 @@ from launch.bench import common
 from launch.bench.common import DTYPES
 from opd.config.loader import ConfigError, bounded, strict_schema
 from rollout import make_engine
-from rollout.calibrate import ensure_calibration
+from rollout.calibrate import ensure_calibration, ensure_calibrations
 from rollout.roundcost import round_costs
 from rollout.window import WINDOWS
 
@@ -201,9 +201,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
         gammas = {}
         R = B if b.slots is None else min(b.slots, B)             # physical rows
         if "auto" in b.windows:                 # the policy's cost table, every W it chooses
-            for W in WINDOWS:
-                ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
-                                   repeats=b.calibration_repeats, need=("overhead_s",))
+            ensure_calibrations(model, [R], WINDOWS, cfg=cfg_on, preset=b.model,
+                                repeats=b.calibration_repeats, need=("overhead_s",))
         for W in (W for W in b.windows if W != "auto"):
             e = ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
                                    repeats=b.calibration_repeats)[R]

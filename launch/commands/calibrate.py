@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from rollout.calibrate import calibration_file
     from opd.run.calibration import run_batch_sizes
     from opd.models import create_model
-    from rollout.calibrate import calibrate, save_calibration
+    from rollout.calibrate import calibrate_windows, save_calibration
     from rollout.window import WINDOWS
 
     cfg = args.cfg
@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     scale = cfg.rollout.cfg_scale if args.cfg_scale is None else args.cfg_scale
     out = args.out or calibration_file()
     for batch in batches:
-        for W in windows:
-            entry = calibrate(model, batch, W, cfg=scale != 1.0, preset=preset,
-                              repeats=args.repeats)
+        entries = calibrate_windows(model, batch, windows, cfg=scale != 1.0, preset=preset,
+                                    repeats=args.repeats)            # interleaved over W
+        for W, entry in entries.items():
             save_calibration(out, entry)
             print(f"{'active':>6}  {'full ms':>8}  {'compact ms':>10}")
             for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):

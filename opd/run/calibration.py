@@ -23,7 +23,7 @@ from __future__ import annotations
 from rollout.calibrate import calibration_file
 from opd.config.schema import RunConfig
 from opd.distill.pieces import step_layout
-from rollout.calibrate import ensure_calibration
+from rollout.calibrate import ensure_calibrations
 from rollout.sampling import uses_cfg
 from rollout.window import WINDOWS
 
@@ -83,10 +83,6 @@ def prepare_calibration(model, cfg: RunConfig, batches, **measure_kw) -> dict[tu
     file's lock); {} when the config does not calibrate (`uses_calibration`)."""
     if not uses_calibration(cfg) or not batches:
         return {}
-    out = {}
-    for W in calibration_windows(cfg):
-        found = ensure_calibration(model, batches, W, cfg=uses_cfg(cfg.rollout.cfg_scale),
-                                   path=calibration_file(), preset=cfg.model.student,
-                                   **measure_kw)
-        out.update({(b, W): e for b, e in found.items()})
-    return out
+    return ensure_calibrations(model, batches, calibration_windows(cfg),
+                               cfg=uses_cfg(cfg.rollout.cfg_scale), path=calibration_file(),
+                               preset=cfg.model.student, **measure_kw)

@@ -106,12 +106,12 @@ def test_one_calibration_file_under_opd_cache(tmp_path, monkeypatch):
 def counting_measure(monkeypatch, log: list):
     """Make rollout.calibrate's measurement append its batch to `log`."""
     import rollout.calibrate as rc
-    measure = rc.measure_verifier_latency
+    measure = rc.measure_verifier_latencies
 
-    def counted(model, batch, W, **kw):
+    def counted(model, batch, windows, **kw):
         log.append(batch)
-        return measure(model, batch, W, **kw)
-    monkeypatch.setattr(rc, "measure_verifier_latency", counted)
+        return measure(model, batch, windows, **kw)
+    monkeypatch.setattr(rc, "measure_verifier_latencies", counted)
 
 
 def test_ensure_calibration_measures_only_missing_entries(tiny, tmp_path, monkeypatch):
@@ -136,14 +136,14 @@ def _measure_in_child(model, path: str, log: str, go) -> None:
     import time
 
     import rollout.calibrate as rc
-    measure = rc.measure_verifier_latency
+    measure = rc.measure_verifier_latencies
 
-    def slow(model, batch, W, **kw):
+    def slow(model, batch, windows, **kw):
         with open(log, "a") as f:
             f.write(f"{batch}\n")
         time.sleep(0.5)
-        return measure(model, batch, W, **kw)
-    rc.measure_verifier_latency = slow
+        return measure(model, batch, windows, **kw)
+    rc.measure_verifier_latencies = slow
     go.wait()
     rc.ensure_calibration(model, [3], 4, path=path, repeats=1, warmup=0)
 
@@ -166,3 +166,26 @@ def test_processes_sharing_the_file_measure_an_entry_once(tiny, tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert log.read_text() == "3\n"
     assert [e["batch"] for e in read_calibration(path)] == [3]
+
+
+def test_windows_are_measured_interleaved(tiny):
+    """The cost table's windows are compared with each other (rollout/window.py), so they are
+    measured in turn -- each (active count, repeat) runs every W's Full and Compact forward --
+    not one W after another, where a load change between them would skew the comparison."""
+    from rollout.calibrate import measure_verifier_latencies
+    model = tiny(0)
+    widths, real = [], model.forward_cached
+
+    def logged(tokens, positions, rows):
+        widths.append(tokens.shape[1])
+        return real(tokens, positions, rows)
+    model.forward_cached = logged
+    try:
+        curves = measure_verifier_latencies(model, 4, [4, 1, 2], repeats=2, warmup=0,
+                                            active=[1, 4])
+    finally:
+        del model.forward_cached
+    assert sorted(curves) == [1, 2, 4]
+    assert all(c["active"] == [1, 4] and len(c["full_s"]) == len(c["compact_s"]) == 2
+               for c in curves.values())
+    assert widths == [1, 1, 2, 2, 4, 4] * 4                 # 2 active counts x 2 repeats
