@@ -67,12 +67,11 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     compiled = full is not None
     if compiled:
         st = hold(st)
-    seen = None if policy is None else AcceptanceCounts(policy.largest - 1, B, dev)
+    seen = None if policy is None else AcceptanceCounts(policy.largest - 1, dev)
     full, compact = full or full_round, compact or compact_round
     while True:
         live = st.cur < T
-        A, acceptance = ((int(live.sum()), None) if seen is None      # the round's one sync
-                         else seen.read(live, st.cur, slots.img))
+        A, acceptance = (int(live.sum()), None) if seen is None else seen.read(live)  # sync
         # 1. refill: rows whose images are complete take the waiting images
         if A < R and slots.waiting < B:
             new = slots.refill(model, req, st, live, plan)
@@ -91,10 +90,10 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         else:
             idx, counts = None, full(model, st, req, plan)
         # 4. tally
-        per_image = slots.per_image(counts, idx, compiled)
         if seen is not None:
-            seen.add(per_image, min(log.windows[-1], plan.W) - 1)   # drafts proposed, checked
-        log.add(per_image, A, "compact" if is_compact else "full", plan.W)
+            seen.add(counts, min(log.windows[-1], plan.W) - 1)   # drafts proposed and checked
+        log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
+                plan.W)
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 

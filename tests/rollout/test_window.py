@@ -364,7 +364,7 @@ def test_only_drafts_a_previous_round_proposed_are_counted():
     first round after W 1 (drafts from history, no proposal) teaches nothing."""
     from rollout.window import AcceptanceCounts
     counts = torch.tensor([[3, 1, 2], [2, 0, 1], [0, 1, 1]])   # accepted 2, 0, 1; rej 0, 1, 1
-    seen = AcceptanceCounts(3, 3, torch.device("cpu"))
+    seen = AcceptanceCounts(3, torch.device("cpu"))
     live = torch.ones(3, dtype=torch.bool)
     seen.add(counts, 0)
     assert seen.read(live)[1].reached == [0, 0, 0]
@@ -374,31 +374,3 @@ def test_only_drafts_a_previous_round_proposed_are_counted():
     seen.add(counts, 3)          # depth 1: all 3 reached, 2 took; depth 2: rows 0 and 2
     a = seen.read(live)[1]
     assert (a.reached, a.accepted) == ([6, 2, 0], [4, 1, 0])   # row 0 took both: no depth 3
-
-
-def test_the_rule_uses_the_acceptance_of_the_images_furthest_behind():
-    """A rollout ends with its last image: the rates are those of the BEHIND share of active
-    rows with the fewest committed tokens, shrunk towards every image's."""
-    from rollout.window import AcceptanceCounts
-    seen = AcceptanceCounts(2, 8, torch.device("cpu"))
-    acc = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])      # images 6 and 7 reject their draft
-    for _ in range(10):
-        seen.add(torch.stack([acc + 1, acc, 1 - acc]), 2)
-    cur = torch.tensor([30, 30, 30, 30, 30, 30, 10, 12])
-    live = torch.ones(8, dtype=torch.bool)
-    A, a = seen.read(live, cur)
-    assert A == 8 and (a.reached[0], a.accepted[0]) == (80, 60)
-    assert (a.behind.reached[0], a.behind.accepted[0]) == (20, 0)    # rows 6, 7: 2 of 8
-    pooled = (60 + STRENGTH * PRIOR) / (80 + STRENGTH)
-    assert a.rates()[0] == pytest.approx(STRENGTH * pooled / (20 + STRENGTH))
-    # images 6 and 7 done: the behind rows are among the accepting ones
-    live[6:] = False
-    A, a = seen.read(live, cur, torch.arange(8))
-    assert A == 6 and a.behind.accepted[0] == 20 and a.behind.reached[0] == 20
-    # a W-2 round pays on every image's rate (0.73) but not on the behind ones' (~0.12)
-    table = CostTable.from_function(8, lambda c, rows, W: 1.0 + 0.5 * (W - 1))
-    policy = WindowPolicy(table, (1, 2), modes=("full",))
-    _, behind = seen.read(torch.ones(8, dtype=torch.bool), cur)
-    everyone = Acceptance(2, behind.rounds)
-    everyone.add(behind.reached, behind.accepted)
-    assert policy.choose(8, everyone) == (2, False) and policy.choose(8, behind) == (1, False)
