@@ -116,9 +116,10 @@ option is that option: each engine takes those it declares, checks them, and hol
 between them (e.g. candidates cannot be compiled).  The run defaults below are the engines',
 but for `window`, `decoding` and `gamma`, the digits run's own choices (RUN_CHOICES)."""
 
-RUN_CHOICES = dict(window=4, decoding="sample", gamma="auto")
-"""The run defaults that differ from the engines': a window of 4 for the digits student on a
-CPU (the engines' 16 is the paper's), sampled rollouts for on-policy distillation (greedy ones
+RUN_CHOICES = dict(window="auto", decoding="sample", gamma="auto")
+"""The run defaults that differ from the engines': each round's window chosen from this
+machine's calibrated costs ("auto", rollout/window.py; the engines' fixed 16 is the paper's),
+sampled rollouts for on-policy distillation (greedy ones
 collapse onto the background), and Hybrid's threshold calibrated on this machine (the engines'
 None is the uncalibrated half-batch fallback)."""
 

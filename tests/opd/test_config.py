@@ -25,7 +25,7 @@ def test_defaults_are_the_digits_setup_and_valid():
     assert validate(cfg) == cfg
     assert load_config() == cfg
     assert (cfg.model.student, cfg.model.teacher, cfg.model.vocab_size) == ("GPT-digits-S", "GPT-digits-T", 17)
-    assert (cfg.rollout.engine, cfg.rollout.window, cfg.distill.objective) == ("hbsjd", 4, "kd")
+    assert (cfg.rollout.engine, cfg.rollout.window, cfg.distill.objective) == ("hbsjd", "auto", "kd")
     assert cfg.learner.betas == (0.9, 0.95) and cfg.learner.weight_decay == 0.0
     assert cfg.cluster.address is None and cfg.run.dir is None
 
@@ -256,13 +256,14 @@ def test_config_hash_values_are_pinned():
     moved them from 4f0befd26218 / c775bdc45f53 / cbc1e17debe4, distill.phases from 54165f582cc2 /
     8ac49b394f92 / f21410ed6e7b), never a cache key's; so does a new default (the pretraining
     defaults and the default schedule moved 77cde6e47966 / 0db64339dabd; distill.pieces, run.loggers and the
-    window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e)."""
+    window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e; the default
+    window auto moved 50a03525f77e / 50804f9eaa52)."""
     tiny = load_config("tiny")
     assert config_hash(tiny) == "a35a6b5a83b1"
-    assert config_hash(RunConfig()) == "50a03525f77e"
+    assert config_hash(RunConfig()) == "cf125a7d81fb"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "50804f9eaa52"
+                                          "distill.objective_options.gate=0.5"])) == "9846735e5aa3"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------

@@ -65,7 +65,7 @@ def test_the_default_run_passes_its_options_under_their_names():
     r = RunConfig().rollout
     takes = engine_options(r.engine)
     assert r.engine_options(takes) == {k: getattr(r, k) for k in ENGINE_KEYS}
-    assert r.engine_options(takes)["window"] == 4 and r.engine_options(takes)["decoding"] == "sample"
+    assert r.engine_options(takes)["window"] == "auto" and r.engine_options(takes)["decoding"] == "sample"
 
 
 def test_objective_names_are_the_registry():
