@@ -5,19 +5,18 @@ the same tokens, log-probs, cursors and counts, greedy and sampled, Full and Com
 rows included -- and a fixed window of 1 must give Cached AR's greedy tokens.  Leaving W = 1 for
 a wider window fills the new drafts from history (`jacobi.rewindow`); the chi-square test with
 a W 1 <-> 3 schedule accepts it and rejects a re-windowing that keeps the stale proposals."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dataclasses import replace
-
-import rollout.hbsjd
 from rollout import make_engine
 from rollout.engine import make_request, prefill_token
 from rollout.hbsjd import ar_round, forward_window, verify_window
 from rollout.jacobi import init_state, one_hot
 
-from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
-from tests.rollout.test_window import SAMPLES, graded_table, sampled_counts
+from tests.rollout.test_distribution import peaked_model
+from tests.rollout.test_window import exact_then_mutated
 
 
 def state_after(model, engine, req, plan, rounds):
@@ -103,15 +102,7 @@ def stale_proposals(st, old, new):
 
 
 def test_leaving_w1_is_exact_and_stale_proposals_are_detected(monkeypatch):
-    model = peaked_model(3, 2, 3, 0.5)                      # 9 tokens, 512 images
-    prefix = torch.zeros(1, 0, dtype=torch.long)
-    probs = exact_distribution(model, 1, prefix, 9, None)
-    opts = dict(window="auto", costs=graded_table(SAMPLES))
-    monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", one_three)
-    counts, windows = sampled_counts(model, opts, prefix)
-    assert {(1, "compact"), (3, "compact")} <= set(windows)
-    assert chi2_pvalue(counts, probs) > 1e-3
-    monkeypatch.setattr(rollout.hbsjd, "rewindow", stale_proposals)
-    counts, _ = sampled_counts(model, opts, prefix)
-    assert chi2_pvalue(counts, probs) < 1e-8
+    """9-token images (512 of them) under W 1, 3, 1, 3, ...: exact, and `stale_proposals`
+    rejected by the same statistics."""
+    exact_then_mutated(monkeypatch, peaked_model(3, 2, 3, 0.5), one_three, stale_proposals,
+                       {(1, "compact"), (3, "compact")})

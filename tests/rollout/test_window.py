@@ -235,21 +235,28 @@ def stepped(policy, active, acceptance, *rest):
     return (2 if r == 2 else 3), r >= 2
 
 
-def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
-    """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics (16000
-    samples) accept the real re-windowing and reject `unshifted`."""
-    model = peaked_model(5, 4, 2, 0.6)
+def exact_then_mutated(monkeypatch, model, schedule, mutation, windows: set) -> None:
+    """Whole images of `model` sampled (16000) under a window `schedule` (in place of
+    `choose_round`): they follow the exact distribution, take every (W, mode) of `windows`,
+    and with `mutation` in place of `rewindow` they do not."""
     prefix = torch.zeros(1, 0, dtype=torch.long)
-    probs = exact_distribution(model, 1, prefix, 4, None)
+    probs = exact_distribution(model, 1, prefix, model.block_size, None)
     opts = dict(window="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", stepped)
-    counts, windows = sampled_counts(model, opts, prefix)
-    assert {(3, "full"), (2, "compact"), (3, "compact")} <= set(windows)
+    monkeypatch.setattr(rollout.hbsjd, "choose_round", schedule)
+    counts, seen = sampled_counts(model, opts, prefix)
+    assert windows <= set(seen)
     assert chi2_pvalue(counts, probs) > 1e-3
-    monkeypatch.setattr(rollout.hbsjd, "rewindow", unshifted)
+    monkeypatch.setattr(rollout.hbsjd, "rewindow", mutation)
     counts, _ = sampled_counts(model, opts, prefix)
     assert chi2_pvalue(counts, probs) < 1e-8
+
+
+def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
+    """W steps 3 -> 2 -> 3 near the end of 4-token images: the same statistics accept the
+    real re-windowing and reject `unshifted`."""
+    exact_then_mutated(monkeypatch, peaked_model(5, 4, 2, 0.6), stepped, unshifted,
+                       {(3, "full"), (2, "compact"), (3, "compact")})
 
 
 def peek(policy, active, acceptance, model, st, req, plan, plan_for):
