@@ -29,9 +29,8 @@ from torch import Tensor
 
 from rollout.calibrate import calibration_path
 from rollout.candidates import move_branch, tree_forward
-from rollout.engine import (Engine, Request, cfg_rows, choose_token, prefill_token, register,
-                            synchronize)
-from rollout.jacobi import (JacobiState, Plan, init_state, jacobi_update, make_plan,
+from rollout.engine import Engine, Request, cfg_rows, prefill_token, register, synchronize
+from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_update, make_plan,
                             rewindow, window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots
@@ -164,31 +163,6 @@ def compact_round(model, st: JacobiState, idx: Tensor, req: Request, plan: Plan)
         counts = verify_window(model, sub, logits, positions, offset, req, plan, rows)
     st.assign(idx, sub)
     return counts
-
-
-def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
-    """A round of window 1 (no drafts) as Cached AR's step on the Jacobi state: token cur of
-    every live row from a 1-token forward (cache rows `rows`, None = all), committed in place
-    -> counts (3, B) int64 (1 / 0 committed, nothing accepted or rejected).
-
-    Its tokens and log-probs are the ones `verify_window` commits at W = 1 (the argmax, or the
-    sample keyed by (image, token, round) on the token stream: verify_sample's token at a = 0),
-    without the verification step; what it skips is the history fill after the window and the
-    next proposals, which no round of W = 1 reads (a wider window after it fills its drafts,
-    `jacobi.rewindow`).  A finished row (cur = T) re-predicts token T - 1 into scratch slot T."""
-    live = st.cur < plan.T
-    j = st.cur.clamp(max=plan.T - 1)                               # the token predicted
-    x = st.seq.gather(1, (j - 1)[:, None])                         # fed at position j
-    logits = model.forward_cached(cfg_rows(x, req), cfg_rows(j[:, None], req), rows)[:, 0]
-    token, logp = choose_token(guide(logits, req.cfg_scale), req, j, st.rounds, st.key)
-    write = torch.where(live, j, plan.T)[:, None]
-    st.seq.scatter_(1, write, token[:, None])
-    if st.logp is not None:
-        st.logp.scatter_(1, write, logp[:, None])
-    st.cur += live
-    st.rounds += 1
-    committed = live.long()
-    return torch.stack([committed, torch.zeros_like(committed), torch.zeros_like(committed)])
 
 
 def bucket(active: int, rows: int) -> int:

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor
 
 from rollout.candidates import Tree, make_tree, next_candidates, no_candidates, tree_path
-from rollout.engine import Request
+from rollout.engine import Request, cfg_rows, choose_token
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              inverse_cdf, uniform, warp)
+                              guide, inverse_cdf, uniform, warp)
 from rollout.verify import verify_greedy, verify_sample
 
 
@@ -175,7 +175,7 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
     either way) the proposal is one-hot at the token itself, with which speculative sampling
     is exact whatever the token (the draft is accepted with probability p(token), else the
     residual is p without it).  Candidate drafting: a window without a tree (W = 1) leaves no
-    tree for the next one.  After rounds of W = 1 (`hbsjd.ar_round`: no drafts, no history
+    tree for the next one.  After rounds of W = 1 (`ar_round`: no drafts, no history
     fill, no proposals kept) the new window's drafts are filled from history first, in place
     (tokens cur .. cur + W' - 2: st's seq past cur, which no round has read since), each with
     a one-hot proposal."""
@@ -283,3 +283,28 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     if req.sampled:
         st.q = next_proposals(p, filled, start, st.cur, plan)
     return counts.view(3, B), branch
+
+
+def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
+    """A round of window 1 (no drafts) as Cached AR's step on the Jacobi state: token cur of
+    every live row from a 1-token forward (cache rows `rows`, None = all), committed in place
+    -> counts (3, B) int64 (1 / 0 committed, nothing accepted or rejected).
+
+    Its tokens and log-probs are the ones `jacobi_update` commits at W = 1 (the argmax, or the
+    sample keyed by (image, token, round) on the token stream: verify_sample's token at a = 0),
+    without the verification step; what it skips is the history fill after the window and the
+    next proposals, which no round of W = 1 reads (a wider window after it fills its drafts,
+    `rewindow`).  A finished row (cur = T) re-predicts token T - 1 into scratch slot T."""
+    live = st.cur < plan.T
+    j = st.cur.clamp(max=plan.T - 1)                               # the token predicted
+    x = st.seq.gather(1, (j - 1)[:, None])                         # fed at position j
+    logits = model.forward_cached(cfg_rows(x, req), cfg_rows(j[:, None], req), rows)[:, 0]
+    token, logp = choose_token(guide(logits, req.cfg_scale), req, j, st.rounds, st.key)
+    write = torch.where(live, j, plan.T)[:, None]
+    st.seq.scatter_(1, write, token[:, None])
+    if st.logp is not None:
+        st.logp.scatter_(1, write, logp[:, None])
+    st.cur += live
+    st.rounds += 1
+    committed = live.long()
+    return torch.stack([committed, torch.zeros_like(committed), torch.zeros_like(committed)])

@@ -27,7 +27,7 @@ and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/h
                towards alpha_{k-1} (alpha_0 = PRIOR) with weight STRENGTH rows, so the first
                rounds and depths never tried yet follow the shallower ones.
 
-W = 1 is Cached AR's round (no draft; rollout/hbsjd.py `ar_round` runs it as Cached AR's step,
+W = 1 is Cached AR's round (no draft; rollout/jacobi.py `ar_round` runs it as Cached AR's step,
 without the verification step): the policy picks a longer window only where the table says
 its expected tokens pay for its round.
 

@@ -50,10 +50,10 @@ def test_opd_calibrate_writes_what_training_and_evaluation_read(
     import rollout.calibrate as rc
     from launch.cli import main
     measured = []
-    measure = rc.measure_verifier_latency
-    monkeypatch.setattr(rc, "measure_verifier_latency",
-                        lambda model, batch, W, **kw: measured.append(batch) or
-                        measure(model, batch, W, **kw))
+    measure = rc.measure_verifier_latencies
+    monkeypatch.setattr(rc, "measure_verifier_latencies",
+                        lambda model, batch, windows, **kw: measured.append(batch) or
+                        measure(model, batch, windows, **kw))
     assert main(["calibrate", "--config", "tiny", *tiny_overrides, "--repeats", "1",
                  "--threads", "1"]) == 0
     path = fresh_calibration / "calibration.json"

@@ -1,4 +1,4 @@
-"""A round of window 1 (`hbsjd.ar_round`): Cached AR's step on the Jacobi state.
+"""A round of window 1 (`jacobi.ar_round`): Cached AR's step on the Jacobi state.
 
 It must commit what the general round (`forward_window` + `verify_window`) commits at W = 1 --
 the same tokens, log-probs, cursors and counts, greedy and sampled, Full and Compact, finished
@@ -12,8 +12,8 @@ import torch
 
 from rollout import make_engine
 from rollout.engine import make_request, prefill_token
-from rollout.hbsjd import ar_round, forward_window, verify_window
-from rollout.jacobi import init_state, one_hot
+from rollout.hbsjd import forward_window, verify_window
+from rollout.jacobi import ar_round, init_state, one_hot
 
 from tests.rollout.test_distribution import peaked_model
 from tests.rollout.test_window import exact_then_mutated
