@@ -16,6 +16,7 @@ batches.  An image's tokens never depend on its row or on S (keyed random number
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -257,33 +258,30 @@ class Engine:
         """labels: (B,) class ids, prefix: (B, P) image tokens (or None), N = num_new_tokens.
         Returns a RolloutResult whose `tokens` are (B, P + N) int64.  `seed` and `image_ids`
         (default 0..B-1) key the random numbers of each image; `slots` caps the physical rows
-        (continuous batching; None = B)."""
+        (continuous batching; None = B).  The whole of `stream`'s call."""
+        stream = self.stream(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                             image_ids=image_ids, slots=slots)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
+               cfg_scale: float | None = None, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None,
+               seed: int | Tensor = 0, image_ids: Tensor | None = None,
+               slots: int | None = None) -> RolloutStream:
+        """`generate`'s call as a `RolloutStream`: iterating it runs the rollout and yields each
+        group of images as soon as they are complete (`Finished`), while the others go on
+        decoding; its `result` is then generate's.  Arguments are checked here (ValueError)."""
         req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                            image_ids=image_ids, sampled=self.sampled, slots=slots)
         self.check_model(model, req)
-        was_training = bool(getattr(model, "training", False))
-        if was_training:
-            model.eval()
         if self.compiles and not hasattr(model, "static_cache"):
             raise ValueError("option compile needs a model with static_cache(on) (a fixed-"
                              "length cached attention); opd.models.GPT has one")
-        try:
-            start = time.perf_counter()
-            with torch.no_grad():    # not inference_mode: results stay normal tensors
-                model.setup_cache(req.rows * (2 if req.cfg else 1), self.cache_len(req))
-                if self.compiles:
-                    model.static_cache(True)
-                result = self.run(model, req)
-            synchronize(req.labels.device)
-            result.wall_time = time.perf_counter() - start
-        finally:
-            if self.compiles:
-                model.static_cache(False)
-            if was_training:
-                model.train()
-        result.engine, result.options = self.name, dict(self.options)
-        return result
+        return RolloutStream(self, model, req)
 
     def check_model(self, model, req: Request) -> None:
         """Engine-specific checks of a call (ValueError)."""
@@ -294,4 +292,67 @@ class Engine:
 
     def run(self, model, req: Request) -> RolloutResult:
         raise NotImplementedError
+
+    def run_stream(self, model, req: Request) -> Iterator[Finished]:
+        """The rollout as a generator of `Finished` groups that returns its `RolloutResult`.
+        Here: `run` whole, then every image at once (Cached AR's images complete together);
+        Jacobi engines hand out images as they complete (rollout/hbsjd.py `run_jacobi`)."""
+        result = self.run(model, req)
+        yield Finished(torch.arange(req.batch, device=result.tokens.device), result.tokens,
+                       result.logprobs)
+        return result
+
+
+@dataclass
+class Finished:
+    """Images of a streaming call that are complete (`Engine.stream`): their indices in the
+    call's batch, ascending, and exactly the rows of the whole call's result."""
+    images: Tensor        # (k,) int64
+    tokens: Tensor        # (k, P + N) int64
+    logprobs: Tensor      # (k, N) float32 behaviour log-probs (RolloutResult.logprobs)
+
+
+class RolloutStream:
+    """One rollout call, iterated: `Finished` groups in the order their images complete
+    (images completing in the same round form one group, in batch order); once exhausted,
+    `result` is the call's `RolloutResult` (its wall_time: the seconds spent in the engine,
+    not in the consumer between groups).  The model is in eval mode, without autograd, while
+    the engine runs."""
+
+    def __init__(self, engine: Engine, model, req: Request):
+        self.engine, self.model, self.req = engine, model, req
+        self.result: RolloutResult | None = None
+
+    def __iter__(self) -> Iterator[Finished]:
+        engine, model, req = self.engine, self.model, self.req
+        was_training = bool(getattr(model, "training", False))
+        if was_training:
+            model.eval()
+        busy = 0.0
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():    # not inference_mode: results stay normal tensors
+                model.setup_cache(req.rows * (2 if req.cfg else 1), engine.cache_len(req))
+                if engine.compiles:
+                    model.static_cache(True)
+                rounds = engine.run_stream(model, req)
+            while True:
+                with torch.no_grad():            # per resumption: the consumer's own mode
+                    try:                         # holds between groups
+                        done = next(rounds)
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                busy += time.perf_counter() - start
+                yield done
+                start = time.perf_counter()
+            synchronize(req.labels.device)
+            result.wall_time = busy + time.perf_counter() - start
+        finally:
+            if engine.compiles:
+                model.static_cache(False)
+            if was_training:
+                model.train()
+        result.engine, result.options = engine.name, dict(engine.options)
+        self.result = result
 

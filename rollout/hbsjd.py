@@ -22,6 +22,7 @@ The round state lives in buffers the engine keeps across calls (`StaticStates`),
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import fields
 
 import torch
@@ -29,21 +30,20 @@ from torch import Tensor
 
 from rollout.calibrate import calibration_path
 from rollout.candidates import move_branch, tree_forward
-from rollout.engine import Engine, Request, cfg_rows, prefill_token, register, synchronize
+from rollout.engine import Engine, Finished, Request, cfg_rows, prefill_token, register
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_update, make_plan,
                             rewindow, window_inputs)
 from rollout.sampling import guide
-from rollout.slots import Slots
-from rollout.stats import RolloutResult, RoundLog
+from rollout.slots import Slots, single_token
+from rollout.stats import RoundLog
 from rollout.window import WINDOWS, Acceptance, AcceptanceCounts, CostTable, WindowPolicy
 
 
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
                hold=None, policy: WindowPolicy | None = None,
-               plan_for=None) -> RolloutResult:
+               plan_for=None) -> Iterator[Finished]:
     """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
-    plan: the call's constants (`JacobiEngine.plan`: window, history offset, sync, refresh,
-    candidate drafting).  gamma: Compact execution when fewer than gamma rows are active
+    plan: the call's constants (`JacobiEngine.plan`).  gamma: Compact execution when fewer than gamma rows are active
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py): each
@@ -54,11 +54,16 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     round, after its one device sync (the active count, with the policy's acceptance counts):
     1. refill free rows with waiting images (`Slots.refill`), 2. Full or Compact, and the
     window (`execution`), 3. the round (`full_round` / `compact_round`), 4. tally
-    (`RoundLog.add`)."""
+    (`RoundLog.add`).
+
+    A generator (`Engine.run_stream`): after a round's sync, the images it completed are
+    handed out (`Finished`) before their rows are refilled; returns the `RolloutResult`."""
     B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
     log = RoundLog(B, dev)
     if req.num_new == 1:
-        return _single_token(model, req, log.times)
+        result = single_token(model, req, log.times)
+        yield Finished(torch.arange(B, device=dev), result.tokens, result.logprobs)
+        return result
     slots = Slots(req)
     first, first_logp = prefill_token(model, req, slots.img)
     log.prefill(slots.img)
@@ -68,14 +73,22 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         st = hold(st)
     seen = None if policy is None else AcceptanceCounts(policy.largest - 1, dev)
     full, compact = full or full_round, compact or compact_round
+    handed, n_handed = torch.zeros(R, dtype=torch.bool, device=dev), 0   # rows handed out
     while True:
         live = st.cur < T
         A, acceptance = (int(live.sum()), None) if seen is None else seen.read(live)  # sync
+        # 0. hand out the images the last round completed
+        if R - A > n_handed:
+            paused = time.perf_counter()
+            yield slots.finished(st, (~live & ~handed).nonzero().squeeze(1), req)
+            log.times[-1] += time.perf_counter() - paused     # the consumer's time is not a round's
+            handed, n_handed = ~live, R - A
         # 1. refill: rows whose images are complete take the waiting images
         if A < R and slots.waiting < B:
             new = slots.refill(model, req, st, live, plan)
             log.admit(new)
             A, live = A + new.shape[0], st.cur < T
+            handed, n_handed = ~live, R - A
         log.tick()
         if A == 0:
             break
@@ -228,21 +241,6 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
     return counts
 
 
-def _single_token(model, req: Request, times: list) -> RolloutResult:
-    """N = 1: the prefill is the whole rollout (in batches of R images)."""
-    dev, B, R = req.labels.device, req.batch, req.rows
-    parts = req.row_batches()
-    first, logp = (torch.cat(t) for t in zip(*[prefill_token(model, req, i) for i in parts]))
-    zeros = torch.zeros(B, dtype=torch.long, device=dev)
-    synchronize(dev)
-    times.append(time.perf_counter())
-    return RolloutResult(tokens=torch.cat([req.prefix, first[:, None]], 1).clone(),
-                         prefix_len=req.prefix_len, committed=torch.ones_like(zeros)[None],
-                         accepted=zeros, rejected=zeros.clone(), active=[R], modes=["full"],
-                         wall_time=0.0, round_times=[times[1] - times[0]],
-                         prefills=len(parts) - 1, logprobs=logp[:, None].contiguous())
-
-
 class JacobiEngine(Engine):
     """Shared option handling: window (W = tokens per verifier forward, [last committed,
     W - 1 drafts]), history_offset (H; None = one grid row), decoding, refresh (sampled drafts
@@ -287,7 +285,8 @@ class JacobiEngine(Engine):
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
                          model.vocab_size, req.sampled, span)
 
-    def run(self, model, req: Request) -> RolloutResult:
+    def run_stream(self, model, req: Request) -> Iterator[Finished]:
+        """`run_jacobi` with this call's plan, gamma or window policy, and compiled rounds."""
         dev = req.labels.device
         policy = plan_for = None
         if self.options["window"] == "auto":

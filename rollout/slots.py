@@ -9,11 +9,14 @@ its random numbers are keyed by the image (rollout/sampling.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
-from rollout.engine import Request, prefill_token
+from rollout.engine import Finished, Request, prefill_token, synchronize
 from rollout.jacobi import JacobiState, Plan, init_state
+from rollout.stats import RolloutResult
 
 
 class Slots:
@@ -51,9 +54,32 @@ class Slots:
         per_image = torch.zeros(3, B, dtype=torch.long, device=counts.device)
         return per_image.index_add_(1, self.img if idx is None else self.img[idx], counts)
 
+    def finished(self, st: JacobiState, rows: Tensor, req: Request) -> Finished:
+        """The complete images in physical `rows` (k,) int64, in batch order, with copies of
+        their tokens and behaviour log-probs (streaming, `Engine.stream`)."""
+        images, order = self.img[rows].sort()
+        rows = rows[order]
+        T = req.total
+        return Finished(images, st.seq[rows, :T].clone(), st.logp[rows, req.prefix_len:T].clone())
+
     def collect(self, st: JacobiState) -> tuple[Tensor, Tensor]:
         """-> every image's tokens (B, T) int64 and behaviour log-probs (B, T) float32."""
         T = self.out.shape[1]
         self.out[self.img] = st.seq[:, :T]
         self.out_logp[self.img] = st.logp[:, :T]
         return self.out, self.out_logp
+
+
+def single_token(model, req: Request, times: list) -> RolloutResult:
+    """N = 1: the prefill is the whole rollout (in batches of R images)."""
+    dev, B, R = req.labels.device, req.batch, req.rows
+    parts = req.row_batches()
+    first, logp = (torch.cat(t) for t in zip(*[prefill_token(model, req, i) for i in parts]))
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    synchronize(dev)
+    times.append(time.perf_counter())
+    return RolloutResult(tokens=torch.cat([req.prefix, first[:, None]], 1).clone(),
+                         prefix_len=req.prefix_len, committed=torch.ones_like(zeros)[None],
+                         accepted=zeros, rejected=zeros.clone(), active=[R], modes=["full"],
+                         wall_time=0.0, round_times=[times[1] - times[0]],
+                         prefills=len(parts) - 1, logprobs=logp[:, None].contiguous())
