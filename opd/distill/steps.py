@@ -90,28 +90,49 @@ class RolloutJob:
     #                                  sub-batch keeps its rows' ids so its random numbers match
 
 
-def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
-    """Complete the real prefixes of `job` with `model` (the student, or the teacher for
-    SeqKD).  A "data" job takes its suffix from the dataset and runs no model.  A student
-    rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/distill/onpolicy.py)."""
-    if job.source == "data":
-        return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
-                               policy_version, "data", RolloutStats())
+def engine_call(model, job: RolloutJob, cfg: RunConfig) -> tuple[tuple, dict]:
+    """(args, kwargs) of the engine call (`generate` or `stream`) that completes `job`'s real
+    prefixes with `model`: its images keyed by (run seed, batch id) and their image ids."""
     r = cfg.rollout
     P, T = job.prefix_len, job.tokens.shape[1]
     device = next(model.parameters()).device
-    result = engine.generate(
-        model, job.labels.to(device), job.tokens[:, :P].to(device), T - P,
-        cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
-        top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id), image_ids=job.image_ids,
-        slots=r.slots or None)
-    B = int(job.labels.shape[0])
-    ar_rounds = (T - P) * -(-B // (r.slots or B))   # Cached AR: one round per token and row batch
-    stats = RolloutStats.of(result, ar_rounds)
-    tokens = result.tokens.cpu().clone()    # a normal tensor, not an inference-mode one
-    logprobs = result.logprobs.cpu().clone() if job.source == "student" else None
-    return TrajectoryBatch(job.batch_id, job.labels, P, tokens, policy_version,
-                           job.source, stats, behaviour_logprobs=logprobs)
+    return ((model, job.labels.to(device), job.tokens[:, :P].to(device), T - P),
+            dict(cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
+                 top_p=r.top_p, seed=keyed_seed(job.seed, job.batch_id),
+                 image_ids=job.image_ids, slots=r.slots or None))
+
+
+def rollout_stats(result, job: RolloutJob, cfg: RunConfig) -> RolloutStats:
+    """The statistics of `job`'s rollout call (a `RolloutResult`), against Cached AR's rounds:
+    one per token and row batch."""
+    B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
+    slots = cfg.rollout.slots or B
+    return RolloutStats.of(result, N * -(-B // slots))
+
+
+def trajectory(job: RolloutJob, rows: Tensor | None, tokens: Tensor, logprobs: Tensor | None,
+               policy_version: int, stats: RolloutStats) -> TrajectoryBatch:
+    """The trajectory of `job`'s `rows` (None: all) from generated `tokens` (n, T) and, for a
+    student rollout, their behaviour log-probs (n, N)."""
+    labels = job.labels if rows is None else job.labels[rows]
+    keep = logprobs is not None and job.source == "student"
+    return TrajectoryBatch(job.batch_id, labels, job.prefix_len, tokens.cpu().clone(),
+                           policy_version, job.source, stats,
+                           behaviour_logprobs=logprobs.cpu().clone() if keep else None)
+
+
+def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int) -> TrajectoryBatch:
+    """Complete the real prefixes of `job` with `model` (the student, or the teacher for
+    SeqKD).  A "data" job takes its suffix from the dataset and runs no model.  A student
+    rollout keeps its tokens' behaviour log-probs (`behaviour_logprobs`, opd/distill/onpolicy.py)
+    (the tokens are normal tensors, not inference-mode ones)."""
+    if job.source == "data":
+        return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
+                               policy_version, "data", RolloutStats())
+    args, kwargs = engine_call(model, job, cfg)
+    result = engine.generate(*args, **kwargs)
+    return trajectory(job, None, result.tokens, result.logprobs, policy_version,
+                      rollout_stats(result, job, cfg))
 
 
 @torch.no_grad()

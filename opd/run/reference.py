@@ -8,9 +8,11 @@ Per step k (policy version k = the number of updates the student has had):
     phase  = phase_at(cfg, k)                                  (distill.phases: the step's
                                                                objective, λ, prefix ratios, lr)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
-    for piece in pieces(batch):                                (distill.pieces, opd/distill/pieces.py)
-        traj = generate(current student, engine, piece)        (eval mode, no label dropout)
-        traj = score(teacher, traj)                           (teacher log-probs, full or top-k)
+    for part in parts(batch):                                  (rollout calls, opd/distill/pieces.py)
+        for piece in generate(current student, engine, part):  (each piece as its rows complete,
+                                                               opd/distill/stream.py; eval mode,
+                                                               no label dropout)
+            piece = score(teacher, piece)                      (teacher log-probs, full or top-k)
     learn(student, optimizer, trajs, objective)                (gradients accumulated over the
                                                                pieces in order, one update; loss
                                                                on the generated suffix; the
@@ -40,10 +42,11 @@ from opd.models import load_into, load_state_dict_safely
 from opd.models.factory import load_role_model
 from opd.data.splits import open_dataset
 from opd.distill.phases import objectives, phase_at, rolls_out
-from opd.distill.pieces import merge_batches, step_layout, take_rows
+from opd.distill.pieces import merge_batches, step_layout
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, generate, score
+from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, score
+from opd.distill.stream import PartStream
 from opd.distill.phases import learning_rate
 
 
@@ -129,18 +132,20 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             cpu0 = time.process_time()
             scored, part_stats = [], []
             model = teacher if source == "teacher" else policy(student)   # version `step`
-            for c, part in enumerate(step_jobs(cfg, step, source, pb, train.seq_len, layout)):
+            for c, job in enumerate(step_jobs(cfg, step, source, pb, train.seq_len, layout)):
+                stream = PartStream(model, engine, job, cfg, step, layout.part_sizes(c))
                 t0 = time.perf_counter()
-                traj = generate(model, engine, part, cfg, policy_version=step)
-                seconds["rollout"] += time.perf_counter() - t0
-                part_stats.append(traj.rollout_stats)
-                for p in layout.parts[c]:                      # its pieces, in order
-                    piece = take_rows(traj, *layout.within_part(p))
+                for piece in stream:                           # its pieces, in order
+                    seconds["rollout"] += time.perf_counter() - t0
+                    batch = piece.batch
                     if needs_teacher_scores(objective):
                         t0 = time.perf_counter()
-                        piece = score(teacher, piece, cfg)
+                        batch = score(teacher, batch, cfg)
                         seconds["teacher"] += time.perf_counter() - t0
-                    scored.append(piece)
+                    scored.append(batch)
+                    t0 = time.perf_counter()
+                seconds["rollout"] += time.perf_counter() - t0
+                part_stats.append(stream.stats)
             t0 = time.perf_counter()
             metrics = learn(student, optimizer, scored, objective, grad_clip=cfg.learner.grad_clip,
                             dropout=cfg.learner.student_dropout, lr=learning_rate(cfg, step),
@@ -150,7 +155,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             traj = merge_batches(scored)
             traj.rollout_stats = RolloutStats.merge(part_stats)   # the rollout calls' own stats
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
-            row["pieces"] = len(layout.rows)
+            row["pieces"] = layout.pieces
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
             steps.record(row)                                  # other processes put on the machine
             track_quality(evaluator, quality, student, step + 1, run_dir)

@@ -1,17 +1,24 @@
-"""A step's pieces (opd/distill/pieces.py): split rollouts with their image ids equal the whole batch's rollout, also when
-sampling (the engines key random numbers by (seed, image id, position)); merge and learner
-shards put the rows back in order."""
+"""A step's pieces (opd/distill/pieces.py, opd/distill/stream.py): split rollouts with their
+image ids equal the whole batch's rollout, also when sampling (the engines key random numbers by
+(seed, image id, position)); a streamed rollout call cuts its pieces in the order its rows
+complete; merge puts the rows back together."""
 import copy
 
 import pytest
 import torch
 
-from opd.distill.pieces import (auto_pieces, merge_batches, piece_cuts, step_layout,
-                        piece_rows, row_ranges, shard_rows, split_job, step_pieces, take_rows)
+from opd.distill.pieces import (auto_pieces, merge_batches, piece_sizes, rank_cuts, row_ranges,
+                                split_job, step_layout, step_pieces, take_rows)
+from opd.distill.stream import PartStream
 from opd.distill.results import combine_metrics
 from opd.config.schema import load_config
 from opd.models import create_model
-from opd.distill.steps import RolloutJob, backward_piece, build_engine, build_objective, generate, score
+from opd.distill.steps import (RolloutJob, backward_piece, build_engine, build_objective, engine_call,
+                               generate, score)
+
+
+def _ranges(batch: int, parts: int) -> list[torch.Tensor]:
+    return [torch.arange(a, b) for a, b in row_ranges(batch, parts)]
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +39,6 @@ def test_row_ranges_cover_the_batch_in_order():
     assert row_ranges(5, 2) == [(0, 3), (3, 5)]
     assert row_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert row_ranges(2, 3) == [(0, 1), (1, 2)]            # never an empty part
-    assert shard_rows(8, 2) == [(0, 4), (4, 8)]
-    with pytest.raises(ValueError, match="does not split evenly"):
-        shard_rows(5, 2)
 
 
 @pytest.mark.parametrize("parts", [2, 3, 5])
@@ -42,7 +46,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     cfg, student, job = setup
     engine = build_engine(cfg)
     whole = generate(student, engine, job, cfg, policy_version=2)
-    subs = [generate(student, engine, j, cfg, policy_version=2) for j in split_job(job, piece_rows(5, 1, parts))]
+    subs = [generate(student, engine, j, cfg, policy_version=2) for j in split_job(job, _ranges(5, parts))]
     merged = merge_batches(subs)
     assert torch.equal(merged.tokens, whole.tokens)
     assert torch.equal(merged.labels, whole.labels)
@@ -52,7 +56,7 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
     assert merged.rollout_stats.generated_tokens == whole.rollout_stats.generated_tokens
     # without the image ids every sub-batch would reuse ids 0.. and draw other samples
     plain = [generate(student, engine, j.__class__(**{**j.__dict__, "image_ids": None}), cfg, 2)
-             for j in split_job(job, piece_rows(5, 1, parts))]
+             for j in split_job(job, _ranges(5, parts))]
     assert not torch.equal(merge_batches(plain).tokens, whole.tokens)
 
 
@@ -77,13 +81,12 @@ def test_merge_refuses_parts_of_different_batches(setup):
 
 
 def test_every_rank_has_rows_in_every_piece():
-    rows = piece_rows(8, 2, 2)
-    assert [r.tolist() for r in rows] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    shards = shard_rows(8, 2)
-    assert [piece_cuts(r, shards) for r in rows] == [((0, 2), (2, 4)), ((0, 2), (2, 4))]
-    assert [r.tolist() for r in piece_rows(5, 1, 2)] == [[0, 1, 2], [3, 4]]
+    assert piece_sizes(8, 2, 2) == [4, 4] and piece_sizes(5, 1, 2) == [3, 2]
+    assert rank_cuts(4, 2) == ((0, 2), (2, 4)) and rank_cuts(5, 2) == ((0, 3), (3, 5))
     with pytest.raises(ValueError, match="leave a rank without rows"):
-        piece_rows(8, 2, 5)
+        piece_sizes(8, 2, 5)
+    with pytest.raises(ValueError, match="without rows"):
+        rank_cuts(1, 2)
 
 
 def test_auto_pieces_are_about_eight_rows_a_rank_and_one_per_worker_at_least():
@@ -114,8 +117,7 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
         return [p.grad.clone() for p in model.parameters()], combine_metrics(results)
 
     whole, m_whole = grads([traj])
-    rows = piece_rows(5, 1, pieces)
-    split, m_split = grads([take_rows(traj, int(r[0]), int(r[-1]) + 1) for r in rows])
+    split, m_split = grads([take_rows(traj, a, b) for a, b in row_ranges(5, pieces)])
     for a, b in zip(split, whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert m_split["loss"] == pytest.approx(m_whole["loss"], rel=1e-6)
@@ -125,7 +127,45 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
 def test_a_step_on_data_is_one_piece_and_rollout_calls_are_runs_of_pieces():
     cfg = load_config("tiny", ["data.batch_size=32", "rollout.num_workers=2"])
     student, data = step_layout(cfg, "student"), step_layout(cfg, "data")
-    assert student.parts == [[0, 1], [2, 3]] and len(student.rows) == 4
-    assert [len(student.part_rows(c)) for c in range(2)] == [16, 16]
-    assert [student.within_part(p) for p in range(4)] == [(0, 8), (8, 16), (0, 8), (8, 16)]
-    assert data.parts == [[0]] and data.rows[0].tolist() == list(range(32))
+    assert student.parts == ((0, 1), (2, 3)) and student.sizes == (8, 8, 8, 8)
+    assert [student.part_range(c) for c in range(2)] == [(0, 16), (16, 32)]
+    assert [student.part_of(p) for p in range(4)] == [0, 0, 1, 1]
+    assert student.part_sizes(1) == [8, 8] and student.cuts(3) == ((0, 8),)
+    assert data.parts == ((0,),) and data.sizes == (32,)
+    uneven = step_layout(load_config("tiny", ["data.batch_size=10", "distill.pieces=3",
+                                              "rollout.num_workers=2"]), "student")
+    assert uneven.sizes == (4, 3, 3) and uneven.parts == ((0, 1), (2,))
+    assert [r.tolist() for r in uneven.call_rows] == [list(range(7)), [7, 8, 9]]
+
+
+@pytest.mark.parametrize("engine_name", ["hbsjd", "cached_ar"])
+def test_a_streamed_call_cuts_its_pieces_in_completion_order(setup, engine_name):
+    """Piece k holds the next sizes[k] rows in the order their images completed (ties in row
+    order), in row order, with exactly the whole call's tokens and behaviour log-probs; the call's stats are
+    the whole call's."""
+    cfg, student, job = setup
+    engine = build_engine(cfg, engine_name)
+    whole = generate(student, engine, job, cfg, policy_version=2)
+    stream = PartStream(student, engine, job, cfg, 2, [2, 2, 1])
+    pieces = list(stream)
+    assert [p.index for p in pieces] == [0, 1, 2]
+    assert [p.batch.batch_size for p in pieces] == [2, 2, 1]
+    rows = torch.cat([p.rows for p in pieces])
+    assert sorted(rows.tolist()) == list(range(5))
+    # the rows in the order they completed: the round of each row's last token, then its index
+    args, kwargs = engine_call(student, job, cfg)
+    result = engine.generate(*args, **kwargs)
+    last = torch.where(result.committed > 0,
+                       torch.arange(result.committed.shape[0])[:, None], -1).max(0).values
+    order = sorted(range(5), key=lambda r: (int(last[r]), r))
+    assert [p.rows.tolist() for p in pieces] == [sorted(order[:2]), sorted(order[2:4]), order[4:]]
+    for p in pieces:
+        assert torch.equal(p.batch.tokens, whole.tokens[p.rows])
+        assert torch.equal(p.batch.labels, whole.labels[p.rows])
+        assert torch.equal(p.batch.behaviour_logprobs, whole.behaviour_logprobs[p.rows])
+    assert stream.stats.generated_tokens == whole.rollout_stats.generated_tokens
+    assert stream.stats.rounds == whole.rollout_stats.rounds
+    if engine_name == "cached_ar":
+        assert rows.tolist() == [0, 1, 2, 3, 4]      # every image completes in the last round
+    with pytest.raises(ValueError, match="do not cut"):
+        PartStream(student, engine, job, cfg, 2, [2, 2])
