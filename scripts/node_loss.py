@@ -120,7 +120,7 @@ class NodeFaults:
             self._remove("rollout", node, step)
             self.cluster.add_node(num_cpus=1, resources={"opd_rollout": 1})
 
-    def after_submit(self, pipeline, kind: str, step: int, part: int, worker: int) -> None:
+    def after_submit(self, pipeline, kind: str, step: int, worker: int, **_) -> None:
         if kind == "score":
             self.scored_on.setdefault(step, set()).add(worker)
 

@@ -109,13 +109,14 @@ class Watchdog:
                 before = pl.reissued
                 time.sleep(5.0)
                 self.stalled = {
-                    "after_step": pl.version - 1,
+                    "after_step": pl.state.version - 1,
                     "published_version": pl.publisher.published.version,
                     "unfinished_plans": {s: {"version": p.version, "gen": p.gen,
                                              "source": p.source,
-                                             "parts_generated": len(p.generated),
-                                             "parts_delivered": len(p.delivered),
-                                             "parts": p.parts}
+                                             "parts_made": len(p.made), "parts": p.parts,
+                                             "pieces_delivered": sum(
+                                                 q.delivered is not None for q in p.pieces),
+                                             "pieces": p.layout.pieces}
                                          for s, p in sorted(pl.planner.plans.items())},
                     "tasks_in_flight": sorted(f"{t.kind.value}:{t.step}:{t.worker}"
                                               for t in list(pl.dispatch.tasks.values())),
@@ -152,7 +153,7 @@ class Chaos:
         return {"rollout": pipeline.rollout, "teacher": pipeline.teacher,
                 "learner": pipeline.learners}[role]
 
-    def after_submit(self, pipeline, kind: str, step: int, part: int, worker: int) -> None:
+    def after_submit(self, pipeline, kind: str, step: int, worker: int, **_) -> None:
         import ray
         for ev in self.plan:
             if (not ev["fired"] and ev["how"] == "ray.kill" and ev["step"] == step

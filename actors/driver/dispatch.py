@@ -1,11 +1,13 @@
 """`Dispatcher`: the driver's tasks in flight on the workers, and what happened to them.
 
-It hands a part to the least busy worker of its pool that is up (or keeps it waiting until one
-is), probes failed workers when they are due, and waits for answers.  Each answer comes back as
-an `Answer`: done (with its small value), or the error that ended it — the worker held other
-weights (`StaleWeightsError`), the worker failed (`RayActorError`: Ray restarts it; the pool
-takes it out until a probe answers), or a payload its task needed was lost with the worker that
-owned it (`ObjectLostError`).  What to do about each is the pipeline's business.
+It hands a task to the least busy worker of its pool that is up (or keeps it waiting until one
+is), probes failed workers when they are due, and waits for answers.  A rollout call is a Ray
+streaming generator (`num_returns="streaming"`): it answers once per piece it hands out, then
+once with its `PartReport`, and counts against its worker until then.  Each answer comes back
+as an `Answer`: done (with its small value), or the error that ended it — the worker held
+other weights (`StaleWeightsError`), the worker failed (`RayActorError`: Ray restarts it; the
+pool takes it out until a probe answers), or a payload its task needed was lost with the worker
+that owned it (`ObjectLostError`).  What to do about each is the pipeline's business.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
 from actors.driver.pool import WorkerPool
-from actors.driver.tasks import ROLE_OF, StepPlan, Task, TaskKind
+from actors.driver.tasks import ROLE_OF, Task, TaskKind
+from actors.transport.delivery import PartReport
 from actors.workers.rollout import StaleWeightsError
 
 
@@ -44,36 +47,38 @@ class Dispatcher:
         self.max_restarts = max_restarts
         self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
                       "teacher": WorkerPool("teacher", groups.teacher)}
-        self.tasks: dict[ray.ObjectRef, Task] = {}
-        self.backlog: list[tuple[TaskKind, int, int]] = []   # (kind, step, part) waiting for a worker
+        self.tasks: dict[ray.ObjectRef | ray.ObjectRefGenerator, Task] = {}
+        self.backlog: list[tuple[Task, object]] = []   # (task, command) waiting for a worker
 
-    def track(self, ref: ray.ObjectRef, task: Task) -> None:
-        """Wait on `ref`; a part or a weights load counts against its worker's load."""
+    def track(self, ref: ray.ObjectRef | ray.ObjectRefGenerator, task: Task) -> None:
+        """Wait on `ref` (a rollout call's stream: on each of its answers); a rollout call, a
+        scoring or a weights load counts against its worker's load."""
         self.tasks[ref] = task
         if task.role in self.pools and task.kind is not TaskKind.PROBE:
             self.pools[task.role].busy[task.worker] += 1
 
-    def submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> int | None:
-        """`call(actor)` on the least busy worker of the kind's pool that is up (returns its
-        index), else keep the part waiting (None)."""
-        role = ROLE_OF[kind]
+    def submit(self, task: Task, command, call: Callable) -> int | None:
+        """`call(actor)` on the least busy worker of the task kind's pool that is up (returns
+        its index), else keep `command` waiting (None: `waiting` gives it back)."""
+        role = ROLE_OF[task.kind]
         pool = self.pools[role]
         if pool.exhausted:
             raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="
                                       f"{self.max_restarts} restarts each were used up)")
         i = pool.pick()
         if i is None:
-            self.backlog.append((kind, plan.step, part))
+            self.backlog.append((task, command))
             return None
-        self.track(call(pool.actors[i]), Task(kind, role, plan.step, part, i, plan.version, plan.gen))
+        task.role, task.worker = role, i
+        self.track(call(pool.actors[i]), task)
         return i
 
     def forget_step(self, step: int) -> None:
-        """Parts of `step` waiting for a worker are dropped (the step is re-planned)."""
-        self.backlog = [w for w in self.backlog if w[1] != step]
+        """Commands of `step` waiting for a worker are dropped (the step is re-planned)."""
+        self.backlog = [w for w in self.backlog if w[0].step != step]
 
-    def waiting(self) -> list[tuple[TaskKind, int, int]]:
-        """Probe the failed workers that are due; return (and clear) the parts waiting."""
+    def waiting(self) -> list[tuple[Task, object]]:
+        """Probe the failed workers that are due; return (and clear) the commands waiting."""
         for role, pool in self.pools.items():
             for i in pool.due():
                 self.track(pool.actors[i].info.remote(), Task(TaskKind.PROBE, role, worker=i))
@@ -95,15 +100,33 @@ class Dispatcher:
             done, _ = ray.wait(list(self.tasks), num_returns=1, timeout=timeout)
         answers = []
         for ref in done:
-            task = self.tasks.pop(ref)
-            if task.kind is not TaskKind.PROBE and task.role in self.pools:
-                self.pools[task.role].busy[task.worker] -= 1
+            task = self.tasks[ref]
+            if isinstance(ref, ray.ObjectRefGenerator):
+                try:
+                    item = next(ref)
+                except StopIteration:                # ended without its report (not ours)
+                    self._finished(ref)
+                    continue
+            else:
+                item = ref
             try:
-                answers.append(Answer(task, ref, ray.get(ref)))
+                value = ray.get(item)
             except (StaleWeightsError, RayActorError, ObjectLostError) as e:
-                answers.append(Answer(task, ref, error=e))
+                answers.append(Answer(task, item, error=e))
+                self._finished(ref)
+                continue
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(getattr(e, "cause", None), ObjectLostError):
                     raise
-                answers.append(Answer(task, ref, error=e))
+                answers.append(Answer(task, item, error=e))
+                self._finished(ref)
+                continue
+            answers.append(Answer(task, item, value))
+            if not task.kind.generates or isinstance(value, PartReport):
+                self._finished(ref)
         return answers
+
+    def _finished(self, ref) -> None:
+        task = self.tasks.pop(ref)
+        if task.kind is not TaskKind.PROBE and task.role in self.pools:
+            self.pools[task.role].busy[task.worker] -= 1

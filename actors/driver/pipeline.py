@@ -3,30 +3,33 @@ rows, like `opd.run.reference.run_reference` (same rows, same losses in strict m
 The roles, one step's data flow, faults and the invariants are in docs/ARCHITECTURE.md; per
 step k, the reference's order of work:
 
-    plan      next prefix batch, its source and prefix length, cut into its pieces  (planner.py)
-    generate  RolloutWorker.generate(job, k)  ("teacher": TeacherWorker; "data": no model)
-    score     TeacherWorker.score(part) -> queue.put_part  (each part as soon as it is made)
-    train     StudentLearner.train_piece(k, version, part)  (each piece as soon as it is in the
+    plan      next prefix batch, its source and prefix length, cut into parts and pieces
+              (planner.py; a `Step`, step.py)
+    generate  RolloutWorker.generate(part job, k): one engine call per part, a Ray streaming
+              generator that hands out each piece as its rows complete ("teacher": TeacherWorker;
+              "data": no model, here)
+    score     TeacherWorker.score(piece) -> queue.put_piece  (each piece as soon as it is handed out)
+    train     StudentLearner.train_piece(k, version, piece)  (each piece as soon as it is in the
               queue, in piece order; rank r fetches only its rows; one update after the last)
-    seal      queue.seal(k, batch id, version)  (every part reported; strict: version k only)
+    seal      queue.seal(k, batch id, version)  (every piece delivered; strict: version k only)
     publish   weights k + 1  (one object-store object, or a broadcast: publisher.py)
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
-payload.  What it decides (which parts to submit, which steps to seal and train, what to publish
-and record) is actors/driver/core.py, plain functions over its typed state tested without Ray;
-`Pipeline` executes them with its parts: planner.py (plans, data cursor), dispatch.py (tasks,
-workers, probes), publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py
-(an elastic rollout pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress,
-rows, checkpoint cadence) is shared with the reference loop.  Steps not sampled from the
-student are prepared ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0
-student rollouts run up to k versions ahead.  Ctrl-C (opd/run/interrupt.py): the step in
-training finishes, its checkpoint is written, and the run raises `RunInterrupted`.  Faults:
-failed workers are probed and their parts issued again (`core.retry`); a learner failure stops
-the run and names the last checkpoint.  Every prefix batch id is consumed exactly once
-(consumed.json).
+payload.  Each step is a state machine (step.py) that takes the answers of its tasks as events
+and returns commands; `Pipeline` routes answers to their step and carries out the commands,
+with its parts: planner.py (steps, data cursor), core.py (what spans steps: the version, the
+batches consumed, the step in training, its metrics row), dispatch.py (tasks, workers, probes),
+publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py (an elastic rollout
+pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress, rows, checkpoint
+cadence) is shared with the reference loop.  Steps not sampled from the student are prepared
+ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0 student rollouts run up
+to k versions ahead.  Ctrl-C (opd/run/interrupt.py): the step in training finishes, its
+checkpoint is written, and the run raises `RunInterrupted`.  Faults: failed workers are probed
+and their calls or pieces issued again (step.py); a learner failure stops the run and names the
+last checkpoint.  Every prefix batch id is consumed exactly once (consumed.json).
 
-Over 400 lines: the executor of every decision (the loop, each kind of answer, each fault) is
-kept in one class so the order in which the driver acts reads top to bottom in one file.
+Over 400 lines: the executor of every command and the router of every kind of answer and fault
+are kept in one class so the order in which the driver acts reads top to bottom in one file.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from tqdm import tqdm
 
 from actors.driver import core
 from actors.driver.cluster import ActorGroups, bundle_node, check_distributed, connect
-from actors.driver.core import DriverState, PartNext, PoolCounts, Retry
+from actors.driver.core import DriverState, PoolCounts
 from actors.driver.dispatch import Dispatcher
 from actors.driver.elastic import ElasticRollout
 from actors.driver.group import fan_out
@@ -49,9 +52,11 @@ from actors.driver.nodes import NodeWatch
 from actors.driver.planner import StepPlanner
 from actors.driver.publisher import WeightPublisher
 from actors.driver.records import RunRecords
-from actors.driver.tasks import StepPlan, Task, TaskKind
+from actors.driver.step import Command, Generate, HandOut, Replan, Score, Step, Trained
+from actors.driver.tasks import Task, TaskKind
 from actors.ray_metrics import RoleMetrics
-from actors.transport.delivery import PartTag, deliver, put_payload, report as part_report
+from actors.transport.delivery import PartReport, PieceTag, hand_out
+from actors.transport.iostats import IOCounter
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
 from actors.workers.rollout import StaleWeightsError
@@ -59,10 +64,9 @@ from opd.run.checkpoints import latest_checkpoint
 from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
 from opd.run.loop import StepLog, check_objectives
-from opd.distill.pieces import take_rows
-from opd.distill.results import PieceAnswer
+from opd.distill.results import LearnerResult, PieceAnswer
 from opd.data.splits import open_dataset
-from opd.distill.steps import generate
+from opd.distill.stream import PartStream
 
 WAIT_S = 30.0
 
@@ -165,162 +169,138 @@ class Pipeline:
         self._write_consumed()
         return self.steps.close()
 
-    # -- issuing work -------------------------------------------------------------------------------
+    # -- carrying out a step's commands ---------------------------------------------------------
 
     def _issue(self) -> None:
         """Plan the next steps that the queue bound and the staleness bound allow."""
-        while (plan := self.planner.plan(self.state.version, self.publisher.published.version,
+        while (step := self.planner.plan(self.state.version, self.publisher.published.version,
                                          self.state.end)) is not None:
-            self._submit_parts(plan)
+            self._execute(step, step.start())
 
-    def _submit_parts(self, plan: StepPlan) -> None:
-        for part in range(plan.parts):
-            self._submit_generate(plan, part)
+    def _execute(self, step: Step, commands: list[Command]) -> None:
+        for c in commands:
+            if isinstance(c, Generate):
+                self._generate(step, c)
+            elif isinstance(c, Score):
+                self._score(step, c)
+            elif isinstance(c, HandOut):
+                self._hand_out(step, c)
+            elif isinstance(c, Replan):
+                self._replan(step)
+            elif isinstance(c, Trained):
+                self._step_done(step, c.results)
 
-    def _tag(self, plan: StepPlan, piece: int) -> PartTag:
-        return PartTag(plan.step, plan.gen, piece, plan.cuts[piece], plan.version,
-                       plan.ranges[piece])
+    def _tag(self, step: Step, piece: int) -> PieceTag:
+        return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
 
-    def _submit(self, kind: TaskKind, plan: StepPlan, part: int, call: Callable) -> None:
-        worker = self.dispatch.submit(kind, plan, part, call)
+    def _submit(self, task: Task, command: Command, call: Callable) -> None:
+        worker = self.dispatch.submit(task, command, call)
         if worker is not None:
-            self._hook("after_submit", kind=kind.value, step=plan.step, part=part, worker=worker)
+            index = {"part": task.part} if task.kind.generates else {"piece": task.piece}
+            self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
+                       **index)
 
-    def _submit_generate(self, plan: StepPlan, part: int) -> None:
-        """Generate a part: delivered straight into the queue piece by piece, or whole for a
-        teacher to score each of its pieces."""
-        tags = None if plan.scored else [self._tag(plan, p) for p in plan.pieces_of[part]]
-        job, queue, version = plan.jobs[part], self.groups.queue, plan.version
-        if plan.source == "data":               # no model: the suffix comes from the data
-            traj = generate(None, None, job, self.cfg, policy_version=plan.version)
-            if tags is None:
-                made = put_payload(traj, 0.0)
-            else:
-                sent = [deliver(take_rows(traj, *t.rows), t, queue, 0.0) for t in tags]
-                made = part_report(traj, sum(r.nbytes for r in sent), 0.0)
-            self._generated(plan, part, made)
+    def _generate(self, step: Step, c: Generate) -> None:
+        """Run rollout call `c.part`: its pieces stream to the teacher workers (or, unscored,
+        into the queue) as their rows complete."""
+        job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
+        tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
+        task = Task(TaskKind.ROLLOUT, step=step.step, part=c.part, issue=c.issue, gen=step.gen)
+        if step.source == "data":               # no model: the suffix comes from the data
+            stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
+            for made in hand_out(stream, tags, queue, scored, IOCounter()):
+                self._made(step, task, made, 0.0)
             return
-        kind = TaskKind.ROLLOUT if plan.source == "student" else TaskKind.TEACHER_ROLLOUT
-        self._submit(kind, plan, part, lambda actor: actor.generate.remote(job, version, tags, queue))
+        if step.source == "teacher":
+            task.kind = TaskKind.TEACHER_ROLLOUT
+        self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
+            job, version, tags, queue, scored))
 
-    def _submit_score(self, plan: StepPlan, piece: int) -> None:
-        """Score one piece of a generated part (the teacher takes its rows of the part)."""
-        made = plan.generated.get(plan.part_of(piece))
-        if made is None:                         # being made again: scored when it is
-            return
-        plan.times.begin("teacher", time.perf_counter())
-        plan.scoring.add(piece)
-        payload = made.payload
-        tag, queue = self._tag(plan, piece), self.groups.queue
-        self._submit(TaskKind.SCORE, plan, piece,
-                     lambda actor: actor.score.remote(payload, tag, queue))
+    def _score(self, step: Step, c: Score) -> None:
+        """Score one piece from the payload its rollout call handed out."""
+        payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
+        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen)
+        self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue))
+
+    def _hand_out(self, step: Step, c: HandOut) -> None:
+        """Hand one piece to every learner rank (they train in piece order)."""
+        job = step.jobs[0]
+        tokens = step.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
+        refs = fan_out(self.learners, "train_piece", step.step, self.state.version,
+                       step.training.gen, c.piece, step.layout.pieces, tokens, c.prefetch)
+        for r, ref in enumerate(refs):
+            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", step.step, piece=c.piece,
+                                          worker=r, issue=c.handing))
+
+    def _replan(self, step: Step) -> None:
+        """Generate the whole of `step` again at the published version (a new generation)."""
+        self.dispatch.forget_step(step.step)
+        if self.state.training == step.step:
+            self.state.training = None
+        version = core.replan_version(step, self.publisher.published.version)
+        self.metrics.inc("opd_reissued_jobs")
+        self.state.reissued += step.parts
+        self._execute(step, step.replanned(version, self.planner.new_generation()))
 
     def _dispatch(self) -> None:
-        """Hand waiting parts to workers that are up (failed workers are probed when due)."""
-        for kind, step, part in self.dispatch.waiting():
-            plan = self.planner.plans.get(step)
-            if plan is None:
+        """Hand waiting commands to workers that are up (failed workers are probed when due);
+        those of a step re-planned or made since are dropped."""
+        for task, c in self.dispatch.waiting():
+            step = self.planner.current(task.step, task.gen)
+            if step is None:
                 continue
-            if kind is TaskKind.SCORE:
-                self._submit_score(plan, part)
-            else:
-                self._submit_generate(plan, part)
+            if isinstance(c, Generate) and c.issue == step.issues[c.part]:
+                self._generate(step, c)
+            elif isinstance(c, Score) and step.pieces[c.piece].scoring == c.issue:
+                self._score(step, c)
         if self.elastic is not None:
             self.elastic.tick()
 
-    def _generated(self, plan: StepPlan, part: int, report, busy: float = 0.0,
-                   worker: int = -1) -> None:
-        nxt = core.part_generated(plan, part, report, busy, time.perf_counter())
-        if nxt is PartNext.DUPLICATE:
-            return
-        self._hook("after_part", step=plan.step, part=part, worker=worker)
-        if nxt is PartNext.SCORE:
-            for piece in core.to_score(plan, part):
-                self._submit_score(plan, piece)
-
     def _seal(self) -> None:
-        """Steps whose parts are all delivered become queue items, in step order, while the
+        """Steps whose pieces are all delivered become queue items, in step order, while the
         queue has room (backpressure: try again later)."""
-        for plan in core.sealable(self.planner.plans):
-            item = QueueItem(plan.step, plan.batch_id, plan.version, samples=plan.samples,
-                             generated_tokens=sum(r.generated_tokens
-                                                  for r in plan.delivered.values()))
-            if not ray.get(self.groups.queue.seal.remote(item, plan.gen, plan.pieces)):
+        for s in sorted(self.planner.plans):
+            step = self.planner.plans[s]
+            if not step.sealable:
+                continue
+            item = QueueItem(step.step, step.batch_id, step.version, samples=step.samples,
+                             generated_tokens=sum(p.delivered.generated_tokens
+                                                  for p in step.pieces))
+            if not ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces)):
                 return
-            plan.sealed = True
-            self._hook("after_seal", step=plan.step)
-
-    def _replan(self, plan: StepPlan) -> None:
-        """Generate every part of `plan` again (a new generation)."""
-        self.dispatch.forget_step(plan.step)
-        self.planner.replan(plan, core.replan_version(plan, self.publisher.published.version))
-        self.state.reissued += plan.parts
-        self._submit_parts(plan)
+            step.seal()
+            self._hook("after_seal", step=step.step)
 
     # -- learning -----------------------------------------------------------------------------------
 
     def _train(self) -> None:
         """Hand the learner ranks the pieces of the current step that are there, in piece order
         (the step begins with its first piece: docs/STREAMING.md)."""
-        t = self.state.training or core.start_training(self.state, self.planner.plans,
-                                                       self.publisher.published.version)
-        if t is None:
+        if self.state.training is None and core.start_training(
+                self.state, self.planner.plans, self.publisher.published.version) is None:
             return
-        plan = self.planner.plans[t.step]
-        job = plan.jobs[0]
-        tokens = plan.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
-        for part in core.pieces_to_train(t, plan):
-            refs = fan_out(self.learners, "train_piece", plan.step, self.state.version, t.gen,
-                           part, plan.pieces, tokens, t.prefetch)
-            for r, ref in enumerate(refs):
-                self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", plan.step, part=part,
-                                              worker=r, version=t.handed[part]))
+        step = self.planner.plans[self.state.training]
+        self._execute(step, step.hand_out())
 
-    def _trained(self, task: Task, value: PieceAnswer) -> None:
-        t = self.state.training
-        if t is None or t.step != task.step:
-            return
-        plan = self.planner.plans[t.step]
-        nxt = core.piece_answered(t, plan, task.part, task.version, task.worker, value,
-                                  len(self.learners))
-        if nxt is core.PieceNext.AGAIN:              # its owner died before the ranks took it
-            self.metrics.inc("opd_reissued_jobs")
-            self.state.reissued += 1
-            part = plan.part_of(task.part)
-            if plan.scored and part in plan.generated:
-                self._submit_score(plan, task.part)  # its input lost too: remade (_wait)
-            else:                                    # its generator delivered it: make the part
-                plan.generated.pop(part, None)
-                for p in plan.pieces_of[part]:
-                    if p >= task.part:
-                        plan.delivered.pop(p, None)
-                self._submit_generate(plan, part)
-            return
-        if nxt is core.PieceNext.REPLAN:
-            self.state.training = None
-            self.metrics.inc("opd_reissued_jobs")
-            self._replan(plan)
-            return
-        if nxt is not core.PieceNext.TRAINED:
-            return
-        done = core.step_trained(self.state, plan, len(self.learners), time.perf_counter(),
-                                 self.cfg)
-        self.planner.finish(plan.step, self.state.version)
-        row = self._row(plan, done)
+    def _step_done(self, step: Step, results: list[LearnerResult]) -> None:
+        """The step's last piece is trained: record it, checkpoint and publish when due."""
+        done = core.step_trained(self.state, step, results, time.perf_counter(), self.cfg)
+        self.planner.finish(step.step, self.state.version)
+        row = self._row(step, done)
         self.steps.record(row)
-        self.nodes.stepped(plan.step)
-        self._hook("after_step", step=plan.step, row=row)
+        self.nodes.stepped(step.step)
+        self._hook("after_step", step=step.step, row=row)
         if self.elastic is not None:
-            self.elastic.after_step(plan.step, row)
+            self.elastic.after_step(step.step, row)
         if done.checkpoint:
             self._save_checkpoint()
         if done.publish:
             self.publisher.publish(self.state.version)
         self._evaluate()
 
-    def _row(self, plan: StepPlan, done: core.StepDone) -> dict:
+    def _row(self, step: Step, done: core.StepDone) -> dict:
         pools, sync = self.dispatch.pools, self.publisher.last_sync
-        row = core.step_metrics(plan, done, PoolCounts(len(pools["rollout"].alive()),
+        row = core.step_metrics(step, done, PoolCounts(len(pools["rollout"].alive()),
                                                        len(pools["rollout"].up()),
                                                        len(pools["teacher"].alive())),
                                 sync_seconds=sync.seconds, sync_bytes=sync.bytes,
@@ -367,18 +347,18 @@ class Pipeline:
         the `RunInterrupted` to raise."""
         if self.state.training is not None:
             for ref, task in list(self.dispatch.tasks.items()):
-                if task.step == self.state.training.step and task.kind is TaskKind.TRAIN:
+                if task.step == self.state.training and task.kind is TaskKind.TRAIN:
                     del self.dispatch.tasks[ref]
-                    self._trained(task, ray.get(ref))
+                    self._piece_trained(task, ray.get(ref))
         if self.state.training is not None:       # pieces not made yet: the step is dropped
-            fan_out(self.learners, "drop_step", self.state.training.step)
+            fan_out(self.learners, "drop_step", self.state.training)
             self.state.training = None
         if not self.records.has_checkpoint(self.state.version):
             self._save_checkpoint()
         self._write_consumed()
         return self.steps.interrupted(self.state.version, self.records.last_checkpoint)
 
-    # -- answers and faults -------------------------------------------------------------------------
+    # -- answers and faults: each routed to its step --------------------------------------------
 
     def _wait(self) -> None:
         probe = self.dispatch.idle_for()
@@ -391,11 +371,11 @@ class Pipeline:
                 self._on_done(task, answer.ref, answer.value)
             elif isinstance(e, StaleWeightsError):
                 self.publisher.load(task.worker)      # reload first (actor calls run in order)
-                self._again(task)
-            elif answer.lost_input:                   # the part it scored died with its worker
-                plan = self.planner.current(task.step, task.gen)
-                if plan is not None and (again := core.regenerate(task, plan)) is not None:
-                    self._again(again)
+                self._failed(task)
+            elif answer.lost_input:                   # the piece it scored died with its worker
+                step = self.planner.current(task.step, task.gen)
+                if step is not None:
+                    self._again(step, step.score_lost(task.piece, task.issue))
             elif isinstance(e, RayActorError):
                 self._on_actor_error(task, answer.ref, e)
             else:
@@ -403,14 +383,15 @@ class Pipeline:
 
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
-        if task.kind.makes_part:
-            plan = self.planner.current(task.step, task.gen)
-            if plan is None:
-                return                               # a part of a plan since re-planned
+        if task.kind.generates or task.kind is TaskKind.SCORE:
+            step = self.planner.current(task.step, task.gen)
+            if step is None:
+                return                               # an answer of a step since re-planned
             if task.kind is TaskKind.SCORE:
-                core.part_scored(plan, task.part, value, now - task.submitted, now)
+                step.piece_scored(task.piece, value, now - task.submitted)
+                self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
             else:
-                self._generated(plan, task.part, value, now - task.submitted, task.worker)
+                self._made(step, task, value, now - task.submitted)
         elif task.kind is TaskKind.PROBE:
             self.nodes.placed(task.role, task.worker, value["node_id"], value["node_ip"])
             if task.role == "rollout":
@@ -423,7 +404,25 @@ class Pipeline:
             i = self.elastic.placed(ref)
             self.nodes.placed("rollout", i, bundle_node(self.elastic.added[i]))
         elif task.kind is TaskKind.TRAIN:
-            self._trained(task, value)
+            self._piece_trained(task, value)
+
+    def _made(self, step: Step, task: Task, made, busy: float) -> None:
+        """An answer of a rollout call: a piece it handed out, or its end."""
+        if isinstance(made, PartReport):
+            step.part_made(task.part, task.issue, made, busy)
+            self._hook("after_part", step=step.step, part=task.part, worker=task.worker)
+            return
+        commands = step.piece_made(task.part, task.issue, made)
+        self._hook("after_piece", step=step.step, piece=made.piece, worker=task.worker)
+        self._execute(step, commands)
+
+    def _piece_trained(self, task: Task, value: PieceAnswer) -> None:
+        if self.state.training != task.step:
+            return
+        step = self.planner.plans[task.step]
+        commands = step.piece_trained(task.piece, task.issue, task.worker, value,
+                                      len(self.learners))
+        self._again(step, commands)
 
     def _on_actor_error(self, task: Task, ref, error: RayActorError) -> None:
         if task.kind is TaskKind.TRAIN:
@@ -438,21 +437,26 @@ class Pipeline:
         if task.kind is TaskKind.LOAD:           # the probe that brings it back reloads it
             self.publisher.loaded(ref)
             return
-        self.metrics.inc("opd_reissued_jobs")
-        self._again(task)
+        self._failed(task)
 
-    def _again(self, task: Task) -> None:
-        """Issue a failed part again, or re-plan its step (`core.retry`)."""
-        plan = self.planner.current(task.step, task.gen)
-        what = core.retry(task, plan, self.publisher.published.version)
-        if what is Retry.REPLAN:
-            self._replan(plan)
-        elif what is Retry.AGAIN:
-            self.state.reissued += 1
-            if task.kind is TaskKind.SCORE:
-                self._submit_score(plan, task.part)
-            else:
-                self._submit_generate(plan, task.part)
+    def _failed(self, task: Task) -> None:
+        """A rollout call or a scoring failed: its step says what to do again."""
+        step = self.planner.current(task.step, task.gen)
+        if step is None:
+            return
+        if task.kind.generates:
+            commands = step.part_failed(task.part, task.issue, self.publisher.published.version)
+        else:
+            commands = step.score_failed(task.piece)
+        self._again(step, commands)
+
+    def _again(self, step: Step, commands: list[Command]) -> None:
+        """Carry out a step's answer to a fault, counting what is made again."""
+        again = sum(isinstance(c, (Generate, Score)) for c in commands)
+        if again:
+            self.metrics.inc("opd_reissued_jobs")
+            self.state.reissued += again
+        self._execute(step, commands)
 
     def _watch_nodes(self) -> None:
         """Workers on a node that was lost are out of the rotation until a probe answers (from
@@ -475,8 +479,10 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
     run_dir/metrics.parquet), like `opd.run.reference.run_reference`.  `resume` continues from the
     run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
-    ("after_submit", "after_part" (a part generated), "after_seal" (a step's parts all in the
-    queue), "after_step") to callables(pipeline, **info) (tests inject faults there),
+    ("after_submit" (kind, step, worker, and part or piece), "after_piece" (a rollout call handed
+    out a piece), "after_part" (a rollout call ended), "after_scored" (a piece delivered by its
+    teacher worker), "after_seal" (a step's pieces all in the queue), "after_step") to
+    callables(pipeline, **info) (tests inject faults there),
     and "rollout_wait" to a callable(pipeline, step=, row=) -> float that an elastic pool's
     policy uses instead of the measured row["rollout_wait"] (tests: actors/driver/elastic.py);
     `interrupt` (opd.run.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import itertools
 
-from actors.driver.tasks import StepPlan
+from actors.driver.step import Step
 from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
 from opd.distill.phases import phase_at
-from opd.distill.pieces import piece_cuts, shard_rows, step_layout
+from opd.distill.pieces import step_layout
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.steps import needs_teacher_scores
 
@@ -21,17 +21,15 @@ from opd.distill.steps import needs_teacher_scores
 class StepPlanner:
     def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
         self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
-        B, R = cfg.data.batch_size, cfg.learner.world_size
         self.layouts = {src: step_layout(cfg, src) for src in ("student", "teacher", "data")}
-        self.cuts = {src: [piece_cuts(r, shard_rows(B, R)) for r in lay.rows]
-                     for src, lay in self.layouts.items()}
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
-        self.plans: dict[int, StepPlan] = {}
+        self.plans: dict[int, Step] = {}
         self.next_step = start
         self._gens = itertools.count()
 
-    def plan(self, learner_version: int, published: int, end: int) -> StepPlan | None:
-        """The next step's plan cut into its pieces, or None if a bound (or the end) holds it."""
+    def plan(self, learner_version: int, published: int, end: int) -> Step | None:
+        """The next step, cut into its parts and pieces, or None if a bound (or the end)
+        holds it."""
         cfg, s = self.cfg, self.next_step
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
@@ -44,26 +42,23 @@ class StepPlanner:
         pb = next(self.batcher)
         lay = self.layouts[source]
         self.cursor[s + 1] = self.batcher.state_dict()
-        plan = self.plans[s] = StepPlan(s, pb.batch_id, source, version,
-                                        step_jobs(cfg, s, source, pb, self.seq_len, lay),
-                                        gen=next(self._gens), pieces_of=lay.parts,
-                                        ranges=[lay.within_part(p) for p in range(len(lay.rows))],
-                                        cuts=self.cuts[source],
-                                        scored=needs_teacher_scores(objective),
-                                        phase=phase_at(cfg, s).name)
+        step = self.plans[s] = Step(s, pb.batch_id, source, version,
+                                    step_jobs(cfg, s, source, pb, self.seq_len, lay), lay,
+                                    gen=next(self._gens), scored=needs_teacher_scores(objective),
+                                    phase=phase_at(cfg, s).name)
         self.next_step += 1
-        return plan
+        return step
 
-    def replan(self, plan: StepPlan, version: int) -> None:
-        """Every part of `plan` goes again at `version`, as a new generation."""
-        plan.reset(version, next(self._gens))
+    def new_generation(self) -> int:
+        """A plan generation no answer in flight carries (a re-planned step's)."""
+        return next(self._gens)
 
-    def current(self, step: int, gen: int) -> StepPlan | None:
-        """The plan of `step` if `gen` is still its generation (else an answer to drop)."""
+    def current(self, step: int, gen: int) -> Step | None:
+        """Step `step` if `gen` is still its generation (else an answer to drop)."""
         plan = self.plans.get(step)
         return plan if plan is not None and plan.gen == gen else None
 
-    def finish(self, step: int, version: int) -> StepPlan:
+    def finish(self, step: int, version: int) -> Step:
         """Step `step` was trained; `version` is the learner's version now."""
         self.cursor = {s: c for s, c in self.cursor.items() if s >= version}
         return self.plans.pop(step)

@@ -1,88 +1,97 @@
-"""Delivering a step part to the learner ranks that train on it.
+"""Handing a step's pieces from the worker that made them to the learner ranks that train on them.
 
-A part is one rollout call of a step, a run of its pieces (opd/distill/pieces.py: a piece holds the
-p-th sub-range of every learner rank's shard); learner rank r trains on rows
-`shard_rows(B, R)[r]`, so each rank's rows of a piece are one contiguous range of it
-(`PartTag.cuts`).  A part is delivered piece by piece: by the teacher that scores each piece, or
-by the worker that generated it when it needs no scores.  The worker that made the part (a rollout worker, or a teacher worker
-after scoring it) cuts it into one piece per rank — the part's rows that rank trains on — puts
-each piece into the object store itself (it owns them) and hands the refs to the trajectory
-queue.  The driver gets a `PartReport` (counts and rollout statistics, no payload); each rank
-fetches only its own pieces.  If the worker dies before the learner fetched them, the pieces are
-lost with it; the learner ranks then report the step lost and the driver makes its parts again.
+A rollout call ("part") streams its pieces (opd/distill/stream.py); each piece goes on as soon as
+its rows are complete: put whole into the object store for a teacher worker to score
+(`put_payload`), or, when the objective needs no scores, delivered straight into the trajectory
+queue (`deliver`).  Delivering cuts a piece into one object per learner rank — rank r's rows
+`PieceTag.cuts[r]` — put by the worker that delivers it (it owns them) and handed to the queue as
+refs; each rank fetches only its own rows.  The driver gets reports only (`PieceReport` for a
+piece, `PartReport` at the end of a call): counts, statistics and refs, never a payload.  If a
+worker dies, what it owns is lost; the driver makes those pieces again.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
 
 from actors.transport.iostats import payload_nbytes
-from opd.distill.pieces import take_rows
 from opd.distill.batch import TrajectoryBatch
+from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
+from opd.distill.stream import PartStream
+
+
+@dataclass(frozen=True)
+class PieceTag:
+    """Where a piece goes: its step, plan generation, piece index in the step, each learner
+    rank's [a, b) rows of it, and the policy version of its trajectories."""
+    step: int
+    gen: int
+    piece: int
+    cuts: tuple[tuple[int, int], ...]
+    version: int = -1
+
+    @property
+    def rows(self) -> int:
+        """The piece's rows (the ranks' cuts cover them in order)."""
+        return self.cuts[-1][1]
+
+
+@dataclass
+class PieceReport:
+    """A piece made (to score: `payload`, the ref of the whole piece, owned by the worker that put
+    it) or delivered into the queue (`nbytes` put for the ranks)."""
+    piece: int
+    rows: int
+    generated_tokens: int
+    nbytes: int = 0
+    seconds: float = 0.0              # the worker's busy time on it (scoring)
+    payload: object = None
 
 
 @dataclass
 class PartReport:
-    """What a worker tells the driver about a part it delivered (no payload)."""
+    """The end of a rollout call: its rows, generated tokens, rollout statistics and the
+    worker's busy seconds (the engine's)."""
     rows: int
     generated_tokens: int
-    stats: RolloutStats               # the part's rollout statistics (opd/distill/rollout_stats.py)
-    nbytes: int                       # bytes of the pieces it put into the queue
-    seconds: float = 0.0              # the worker's busy time
-    payload: object = None            # ref of the whole part, owned by the worker (to score)
+    stats: RolloutStats
+    seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class PartTag:
-    """Where a part goes: its step, plan generation, part index, and for each learner rank the
-    part's local rows [a, b) that rank trains on (a == b: none)."""
-    step: int
-    gen: int
-    part: int
-    cuts: tuple[tuple[int, int], ...]
-    version: int = -1             # the policy version of the part's trajectories
-    rows: tuple[int, int] | None = None   # the piece's [a, b) rows in the generated part
-
-
-def report(batch: TrajectoryBatch, nbytes: int, seconds: float, payload=None) -> PartReport:
-    return PartReport(batch.batch_size, batch.num_generated_tokens, batch.rollout_stats.copy(),
-                      nbytes, seconds, payload)
-
-
-def put_payload(batch: TrajectoryBatch, seconds: float) -> PartReport:
-    """A generated part that a teacher worker scores next: one object owned by this worker."""
+def put_payload(batch: TrajectoryBatch, piece: int) -> PieceReport:
+    """A piece that a teacher worker scores next: one object owned by this worker."""
     payload = batch.to_numpy_dict()
-    return report(batch, payload_nbytes(payload), seconds, ray.put(payload))
+    return PieceReport(piece, batch.batch_size, batch.num_generated_tokens,
+                       payload_nbytes(payload), payload=ray.put(payload))
 
 
-def deliver(batch: TrajectoryBatch, tag: PartTag, queue, seconds: float) -> PartReport:
-    """Cut `batch` (one part) into its learner ranks' pieces, put them and hand them to `queue`."""
-    pieces, nbytes = [], 0
+def deliver(batch: TrajectoryBatch, tag: PieceTag, queue, seconds: float = 0.0) -> PieceReport:
+    """Cut `batch` (one piece) into its learner ranks' rows, put them and hand them to `queue`."""
+    refs, nbytes = [], 0
     for a, b in tag.cuts:
-        if a == b:
-            pieces.append(None)
-            continue
-        piece = take_rows(batch, a, b)
-        piece.rollout_stats = RolloutStats()     # the driver has them from the report
-        payload = piece.to_numpy_dict()
+        rows = take_rows(batch, a, b)
+        rows.rollout_stats = RolloutStats()     # the driver has them from the part's report
+        payload = rows.to_numpy_dict()
         nbytes += payload_nbytes(payload)
-        pieces.append(ray.put(payload))
-    ray.get(queue.put_part.remote(tag.step, tag.gen, tag.part, pieces, tag.version))
-    return report(batch, nbytes, seconds)
+        refs.append(ray.put(payload))
+    ray.get(queue.put_piece.remote(tag.step, tag.gen, tag.piece, refs, tag.version))
+    return PieceReport(tag.piece, batch.batch_size, batch.num_generated_tokens, nbytes, seconds)
 
 
-def hand_over(batch: TrajectoryBatch, tags: list[PartTag] | None, queue, seconds: float,
-              io) -> PartReport:
-    """A generated part: delivered into `queue` piece by piece (`tags`: one per piece, each with
-    its rows in the part) as the learner ranks' rows, or, without tags, put whole for a teacher
-    to score; its bytes counted as sent by `io` (IOCounter).  The report is the part's."""
-    if tags is None:
-        made = put_payload(batch, seconds)
-    else:
-        sent = [deliver(take_rows(batch, *t.rows) if t.rows else batch, t, queue, 0.0)
-                for t in tags]
-        made = report(batch, sum(r.nbytes for r in sent), seconds)
-    io.put(made.nbytes)
-    return made
+def hand_out(stream: PartStream, tags: list[PieceTag], queue, scored: bool,
+             io) -> Iterator[PieceReport | PartReport]:
+    """Run a rollout call and hand out each of its pieces as it completes (`tags`: the part's
+    pieces, in order): put whole for a teacher to score (`scored`), else delivered into `queue`;
+    then the call's `PartReport`.  Bytes put are counted by `io` (IOCounter)."""
+    rows = tokens = 0
+    for piece in stream:
+        tag = tags[piece.index]
+        made = put_payload(piece.batch, tag.piece) if scored else deliver(piece.batch, tag, queue)
+        io.put(made.nbytes)
+        rows, tokens = rows + made.rows, tokens + made.generated_tokens
+        yield made
+    stats = stream.stats
+    yield PartReport(rows, tokens, stats, float(stats.rollout_seconds))

@@ -7,10 +7,10 @@ torch AdamW as client optimizer, float32 weights with the forward in `opd.models
 autocast (bf16 when learner.precision resolves to it), gradient clipping `learner.grad_clip`; a
 step's pieces accumulate gradients up to one boundary).
 
-`train_piece(step, version, gen, part, ...)` takes this rank's ref of one piece of the step
-from the trajectory queue as soon as the piece is there and fetches only its rows,
-`shard_rows(B, R)[rank]` (the workers cut each part into the ranks' rows when they deliver it:
-actors/transport/delivery.py), runs forward and backward on them and accumulates the gradient;
+`train_piece(step, version, gen, piece, ...)` takes this rank's ref of one piece of the step
+from the trajectory queue as soon as the piece is there and fetches only its rows (the workers
+cut each piece into the ranks' rows when they deliver it: actors/transport/delivery.py,
+`opd.distill.pieces.rank_cuts`), runs forward and backward on them and accumulates the gradient;
 after the step's last piece it steps the optimizer once (docs/STREAMING.md).  DeepSpeed's
 gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce the
 accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
@@ -134,10 +134,10 @@ class StudentLearner(Worker):
         self.queue = queue
         return True
 
-    def train_piece(self, step: int, version: int, gen: int, part: int, parts: int,
+    def train_piece(self, step: int, version: int, gen: int, piece: int, pieces: int,
                     tokens: int, prefetch: bool = False) -> PieceAnswer:
-        """Forward and backward of this rank's rows of piece `part` of `step` at policy
-        `version` (docs/STREAMING.md); after the last of its `parts` pieces, the update.  Pieces
+        """Forward and backward of this rank's rows of piece `piece` of `step` at policy
+        `version` (docs/STREAMING.md); after the last of its `pieces` pieces, the update.  Pieces
         are taken in piece order: a piece handed out of order (after one that was lost) answers
         `skipped` and is handed again (a `PieceAnswer`, opd/distill/results.py).  `tokens`: the step's loss tokens N over every
         rank and piece; rank r's piece loss (its token mean over n rows' tokens) is scaled by
@@ -150,24 +150,24 @@ class StudentLearner(Worker):
         the weights before this update, `opd.distill.onpolicy.KEYS`), grad_norm (global),
         seconds, busy_s (its forward, backward and update seconds), rows and bytes received.
         If a piece cannot be fetched (the worker that owned it died), every rank answers `lost`
-        and keeps the pieces before it; the driver makes the part again."""
+        and keeps the pieces before it; the driver makes the piece again."""
         start = time.perf_counter()
         a = self.accum
-        if part == 0 and (a is None or a.step != step):
+        if piece == 0 and (a is None or a.step != step):
             a = self.accum = Accumulation(step, start)
-        if a is None or a.step != step or part != a.next:
-            return PieceAnswer(self.rank, part, skipped=True)
-        last = part == parts - 1
+        if a is None or a.step != step or piece != a.next:
+            return PieceAnswer(self.rank, piece, skipped=True)
+        last = piece == pieces - 1
         if not a.prefetched:
-            if prefetch:                              # part 0: every piece of this rank at once
+            if prefetch:                              # piece 0: every piece of this rank at once
                 share = ray.get(self.queue.take.remote(step, version, self.rank))
                 refs = None if share is None else share["refs"]
             else:
-                share = ray.get(self.queue.take_piece.remote(step, gen, part, self.rank, version))
+                share = ray.get(self.queue.take_piece.remote(step, gen, piece, self.rank, version))
                 refs = None if share is None else [share["ref"]]
             if refs is None:
                 raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible piece "
-                                   f"{part} of step {step} at version {version}")
+                                   f"{piece} of step {step} at version {version}")
             a.depth = share["depth"]
             try:
                 payloads = ray.get(refs)
@@ -178,23 +178,23 @@ class StudentLearner(Worker):
                     self.accum = None
                     if self.rank == 0:
                         ray.get(self.queue.drop.remote(step))
-                return PieceAnswer(self.rank, part, lost=True)
+                return PieceAnswer(self.rank, piece, lost=True)
             a.received += payload_nbytes(payloads)
             a.prefetched = list(self.io.received(payloads))
-        piece = TrajectoryBatch.from_numpy_dict(a.prefetched.pop(0))
+        rows = TrajectoryBatch.from_numpy_dict(a.prefetched.pop(0))
         fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         self.ds_engine.set_gradient_accumulation_boundary(last)
-        scale = self.world_size * piece.num_generated_tokens / tokens
-        a.results.append(backward_piece(self.ds_engine, piece, objective, weight=scale,
+        scale = self.world_size * rows.num_generated_tokens / tokens
+        a.results.append(backward_piece(self.ds_engine, rows, objective, weight=scale,
                                         dropout=self.cfg.learner.student_dropout,
                                         check=self.cfg,    # the on-policy check: this version,
                                         autocast=self.autocast))   # before the update
-        a.rows += piece.batch_size
+        a.rows += rows.batch_size
         a.next += 1
         if not last:
             a.busy += time.perf_counter() - fetched
-            return PieceAnswer(self.rank, part)
+            return PieceAnswer(self.rank, piece)
         if not prefetch and ray.get(self.queue.take.remote(step, version, self.rank)) is None:
             raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
                                f"not sealed in the queue after its last piece")
@@ -214,7 +214,7 @@ class StudentLearner(Worker):
                             learner_samples_per_s=a.rows / seconds,
                             **({"onpolicy_logprob_delta": m["onpolicy_logprob_delta_max"]}
                                if m["onpolicy_tokens"] else {}))
-        return PieceAnswer(self.rank, part, result=out)
+        return PieceAnswer(self.rank, piece, result=out)
 
     def drop_step(self, step: int) -> bool:
         """Forget the pieces of `step` accumulated so far (a run interrupted before its last

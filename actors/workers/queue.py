@@ -1,9 +1,9 @@
-"""`TrajectoryQueue`: the connection between the workers that make a step's trajectory parts
+"""`TrajectoryQueue`: the connection between the workers that deliver a step's trajectory pieces
 and the learner ranks that train on them.
 
-Workers put the pieces of each part they deliver (actors/transport/delivery.py: one object-store object
-per learner rank, the part's rows that rank trains on; the worker that made them owns them)
-with `put_part(step, gen, part, pieces)`.  The driver, once every part of a step has been
+Workers put each piece they deliver (actors/transport/delivery.py: one object-store object per
+learner rank, the piece's rows that rank trains on; the worker that delivered them owns them)
+with `put_piece(step, gen, piece, refs)`.  The driver, once every piece of a step has been
 reported delivered, `seal`s the step into one item (its batch id, policy version, samples and
 generated tokens); learner rank r then `take`s the item's rank-r refs for its step and fetches
 only its own rows.  The queue holds refs only (kept in lists, so Ray passes them through
@@ -16,7 +16,7 @@ instead of resolving them): no trajectory passes through it or through the drive
   every sample handed out is counted (a histogram {lag: samples}).  Items that became too old
   are never handed out: they move to `expired` for the driver to issue again (nothing is lost).
 - Generations: a step re-planned by the driver gets a new generation `gen`; sealing keeps the
-  parts of the sealed generation only, and parts of steps already handed out are dropped.
+  pieces of the sealed generation only, and pieces of steps already handed out are dropped.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class QueueItem:
     step: int                 # learner step that consumes it
     batch_id: int
     version: int              # policy version that generated it
-    refs: list = field(default_factory=list)   # refs[rank][part]: ObjectRef, or None (no rows)
+    refs: list = field(default_factory=list)   # refs[rank][piece]: ObjectRef
     samples: int = 0          # sequences (rows) in the batch
     generated_tokens: int = 0  # generated (loss) tokens of the whole batch
 
@@ -91,44 +91,44 @@ class QueueCore:
                 **self.counts}
 
 
-class PartStore:
-    """Delivered parts of steps not sealed yet: {step: {gen: {part: pieces by rank}}}, and the
+class PieceStore:
+    """Delivered pieces of steps not sealed yet: {step: {gen: {piece: refs by rank}}}, and the
     policy version of each (step, gen)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.parts: dict[int, dict[int, dict[int, list]]] = {}
+        self.pieces: dict[int, dict[int, dict[int, list]]] = {}
         self.versions: dict[tuple[int, int], int] = {}
-        self.handed_out_below = 0          # steps < this were handed out: late parts are dropped
+        self.handed_out_below = 0          # steps < this were handed out: late pieces are dropped
         self.dropped = 0
 
-    def put(self, step: int, gen: int, part: int, pieces: list, version: int = -1) -> bool:
-        if step < self.handed_out_below or len(pieces) != self.world_size:
+    def put(self, step: int, gen: int, piece: int, refs: list, version: int = -1) -> bool:
+        if step < self.handed_out_below or len(refs) != self.world_size:
             self.dropped += 1
             return False
-        self.parts.setdefault(step, {}).setdefault(gen, {})[part] = list(pieces)
+        self.pieces.setdefault(step, {}).setdefault(gen, {})[piece] = list(refs)
         self.versions[step, gen] = version
         return True
 
-    def get(self, step: int, gen: int, part: int) -> tuple[list, int] | None:
-        """(pieces by rank, version) of a delivered part not sealed yet (its latest delivery)."""
-        pieces = self.parts.get(step, {}).get(gen, {}).get(part)
-        return None if pieces is None else (pieces, self.versions[step, gen])
+    def get(self, step: int, gen: int, piece: int) -> tuple[list, int] | None:
+        """(refs by rank, version) of a delivered piece not sealed yet (its latest delivery)."""
+        refs = self.pieces.get(step, {}).get(gen, {}).get(piece)
+        return None if refs is None else (refs, self.versions[step, gen])
 
     def forget(self, step: int) -> None:
-        self.parts.pop(step, None)
+        self.pieces.pop(step, None)
         for key in [k for k in self.versions if k[0] == step]:
             del self.versions[key]
 
-    def seal(self, step: int, gen: int, parts: int) -> list[list]:
-        """refs[rank][part] of generation `gen` of `step` (the step's other generations are
+    def seal(self, step: int, gen: int, pieces: int) -> list[list]:
+        """refs[rank][piece] of generation `gen` of `step` (the step's other generations are
         dropped); KeyError naming what is missing."""
-        have = self.parts.get(step, {}).get(gen, {})
-        missing = [p for p in range(parts) if p not in have]
+        have = self.pieces.get(step, {}).get(gen, {})
+        missing = [p for p in range(pieces) if p not in have]
         if missing:
-            raise KeyError(f"step {step} generation {gen}: parts {missing} were not delivered")
+            raise KeyError(f"step {step} generation {gen}: pieces {missing} were not delivered")
         self.forget(step)
-        return [[have[p][r] for p in range(parts)] for r in range(self.world_size)]
+        return [[have[p][r] for p in range(pieces)] for r in range(self.world_size)]
 
 
 class TrajectoryQueue:
@@ -136,7 +136,7 @@ class TrajectoryQueue:
 
     def __init__(self, capacity: int, staleness: int = 0, world_size: int = 1):
         self.core = QueueCore(capacity, staleness)
-        self.store = PartStore(world_size)
+        self.store = PieceStore(world_size)
         self._room = asyncio.Condition()
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
@@ -149,33 +149,32 @@ class TrajectoryQueue:
     async def info(self) -> dict:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
 
-    async def put_part(self, step: int, gen: int, part: int, pieces: list,
-                       version: int = -1) -> bool:
-        """A worker delivers part `part` of `step` (generation `gen`, policy `version`): one ref
-        per learner rank (None where the rank has no rows of it).  False: dropped (its step was
-        handed out)."""
-        return self.store.put(step, gen, part, self.io.received(pieces), version)
+    async def put_piece(self, step: int, gen: int, piece: int, refs: list,
+                        version: int = -1) -> bool:
+        """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`): one
+        ref per learner rank.  False: dropped (its step was handed out)."""
+        return self.store.put(step, gen, piece, self.io.received(refs), version)
 
-    async def take_piece(self, step: int, gen: int, part: int, rank: int,
+    async def take_piece(self, step: int, gen: int, piece: int, rank: int,
                          learner_version: int) -> dict | None:
-        """Learner rank `rank`'s ref of piece `part` of a streaming step (docs/STREAMING.md),
+        """Learner rank `rank`'s ref of piece `piece` of a streaming step (docs/STREAMING.md),
         delivered and not necessarily sealed: its latest delivery, else the sealed item's.  None
         if it is not there or not admissible at `learner_version` (strict: its own version
         only).  The step leaves the queue when every rank `take`s it after its last piece."""
-        found = self.store.get(step, gen, part)
+        found = self.store.get(step, gen, piece)
         if found is None:
             item = next((i for i in self.core.items if i.step == step), None)
             if item is None:
                 return None
-            found = ([refs[part] for refs in item.refs], item.version)
-        pieces, version = found
+            found = ([refs[piece] for refs in item.refs], item.version)
+        refs, version = found
         if not self.core.admissible(version, learner_version):
             return None
-        return self.io.sent({"ref": pieces[rank], "depth": len(self.core.items)})
+        return self.io.sent({"ref": refs[rank], "depth": len(self.core.items)})
 
-    async def seal(self, item: QueueItem, gen: int, parts: int, timeout: float = 0.0) -> bool:
-        """Make the delivered parts of `item.step` (generation `gen`) one item; when full, wait
-        up to `timeout` seconds for room, then refuse (False: the parts stay, seal again)."""
+    async def seal(self, item: QueueItem, gen: int, pieces: int, timeout: float = 0.0) -> bool:
+        """Make the delivered pieces of `item.step` (generation `gen`) one item; when full, wait
+        up to `timeout` seconds for room, then refuse (False: the pieces stay, seal again)."""
         async with self._room:
             if self.core.full() and timeout > 0:
                 try:
@@ -184,12 +183,12 @@ class TrajectoryQueue:
                     pass
             if self.core.full():
                 return self.core.put(item)           # counts the refusal
-            item.refs = self.store.seal(item.step, gen, parts)
+            item.refs = self.store.seal(item.step, gen, pieces)
             return self.core.put(item)
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
         """Learner rank `rank`'s share of the item of `step` at `learner_version`: its refs (one
-        per part that has rows of it) and the batch's totals; None if no admissible item."""
+        per piece) and the batch's totals; None if no admissible item."""
         self.version = learner_version
         async with self._room:
             if step not in self.taking:
@@ -203,15 +202,15 @@ class TrajectoryQueue:
             took.add(rank)
             if len(took) == self.store.world_size:
                 del self.taking[step]
-                self.store.forget(step)              # parts delivered again after the seal
+                self.store.forget(step)              # pieces delivered again after the seal
             return self.io.sent({
                 "step": item.step, "batch_id": item.batch_id, "version": item.version,
-                "refs": [r for r in item.refs[rank] if r is not None], "samples": item.samples,
+                "refs": list(item.refs[rank]), "samples": item.samples,
                 "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
 
     async def drop(self, step: int) -> None:
         """Forget a step's item after a learner rank could not fetch its rows (a worker that
-        owned them died): the driver makes the step's parts again and seals them anew."""
+        owned them died): the driver makes the step's pieces again and seals them anew."""
         self.taking.pop(step, None)
         self.store.handed_out_below = min(self.store.handed_out_below, step)
 
@@ -223,7 +222,7 @@ class TrajectoryQueue:
         return dict(sorted(self.core.lags.items()))
 
     async def stats(self) -> dict:
-        return {**self.core.stats(), "dropped_parts": self.store.dropped}
+        return {**self.core.stats(), "dropped_pieces": self.store.dropped}
 
     async def io_stats(self) -> dict:
         """Payload bytes received and sent (refs only: 0), peak RSS (actors/transport/iostats.py)."""

@@ -1,17 +1,20 @@
 """`RolloutWorker`: a student copy in eval mode plus the configured engine (HB-SJD by default).
 
-Strict about versions: `generate(job, version)` runs only if the worker holds exactly that
+Strict about versions: `generate(job, version, ...)` runs only if the worker holds exactly that
 policy version (loaded by `load_weights` or received by `receive_weights`), else it raises
-`StaleWeightsError`.  A generated part goes into the object store from here (this worker owns
-it): cut into the learner ranks' pieces and handed to the trajectory queue, or whole for a
-teacher worker to score (actors/transport/delivery.py); the driver gets a `PartReport` only.  If this
-worker dies, what it owns is lost and the driver makes those parts again.
+`StaleWeightsError`.  It is a Ray streaming generator (called with `num_returns="streaming"`):
+one engine call over the part's rows hands out each piece as soon as its rows are complete,
+into the object store from here (this worker owns it), whole for a teacher worker to score or
+delivered to the trajectory queue (actors/transport/delivery.py), while the other rows go on
+decoding; the driver gets a `PieceReport` per piece, then the call's `PartReport`.  If this
+worker dies, what it owns is lost and the driver makes those pieces again.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
-from actors.transport.delivery import PartReport, PartTag, hand_over
+from actors.transport.delivery import PartReport, PieceReport, PieceTag, hand_out
 from actors.transport.weights import BroadcastGroup, Bucket
 from actors.workers.base import Worker
 from opd.models import precision
@@ -19,7 +22,8 @@ from opd.run.calibration import prepare_calibration, rollout_batch_sizes
 from opd.config.schema import RunConfig
 from opd.models import create_model
 from opd.models.factory import model_overrides
-from opd.distill.steps import RolloutJob, build_engine, generate
+from opd.distill.steps import RolloutJob, build_engine
+from opd.distill.stream import PartStream
 
 
 class StaleWeightsError(RuntimeError):
@@ -60,20 +64,26 @@ class RolloutWorker(Worker):
         self.version = int(version)
         return time.perf_counter() - start
 
-    def generate(self, job: RolloutJob, version: int, tags: list[PartTag] | None = None,
-                 queue=None) -> PartReport:
-        """The trajectory of `job` by the student of `version`: delivered into `queue` as the
-        learner ranks' rows piece by piece (`tags`), or, without tags, put whole for a teacher to score; the
-        report says which (actors/transport/delivery.py)."""
+    def generate(self, job: RolloutJob, version: int, tags: list[PieceTag], queue,
+                 scored: bool) -> Iterator[PieceReport | PartReport]:
+        """The trajectory of `job` (one part) by the student of `version`, piece by piece as
+        its rows complete (`tags`: the part's pieces, in order): each put whole for a teacher to
+        score (`scored`), else delivered into `queue`; then the part's report
+        (actors/transport/delivery.py `hand_out`)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
-        start = time.perf_counter()
         self.io.received(job)
-        traj = generate(self.model, self.engine, job, self.cfg, policy_version=version)
-        s = traj.rollout_stats
-        seconds = float(s.rollout_seconds)
-        tokens = job_tokens(job)
+        stream = PartStream(self.model, self.engine, job, self.cfg, version,
+                            [t.rows for t in tags])
+        for made in hand_out(stream, tags, queue, scored, self.io):
+            if isinstance(made, PartReport):
+                self._report(made, job_tokens(job))
+            yield made
+
+    def _report(self, made: PartReport, tokens: int) -> None:
+        """The rollout call's metrics (actors/ray_metrics.py)."""
+        s, seconds = made.stats, made.seconds
         self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
                             rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
                             rollout_rounds=s.rounds, rollout_mean_committed=s.mean_committed,
@@ -87,4 +97,3 @@ class RolloutWorker(Worker):
                 self.metrics.observe("opd_rollout_window", k + 1)
         for r in s.image_rounds:
             self.metrics.observe("opd_rollout_image_rounds", r)
-        return hand_over(traj, tags, queue, time.perf_counter() - start, self.io)

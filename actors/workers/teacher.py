@@ -1,20 +1,22 @@
-"""`TeacherWorker`: the frozen teacher; scores student-visited states, or (SeqKD) generates
-teacher rollouts with the configured engine.  Parts go to the learner ranks through the
-trajectory queue (actors/transport/delivery.py); the driver gets reports only."""
+"""`TeacherWorker`: the frozen teacher; scores the pieces of student rollouts, or (SeqKD)
+generates teacher rollouts with the configured engine, streamed piece by piece as the rollout
+worker's (actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
+(actors/transport/delivery.py); the driver gets reports only."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
-from actors.transport.delivery import PartReport, PartTag, deliver, hand_over
+from actors.transport.delivery import PartReport, PieceReport, PieceTag, deliver, hand_out
 from actors.workers.base import Worker
 from actors.workers.heap import release_free_heap
 from actors.workers.rollout import job_tokens
 from opd.models import precision
 from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
-from opd.distill.pieces import take_rows
 from opd.models.factory import load_role_model
-from opd.distill.steps import RolloutJob, build_engine, generate, score
+from opd.distill.steps import RolloutJob, build_engine, score
+from opd.distill.stream import PartStream
 
 
 class TeacherWorker(Worker):
@@ -28,14 +30,12 @@ class TeacherWorker(Worker):
                                        self.cfg, "teacher", self.device)
         self.engine = build_engine(self.cfg)
 
-    def score(self, traj: dict, tag: PartTag, queue) -> PartReport:
+    def score(self, traj: dict, tag: PieceTag, queue) -> PieceReport:
         """Attach teacher scores (full or top-k, as `teacher.transport` says) to one piece
-        (`tag.rows`) of a generated part (`to_numpy_dict()`) and deliver it into `queue` as the
+        (`to_numpy_dict()`, put by the worker that made it) and deliver it into `queue` as the
         learner ranks' rows."""
         start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
-        if tag.rows is not None:                 # one piece of the part
-            batch = take_rows(batch, *tag.rows)
         self.version = batch.policy_version
         out = score(self.model, batch, self.cfg)
         seconds = float(out.rollout_stats.teacher_seconds)
@@ -48,19 +48,17 @@ class TeacherWorker(Worker):
         release_free_heap()          # its freed buffers, which glibc would keep (heap.py)
         return report
 
-    def generate(self, job: RolloutJob, version: int, tags: list[PartTag] | None = None,
-                 queue=None) -> PartReport:
+    def generate(self, job: RolloutJob, version: int, tags: list[PieceTag], queue,
+                 scored: bool) -> Iterator[PieceReport | PartReport]:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`;
-        delivered or put whole as `RolloutWorker.generate`."""
-        start = time.perf_counter()
+        streamed piece by piece as `RolloutWorker.generate`."""
         self.version = version
         self.io.received(job)
-        traj = generate(self.model, self.engine, job, self.cfg, policy_version=version)
-        seconds = float(traj.rollout_stats.rollout_seconds)
-        tokens = job_tokens(job)
-        self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
-                            rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        made = hand_over(traj, tags, queue, time.perf_counter() - start, self.io)
-        del traj
-        release_free_heap()
-        return made
+        stream = PartStream(self.model, self.engine, job, self.cfg, version, [t.rows for t in tags])
+        for made in hand_out(stream, tags, queue, scored, self.io):
+            if isinstance(made, PartReport):
+                seconds, tokens = made.seconds, job_tokens(job)
+                self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,
+                                    rollout_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+                release_free_heap()
+            yield made

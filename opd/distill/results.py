@@ -70,7 +70,7 @@ class PieceAnswer:
     `skipped` when handed out of order (after a lost piece; it is handed again), `lost` when
     the piece could not be fetched (its owner died; the driver makes it again)."""
     rank: int
-    part: int
+    piece: int
     result: LearnerResult | None = None
     skipped: bool = False
     lost: bool = False

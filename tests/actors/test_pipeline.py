@@ -204,7 +204,7 @@ def kill_once(role: str, step: int, kind: str):
             ray.kill((pipeline.rollout if role == "rollout" else pipeline.teacher)[worker],
                      no_restart=False)
 
-    return state, lambda pipeline, kind, step, part, worker: hook(pipeline, kind, step, worker)
+    return state, lambda pipeline, kind, step, worker, **_: hook(pipeline, kind, step, worker)
 
 
 def test_killed_rollout_worker_loses_nothing(ray_session, tiny_overrides, reference, tmp_path):
@@ -257,33 +257,45 @@ def kill_and_wait(actor) -> None:
     raise AssertionError("the killed worker did not come back")
 
 
-def test_parts_lost_with_the_worker_that_owned_them_are_made_again(
-        ray_session, tiny_overrides, reference, tmp_path):
-    """Workers own what they put in the object store.  Step 1: the rollout worker dies after
-    generating part 0 and before the teacher fetched it (the scoring finds its input lost);
-    step 3: the teacher dies after delivering every part, before the learner fetched the last
-    (the learner ranks report that piece lost; the pieces they took before stay trained).  Both
-    are made again: nothing lost, nothing used twice, the reference's losses."""
+LOSE = ("rollout.num_workers=2", "teacher.num_workers=2", "learner.world_size=2",
+        "learner.zero_stage=2", "learner.num_cpus=0.25", "data.batch_size=8", "distill.pieces=4",
+        "distill.steps=9")
+"""2 rollout workers (2 parts of 2 pieces each), 2 teacher workers, 2 learner ranks, 4 pieces."""
+
+
+def test_a_piece_lost_at_every_index_is_made_again(ray_session, tiny_overrides, references,
+                                                   tmp_path):
+    """Workers own what they put in the object store.  Steps 1-4 lose piece 0-3 with the rollout
+    worker that handed it out, before a teacher fetched it (its scoring finds its input lost, the
+    call itself dies: the call is made again, its pieces scored from the new call); steps 5-8
+    lose piece 0-3 with the teacher worker that delivered it, before the learner ranks fetched it
+    (they report it lost; it is scored again).  Nothing lost, nothing used twice, the reference
+    loop's losses, and every step on-policy."""
+    lose = {s: ("rollout", s - 1) for s in range(1, 5)} | {s: ("teacher", s - 5) for s in range(5, 9)}
     fired = []
 
-    def after_part(pipeline, step, part, worker):
-        if step == 1 and part == 0 and "rollout" not in fired:
-            fired.append("rollout")
+    def after_piece(pipeline, step, piece, worker):
+        if lose.get(step) == ("rollout", piece) and (step, piece) not in fired:
+            fired.append((step, piece))
             kill_and_wait(pipeline.rollout[worker])
 
-    def after_seal(pipeline, step):
-        if step == 3 and "teacher" not in fired:
-            fired.append("teacher")
-            kill_and_wait(pipeline.teacher[0])
+    def after_scored(pipeline, step, piece, worker):
+        if lose.get(step) == ("teacher", piece) and (step, piece) not in fired:
+            fired.append((step, piece))
+            kill_and_wait(pipeline.teacher[worker])
 
-    rows = run_distributed(cfg_for(tiny_overrides, "rollout.num_workers=2"), tmp_path,
-                           progress=False, hooks={"after_part": after_part, "after_seal": after_seal})
-    assert fired == ["rollout", "teacher"]
-    assert_each_batch_once(rows, tmp_path)
+    cfg = cfg_for(tiny_overrides, *LOSE)
+    rows = run_distributed(cfg, tmp_path, progress=False,
+                           hooks={"after_piece": after_piece, "after_scored": after_scored})
+    assert fired == [(s, p) for s, (_, p) in sorted(lose.items())]
+    assert_each_batch_once(rows, tmp_path, steps=9)
     reissued = [r["reissued"] for r in rows]
-    assert reissued[0] == 0 and reissued[1] >= 1              # part 0 of step 1 again
-    assert reissued[3] - reissued[2] >= 1                     # step 3's unfetched pieces again
-    assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
+    assert reissued[0] == 0 and all(b > a for a, b in zip(reissued, reissued[1:]))
+    assert [r["pieces"] for r in rows] == [4] * 9
+    assert losses(rows) == pytest.approx(losses(references(*LOSE)), rel=0, abs=LOSS_TOL)
+    for r in rows:
+        assert r["onpolicy_tokens"] == r["generated_tokens"] == 8 * (64 - r["prefix_len"])
+        assert r["onpolicy_logprob_delta_max"] < STRICT_BOUND
 
 
 def test_learner_failure_stops_the_run_naming_the_checkpoint(ray_session, tiny_overrides, tmp_path):

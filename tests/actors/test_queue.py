@@ -60,15 +60,15 @@ def test_backpressure_refuses_when_full():
     assert q.put(item(2, 0))
 
 
-def test_parts_are_sealed_by_generation_and_dropped_once_handed_out():
-    from actors.workers.queue import PartStore
-    store = PartStore(world_size=2)
+def test_pieces_are_sealed_by_generation_and_dropped_once_handed_out():
+    from actors.workers.queue import PieceStore
+    store = PieceStore(world_size=2)
     assert store.put(5, 0, 0, ["p0r0", "p0r1"]) and store.put(5, 0, 1, ["p1r0", None])
     assert store.put(5, 1, 0, ["new0", "new1"])                  # a re-planned generation
-    with pytest.raises(KeyError, match=r"step 5 generation 1: parts \[1\]"):
-        store.seal(5, 1, parts=2)
-    assert store.seal(5, 0, parts=2) == [["p0r0", "p1r0"], ["p0r1", None]]
-    assert store.parts == {}                                      # generation 1 dropped too
+    with pytest.raises(KeyError, match=r"step 5 generation 1: pieces \[1\]"):
+        store.seal(5, 1, pieces=2)
+    assert store.seal(5, 0, pieces=2) == [["p0r0", "p1r0"], ["p0r1", None]]
+    assert store.pieces == {}                                     # generation 1 dropped too
     store.handed_out_below = 6
     assert not store.put(5, 2, 0, ["late", "late"]) and store.dropped == 1
     assert not store.put(7, 0, 0, ["one rank only"])              # a piece per rank or nothing
@@ -78,9 +78,9 @@ def test_queue_actor_hands_each_rank_its_refs_and_waits_for_room(ray_session):
     ray = ray_session
     q = ray.remote(TrajectoryQueue).options(num_cpus=0).remote(1, 0, 2)
     r0, r1 = ray.put({"rank": 0}), ray.put({"rank": 1})
-    assert ray.get(q.put_part.remote(0, 0, 0, [r0, r1]))
+    assert ray.get(q.put_piece.remote(0, 0, 0, [r0, r1]))
     assert ray.get(q.seal.remote(QueueItem(0, 0, 0, samples=2, generated_tokens=6), 0, 1))
-    assert ray.get(q.put_part.remote(1, 0, 0, [r0, r1]))
+    assert ray.get(q.put_piece.remote(1, 0, 0, [r0, r1]))
     assert not ray.get(q.seal.remote(QueueItem(1, 1, 0, samples=2), 0, 1))    # full: refused
     waiting = q.seal.remote(QueueItem(1, 1, 0, samples=2), 0, 1, timeout=30.0)   # blocks ...
     ready, _ = ray.wait([waiting], timeout=0.5)
@@ -91,7 +91,7 @@ def test_queue_actor_hands_each_rank_its_refs_and_waits_for_room(ray_session):
     assert (share0["batch_id"], share0["generated_tokens"], share1["samples"]) == (0, 6, 2)
     assert ray.get(share0["refs"]) == [{"rank": 0}] and ray.get(share1["refs"]) == [{"rank": 1}]
     assert ray.get(q.take.remote(0, 0, 0)) is None               # handed out to every rank
-    assert not ray.get(q.put_part.remote(0, 1, 0, [r0, r1]))      # late part of a trained step
+    assert not ray.get(q.put_piece.remote(0, 1, 0, [r0, r1]))      # late piece of a trained step
     ray.kill(q)
 
 

@@ -28,40 +28,50 @@ def setup(ray_session, tiny_overrides):
 
 
 def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
+    """It streams a part's pieces as they complete (piece k: the next rows to complete, in row
+    order), each put whole for a teacher, then the part's report; only at the version it holds."""
+    from actors.transport.delivery import PartReport, PieceTag
+    from opd.distill.stream import PartStream
     ray_get = ray_session.get
     cfg, job, student = setup
     worker = RolloutWorker(cfg, 0)
+    tags = [PieceTag(0, 0, p, ((0, 2),), 3) for p in (5, 6)]         # pieces 5, 6 of a step
     with pytest.raises(StaleWeightsError, match="holds policy version None"):
-        worker.generate(job, 0)
+        next(worker.generate(job, 0, tags, None, True))
     weights = state_dict_to_numpy(student)
     with pytest.raises(ValueError, match="tagged version 5"):
         worker.load_weights(4, tag_weights(weights, 5))
     worker.load_weights(3, tag_weights(weights, 3))
-    report = worker.generate(job, 3)                  # no tag: put whole, for a teacher
-    got = TrajectoryBatch.from_numpy_dict(ray_get(report.payload))
-    want = generate(student, build_engine(cfg), job, cfg, policy_version=3)
-    assert torch.equal(got.tokens, want.tokens) and got.policy_version == 3
-    assert (report.rows, report.generated_tokens) == (4, want.num_generated_tokens)
+    *pieces, end = worker.generate(job, 3, tags, None, True)
+    want = list(PartStream(student, build_engine(cfg), job, cfg, 3, [2, 2]))
+    assert [p.piece for p in pieces] == [5, 6]
+    for got, w in zip(pieces, want):
+        batch = TrajectoryBatch.from_numpy_dict(ray_get(got.payload))
+        assert torch.equal(batch.tokens, w.batch.tokens) and batch.policy_version == 3
+        assert torch.equal(batch.behaviour_logprobs, w.batch.behaviour_logprobs)
+        assert (got.rows, got.generated_tokens) == (2, w.batch.num_generated_tokens)
+    whole = generate(student, build_engine(cfg), job, cfg, policy_version=3)
+    assert isinstance(end, PartReport) and (end.rows, end.generated_tokens) == (
+        4, whole.num_generated_tokens)
+    assert end.stats.rounds == whole.rollout_stats.rounds
     with pytest.raises(StaleWeightsError, match="holds policy version 3"):
-        worker.generate(job, 4)
+        next(worker.generate(job, 4, tags, None, True))
 
 
 def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
-    """Piece 0 of an 8-row batch in 2 pieces over 2 learner ranks (rows [0, 4) and [4, 8)):
-    rows 0, 1, 4, 5, scored and cut: rank 0 gets the piece's rows 0-1, rank 1 rows 2-3, each
-    exactly what opd.distill.steps.score gives for those rows, and the report's byte count is the
-    pieces' bytes."""
-    from actors.transport.delivery import PartTag, payload_nbytes
-    from opd.distill.pieces import piece_cuts, piece_rows, shard_rows
+    """A piece of 4 rows over 2 learner ranks: scored and cut, rank 0 gets its rows 0-1, rank 1
+    rows 2-3, each exactly what opd.distill.steps.score gives for those rows, and the report's
+    byte count is the ranks' bytes."""
+    from actors.transport.delivery import PieceTag, payload_nbytes
+    from opd.distill.pieces import rank_cuts
     from actors.workers.queue import QueueItem, TrajectoryQueue
     from opd.distill.pieces import take_rows
     cfg, job, student = setup
     traj = generate(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)
-    cuts = piece_cuts(piece_rows(8, 2, 2)[0], shard_rows(8, 2))
+    cuts = rank_cuts(4, 2)
     assert cuts == ((0, 2), (2, 4))
-    report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PartTag(0, 0, 0, cuts, 0, (0, 4)),
-                                         queue)
+    report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PieceTag(0, 0, 0, cuts, 0), queue)
     want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg)
     assert ray_session.get(queue.seal.remote(QueueItem(0, job.batch_id, 0, samples=4), 0, 1))
     nbytes = 0

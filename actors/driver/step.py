@@ -1,0 +1,323 @@
+"""One planned step's life as a state machine: `Step` owns the step's plan and everything known
+of it, takes the events of its tasks and returns the commands the pipeline carries out
+(actors/driver/pipeline.py).  Nothing else changes a step; no Ray here, so every path is
+unit-tested with made-up events (tests/actors/test_step.py).
+
+A step's batch is generated in parts (rollout calls, one per worker) that stream its pieces
+(opd/distill/pieces.py): each piece is scored by a teacher worker as soon as its rollout call
+hands it out, delivered into the trajectory queue, and trained by every learner rank in piece
+order.  Its life, event by event (-> the commands it answers with):
+
+    start()                          -> Generate(part) for every part
+    piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece), or
+                                     nothing (delivered by the worker when no scores are needed)
+    part_made(part, issue, report)   the call ended: its statistics
+    piece_scored(piece, report)      delivered into the queue
+    part_failed(part, issue, ...)    the call's worker failed or held other weights
+                                     -> Generate(part) again, or Replan (another version)
+    score_failed(piece)              the teacher worker failed -> Score(piece) again
+    score_lost(piece, issue)         the piece's payload died with its rollout worker
+                                     -> Score(piece) (a newer payload), Generate(part), or wait
+    seal()                           every piece delivered: the queue holds it as one item
+    begin_training(published)        the learner group starts on it
+    hand_out()                       -> HandOut(piece) for the pieces to train now, in order
+    piece_trained(piece, ...)        every rank answered a piece -> nothing, Trained, or the
+                                     piece made again (lost) / Replan (a prefetching step)
+    replanned(version, gen)          -> Generate(part) for every part, as a new generation
+
+Parts and pieces are different indices: `part` always numbers a rollout call, `piece` a
+streaming unit; `Layout.part_of(piece)` maps one to the other.  Each issue of a part has a
+number (`issues[part]`); answers of an earlier issue (a call that died and was issued again)
+are dropped, so nothing is counted twice.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from actors.driver.tasks import StageTimer
+from actors.transport.delivery import PartReport, PieceReport
+from opd.distill.pieces import Layout
+from opd.distill.results import LearnerResult, PieceAnswer
+from opd.distill.steps import RolloutJob
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Run rollout call `part` (its `issue`-th issue)."""
+    part: int
+    issue: int
+
+
+@dataclass(frozen=True)
+class Score:
+    """Score `piece` from its latest payload (made by issue `issue` of its part)."""
+    piece: int
+    issue: int
+
+
+@dataclass(frozen=True)
+class HandOut:
+    """Hand `piece` to every learner rank (its `handing`-th hand-out)."""
+    piece: int
+    handing: int
+    prefetch: bool
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Generate the whole step again at the published version (a new generation)."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    """Every rank answered the step's last piece: their results, in rank order."""
+    results: list[LearnerResult]
+
+
+Command = Generate | Score | HandOut | Replan | Trained
+
+
+@dataclass
+class PieceState:
+    """What is known of one piece: its latest payload from its rollout call (`made`, by issue
+    `issue` of its part), the issue whose payload is being scored, and its delivery."""
+    made: PieceReport | None = None
+    issue: int = -1
+    scoring: int | None = None
+    delivered: PieceReport | None = None
+
+
+@dataclass
+class Training:
+    """The learner group's work on the step (docs/STREAMING.md): how many pieces were handed
+    out (in piece order), each piece's hand-outs, each rank's answers as they arrive, and
+    whether the ranks fetch every piece at once (`prefetch`: a step that could not be made
+    again at its version trains only once it is sealed)."""
+    gen: int
+    prefetch: bool
+    submitted: int = 0
+    handed: dict[int, int] = field(default_factory=dict)                       # piece -> times
+    answers: dict[int, dict[int, PieceAnswer]] = field(default_factory=dict)   # piece -> rank ->
+    start: float = field(default_factory=time.perf_counter)
+
+
+class Step:
+    """Step `step`'s prefix batch `batch_id` from `source` at policy `version`, generated as
+    `jobs` (one per part of `layout`), scored when `scored`; `gen` its plan generation."""
+
+    def __init__(self, step: int, batch_id: int, source: str, version: int,
+                 jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool, phase: str):
+        self.step, self.batch_id, self.source = step, batch_id, source
+        self.jobs, self.layout, self.scored, self.phase = jobs, layout, scored, phase
+        self.version, self.gen = version, gen
+        self.issues = [0] * len(jobs)                  # part -> its current issue
+        self.generating: set[int] = set()              # parts with a call in flight
+        self.made: dict[int, PartReport] = {}          # part -> the report of its call's end
+        self.pieces = [PieceState() for _ in range(layout.pieces)]
+        self.sealed = False
+        self.training: Training | None = None
+        self.times = StageTimer()
+
+    # -- what it is ------------------------------------------------------------------------------
+
+    @property
+    def parts(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def samples(self) -> int:
+        return sum(int(j.labels.shape[0]) for j in self.jobs)
+
+    @property
+    def complete(self) -> bool:
+        """Every piece is delivered into the queue."""
+        return all(p.delivered is not None for p in self.pieces)
+
+    @property
+    def sealable(self) -> bool:
+        return self.complete and not self.sealed
+
+    def streamable(self, published: int) -> bool:
+        """Whether the learner may train on it piece by piece as pieces arrive: only if a piece
+        lost on the way can be made again exactly as it was (trajectories of the published
+        version, or of no student).  Otherwise it trains once sealed, and a piece lost then
+        re-plans it."""
+        return self.source != "student" or self.version == published
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def start(self) -> list[Command]:
+        self.times.begin("rollout", time.perf_counter())
+        return [self._generate(c) for c in range(self.parts)]
+
+    def replanned(self, version: int, gen: int) -> list[Command]:
+        """Everything again at `version`, as generation `gen`."""
+        self.version, self.gen, self.sealed, self.training = version, gen, False, None
+        self.generating.clear()
+        self.made.clear()
+        self.pieces = [PieceState() for _ in range(self.layout.pieces)]
+        return self.start()
+
+    def _generate(self, part: int) -> Generate:
+        """Issue `part` again: its pieces not delivered yet wait for the new call's payloads."""
+        self.issues[part] += 1
+        self.generating.add(part)
+        self.made.pop(part, None)
+        for p in self.layout.parts[part]:
+            if self.pieces[p].delivered is None:
+                self.pieces[p].made = None
+        return Generate(part, self.issues[part])
+
+    def piece_made(self, part: int, issue: int, report: PieceReport) -> list[Command]:
+        """Issue `issue` of `part` handed out piece `report.piece`: score it, or (no scores
+        needed) the worker delivered it."""
+        ps = self.pieces[report.piece]
+        if issue != self.issues[part] or ps.delivered is not None:
+            return []                                  # an earlier issue's, or delivered already
+        ps.made, ps.issue = report, issue
+        if not self.scored:
+            self._delivered(report.piece, report, 0.0)
+            return []
+        if ps.scoring is not None:       # scored from an earlier payload: if that one is lost,
+            return []                    # score_lost scores this one
+        return [self._score(report.piece)]
+
+    def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> None:
+        """Issue `issue` of `part` ended (`busy`: seconds from its submission to its end; the
+        worker's own, `report.seconds`, count when it measured them)."""
+        if issue != self.issues[part] or part in self.made:
+            return
+        self.generating.discard(part)
+        self.made[part] = report
+        self.times.busy["rollout"] += report.seconds or busy
+        if len(self.made) == self.parts:
+            self.times.end("rollout", time.perf_counter())
+
+    def part_failed(self, part: int, issue: int, published: int) -> list[Command]:
+        """Issue `issue` of `part` failed (its worker died, or held other weights).  A student
+        rollout older than the published weights cannot be made again (workers hold only the
+        published version): the whole step is re-planned."""
+        if issue != self.issues[part]:
+            return []                                  # issued again since
+        self.generating.discard(part)
+        if self.source == "student" and self.version != published:
+            return [Replan()]
+        return [self._generate(part)]
+
+    # -- scoring --------------------------------------------------------------------------------
+
+    def _score(self, piece: int) -> Score:
+        ps = self.pieces[piece]
+        ps.scoring = ps.issue
+        self.times.begin("teacher", time.perf_counter())
+        return Score(piece, ps.issue)
+
+    def piece_scored(self, piece: int, report: PieceReport, busy: float) -> None:
+        """`piece` was scored and delivered into the queue."""
+        self.pieces[piece].scoring = None
+        self._delivered(piece, report, busy)
+
+    def _delivered(self, piece: int, report: PieceReport, busy: float) -> None:
+        ps = self.pieces[piece]
+        if ps.delivered is not None:
+            return
+        ps.delivered = report
+        if self.scored:
+            self.times.busy["teacher"] += report.seconds or busy
+            if self.complete:
+                self.times.end("teacher", time.perf_counter())
+
+    def score_failed(self, piece: int) -> list[Command]:
+        """The teacher worker scoring `piece` failed: score it again (its payload lives on)."""
+        ps = self.pieces[piece]
+        ps.scoring = None
+        if ps.delivered is not None or ps.made is None:
+            return []                                  # delivered, or being made again
+        return [self._score(piece)]
+
+    def score_lost(self, piece: int, issue: int) -> list[Command]:
+        """The payload of `piece` from issue `issue` of its part was lost with the rollout
+        worker that owned it: score a newer payload, wait for the call making it again, or
+        issue the part again."""
+        ps = self.pieces[piece]
+        ps.scoring = None
+        if ps.delivered is not None:
+            return []
+        if ps.made is not None and ps.issue > issue:
+            return [self._score(piece)]
+        ps.made = None
+        part = self.layout.part_of(piece)
+        if part in self.generating and self.issues[part] > issue:
+            return []                                  # scored when the new call hands it out
+        return [self._generate(part)]
+
+    # -- the queue and the learner ---------------------------------------------------------------
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def begin_training(self, published: int) -> Training | None:
+        """The learner group starts on this step: as soon as its first piece is delivered if it
+        is `streamable`, else once it is sealed (None: not yet)."""
+        stream = self.streamable(published)
+        if not (self.sealed or (stream and self.pieces[0].delivered is not None)):
+            return None
+        self.training = Training(self.gen, prefetch=not stream)
+        return self.training
+
+    def hand_out(self) -> list[Command]:
+        """The pieces to hand to the learner ranks now, in piece order: each delivered one after
+        those handed already, up to the first missing one; the last only once the step is
+        sealed (taking it hands the step out of the queue)."""
+        t, out = self.training, []
+        P = self.layout.pieces
+        while t.submitted < P:
+            p = t.submitted
+            if self.pieces[p].delivered is None or (p == P - 1 and not self.sealed):
+                break
+            t.submitted += 1
+            t.handed[p] = t.handed.get(p, 0) + 1
+            out.append(HandOut(p, t.handed[p], t.prefetch))
+        return out
+
+    def piece_trained(self, piece: int, handing: int, rank: int, answer: PieceAnswer,
+                      ranks: int) -> list[Command]:
+        """Learner rank `rank` answered the `handing`-th hand-out of `piece`."""
+        t = self.training
+        if t is None or handing != t.handed.get(piece):
+            return []                                  # an answer to an earlier hand-out
+        answers = t.answers.setdefault(piece, {})
+        answers[rank] = answer
+        if len(answers) < ranks:
+            return []
+        del t.answers[piece]
+        first = answers[0]
+        if first.skipped:                              # handed after a lost piece: again later
+            return []
+        if first.lost:
+            return self._lost(piece)
+        if piece == self.layout.pieces - 1:
+            return [Trained([answers[r].result for r in range(ranks)])]
+        return []
+
+    def _lost(self, piece: int) -> list[Command]:
+        """Every rank found `piece` lost (the worker that delivered it died): make it again and
+        hand it out again; those handed after it come back skipped.  A prefetching step lost it
+        before training anything: the step is re-planned."""
+        t = self.training
+        if t.prefetch:
+            self.training = None
+            return [Replan()]
+        t.submitted = piece
+        ps = self.pieces[piece]
+        ps.delivered = None
+        part = self.layout.part_of(piece)
+        if self.scored:                                # delivered by a teacher: score it again
+            if ps.made is not None:
+                return [self._score(piece)]
+            return [] if part in self.generating else [self._generate(part)]
+        for p in self.layout.parts[part]:              # delivered by its rollout call's worker,
+            if p >= piece:                             # with the rest of that call's pieces
+                self.pieces[p].delivered = None
+        return [] if part in self.generating else [self._generate(part)]
