@@ -38,6 +38,12 @@ def actor_name(role: str, index: int | None = None) -> str:
     return name if index is None else f"{name}/{index}"
 
 
+def cpu_threads(num_cpus: float) -> int:
+    """The torch threads of an actor with a Ray CPU share of `num_cpus`: the whole CPUs it was
+    given, at least one (stages that overlap on a node then do not oversubscribe its cores)."""
+    return max(1, int(num_cpus))
+
+
 def role_device(num_gpus: float) -> torch.device:
     return torch.device("cuda", 0) if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
 
@@ -53,6 +59,7 @@ class Worker:
         self.index = index
         section = getattr(self.cfg, SECTIONS.get(self.role, self.role))   # cfg.rollout, cfg.eval, ...
         self.device = role_device(section.num_gpus)
+        torch.set_num_threads(cpu_threads(section.num_cpus))   # its Ray CPU share, no more
         self.metrics = RoleMetrics(self.role, index)
         self.io = IOCounter()
         self.model: torch.nn.Module | None = None

@@ -114,3 +114,17 @@ def test_buckets_cover_every_parameter_once_in_sorted_order():
     assert names == sorted(shapes)
     assert [b.names for b in buckets] == [("a", "b"), ("c",), ("d",)]
     assert all(b.numel == sum(int(np.prod(s)) for s in b.shapes) for b in buckets)
+
+
+def test_a_worker_s_torch_threads_follow_its_ray_cpu_share(setup, tiny_overrides):
+    """Overlapping stages must not oversubscribe the cores: each actor runs as many torch
+    threads as whole CPUs its role asks Ray for, at least one."""
+    from actors.workers.base import cpu_threads
+    assert [cpu_threads(c) for c in (0.0, 0.25, 0.5, 1.0, 2.5, 4)] == [1, 1, 1, 1, 2, 4]
+    cfg = load_config("tiny", [*tiny_overrides, "teacher.num_cpus=2", "rollout.num_cpus=0.5"])
+    before = torch.get_num_threads()
+    try:
+        assert TeacherWorker(cfg, 0).info()["threads"] == 2
+        assert RolloutWorker(cfg, 0).info()["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
