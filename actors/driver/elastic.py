@@ -22,11 +22,9 @@ before anything else (actor calls run in order); it takes jobs once that load an
 carry their image ids and random keys, so which worker generates a part never changes its
 tokens: strict runs still equal the reference loop, and every batch id is still consumed once.
 
-Tests only: `wait_signal`, a callable `(step, row) -> float`, replaces the measured
-`row["rollout_wait"]` in these decisions (the row itself keeps the measurement), so which
-step grows or shrinks the pool follows from the test, not from how fast the machine is.  Runs
-set it with the pipeline hook "rollout_wait" (`run_distributed(hooks=...)`); production runs
-leave it None and use the measurement.
+The decisions read the wait through `ElasticRollout.rollout_wait(step, row)` (the row's
+measurement), so a test can give them a wait of its own and the step that grows or shrinks
+the pool follows from the test, not from how fast the machine is.
 
 It works on what it is given: the run's actor groups (placement groups, new workers), the
 dispatcher (its rollout pool; it waits on placements) and the weight publisher (a new
@@ -35,8 +33,6 @@ worker's first load).
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
 import ray
 
 from actors.driver.cluster import fits, joins_cluster, role_bundle, run_bundles
@@ -50,14 +46,11 @@ log = logging.getLogger(__name__)
 
 class ElasticRollout:
     """Grows and shrinks the rollout pool (`dispatch.pools["rollout"]`) between `lo` and `hi`
-    workers; `wait_signal(step, row)`, if given (tests only), is the wait the decisions use
-    instead of `row["rollout_wait"]`."""
+    workers."""
 
-    def __init__(self, cfg: RunConfig, groups, dispatch, publisher, lo: int, hi: int,
-                 wait_signal: Callable[[int, dict], float] | None = None):
+    def __init__(self, cfg: RunConfig, groups, dispatch, publisher, lo: int, hi: int):
         self.cfg, self.groups, self.dispatch, self.publisher = cfg, groups, dispatch, publisher
         self.lo, self.hi = lo, hi
-        self.wait_signal = wait_signal
         self.pool = dispatch.pools["rollout"]
         self.autoscale = joins_cluster(self.cfg)
         self.grow_streak = self.idle_streak = 0
@@ -69,13 +62,12 @@ class ElasticRollout:
         self.step = -1
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, groups, dispatch, publisher,
-                wait_signal: Callable[[int, dict], float] | None = None) -> ElasticRollout | None:
+    def for_run(cls, cfg: RunConfig, groups, dispatch, publisher) -> ElasticRollout | None:
         """The policy of an elastic run (None for a fixed pool)."""
         n = cfg.rollout.num_workers
         if not (isinstance(n, tuple) and n[0] < n[1]) or not rolls_out(cfg):
             return None
-        return cls(cfg, groups, dispatch, publisher, *n, wait_signal=wait_signal)
+        return cls(cfg, groups, dispatch, publisher, *n)
 
     def workers(self) -> int:
         """Workers that are or will be up (starting, up, or restarting after a failure)."""
@@ -83,10 +75,15 @@ class ElasticRollout:
 
     # -- decisions (after every learner step) ------------------------------------------------
 
+    def rollout_wait(self, step: int, row: dict) -> float:
+        """The learner's wait on step `step`'s rollouts that the decisions read: its row's
+        measurement."""
+        return row["rollout_wait"]
+
     def after_step(self, step: int, row: dict) -> None:
         o = self.cfg.rollout
         self.step = step
-        wait = row["rollout_wait"] if self.wait_signal is None else self.wait_signal(step, row)
+        wait = self.rollout_wait(step, row)
         self.grow_streak = self.grow_streak + 1 if wait >= o.elastic_grow_wait else 0
         self.idle_streak = self.idle_streak + 1 if wait < o.elastic_shrink_wait else 0
         n = self.workers()

@@ -96,10 +96,7 @@ class Pipeline:
         self.publisher = WeightPublisher(cfg, groups, self.dispatch, self.metrics, self.records)
         if self.publisher.collective and groups.rollout:
             groups.join_broadcast(cfg)
-        wait_hook = self.hooks.get("rollout_wait")
-        self.elastic = ElasticRollout.for_run(
-            cfg, groups, self.dispatch, self.publisher,
-            None if wait_hook is None else lambda step, row: wait_hook(self, step=step, row=row))
+        self.elastic = ElasticRollout.for_run(cfg, groups, self.dispatch, self.publisher)
         train = open_dataset(cfg, "train")
         batcher = PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed)
         state = {"step": 0, "consumed": []}
@@ -482,9 +479,7 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     ("after_submit" (kind, step, worker, and part or piece), "after_piece" (a rollout call handed
     out a piece), "after_part" (a rollout call ended), "after_scored" (a piece delivered by its
     teacher worker), "after_seal" (a step's pieces all in the queue), "after_step") to
-    callables(pipeline, **info) (tests inject faults there),
-    and "rollout_wait" to a callable(pipeline, step=, row=) -> float that an elastic pool's
-    policy uses instead of the measured row["rollout_wait"] (tests: actors/driver/elastic.py);
+    callables(pipeline, **info) (tests inject faults there);
     `interrupt` (opd.run.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
     raises opd.run.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
     check_distributed(cfg)

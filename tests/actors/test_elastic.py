@@ -9,8 +9,8 @@ the single-process reference and every batch id is consumed once (invariants 5 a
 Retiring (on the session's local Ray): an added worker left idle is killed, down to min.
 
 The runs do not depend on how fast the machine is: the policy's wait comes from the pipeline
-hook "rollout_wait" (1.0 = the learner waited all step, 0.0 = not at all) instead of the
-measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
+wait they give `ElasticRollout.rollout_wait` (1.0 = the learner waited all step, 0.0 = not at
+all) instead of the measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
 and its weights, so the pool grows within a bounded number of steps however slowly workers
 start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the decisions (`after_step`
 on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
@@ -61,8 +61,9 @@ def settle(pipeline) -> None:
         ray.get(pipeline.rollout[i].info.remote(), timeout=300)
 
 
-def always_waiting(pipeline, step, row) -> float:
-    """The "rollout_wait" hook of the grow run: every step the learner waited all along."""
+def always_waiting(elastic, step, row) -> float:
+    """The wait the grow run's pool reads (`ElasticRollout.rollout_wait`): every step the
+    learner waited all along."""
     return 1.0
 
 
@@ -88,8 +89,10 @@ def drive(args: dict) -> None:
                 cluster.add_node(num_cpus=1, resources={"opd_rollout": 2})
             settle(pipeline)
 
+        from actors.driver.elastic import ElasticRollout
+        ElasticRollout.rollout_wait = always_waiting       # this subprocess only
         rows = run_distributed(cfg, args["run_dir"], progress=False,
-                               hooks={"after_step": add_node, "rollout_wait": always_waiting})
+                               hooks={"after_step": add_node})
         Path(args["out"]).write_text(json.dumps(rows))
     finally:
         ray.shutdown()
@@ -147,8 +150,9 @@ def test_elastic_run_equals_the_reference(elastic_run, reference):
         [(k, k, 0) for k in range(STEPS)]
 
 
-def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, reference, tmp_path):
-    """Grow to 2 on the session's local Ray (the wait hook says 1.0), then every step is idle
+def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, reference, tmp_path,
+                                                  monkeypatch):
+    """Grow to 2 on the session's local Ray (the wait says 1.0), then every step is idle
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
     from actors.driver.pipeline import run_distributed
@@ -164,14 +168,15 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
             with pytest.raises(ray_session.exceptions.RayActorError):
                 ray_session.get(pipeline.rollout[1].info.remote(), timeout=30)
 
-    def wait(pipeline, step, row):
+    def wait(elastic, step, row):
         return 0.0 if "switched" in seen else 1.0
 
+    from actors.driver.elastic import ElasticRollout
+    monkeypatch.setattr(ElasticRollout, "rollout_wait", wait)
     cfg = load_config("tiny", overrides(digits_dir, "rollout.num_workers=1..2",
                                         "rollout.elastic_patience=1",
                                         "rollout.elastic_idle_steps=2"))
-    rows = run_distributed(cfg, tmp_path, progress=False,
-                           hooks={"after_step": idle_from_now, "rollout_wait": wait})
+    rows = run_distributed(cfg, tmp_path, progress=False, hooks={"after_step": idle_from_now})
     workers = [r["rollout_workers"] for r in rows]
     k = seen["switched"]
     # placed after step 0 (wait 1.0, patience 1); settle: its bundle by step 1's hook and its
@@ -292,12 +297,11 @@ def policy(tiny_overrides, monkeypatch):
                         lambda: {"CPU": 100.0} if room["free"] else {})
     monkeypatch.setattr(elastic.ray, "kill", lambda actor, no_restart: killed.append(actor))
 
-    def make(lo, hi, *extra, wait_signal=None):
+    def make(lo, hi, *extra):
         cfg = load_config("tiny", [*tiny_overrides, f"rollout.num_workers={lo}..{hi}",
                                    "rollout.elastic_grow_wait=0.5",
                                    "rollout.elastic_shrink_wait=0.1", *extra])
-        e = elastic.ElasticRollout.for_run(cfg, FakeGroups(), FakeDispatch(lo), FakePublisher(),
-                                           wait_signal)
+        e = elastic.ElasticRollout.for_run(cfg, FakeGroups(), FakeDispatch(lo), FakePublisher())
         e.room, e.killed = room, killed
         return e
     return make
@@ -414,20 +418,24 @@ def test_autoscaler_request_follows_the_pool_and_is_withdrawn_when_idle(policy, 
     assert asked == [2, 3, 1, 2, 1] and e.pool.state == ["up", "retired"]
 
 
-def test_wait_hook_replaces_the_measured_wait(policy):
+def test_the_decisions_read_the_wait_through_rollout_wait(policy, monkeypatch):
+    """The seam the run tests use: what `rollout_wait` returns is the wait decided on; by
+    default the row's measurement."""
+    plain = policy(1, 2, "rollout.elastic_patience=2")
+    assert plain.rollout_wait(0, {"rollout_wait": 0.25}) == 0.25
+    steps(plain, [0.0, 0.0])
+    assert events(plain) == []
     calls = []
 
-    def signal(step, row):
+    def signal(self, step, row):
         calls.append((step, row["rollout_wait"]))
         return 1.0
 
-    e = policy(1, 2, "rollout.elastic_patience=2", wait_signal=signal)
-    steps(e, [0.0, 0.0])                          # measured: idle; the hook: waiting
+    import actors.driver.elastic as elastic
+    monkeypatch.setattr(elastic.ElasticRollout, "rollout_wait", signal)
+    e = policy(1, 2, "rollout.elastic_patience=2")
+    steps(e, [0.0, 0.0])                          # measured: idle; the wait read: waiting
     assert calls == [(0, 0.0), (1, 0.0)] and events(e) == [(1, "place", 2)]
-    plain = policy(1, 2, "rollout.elastic_patience=2")
-    assert plain.wait_signal is None
-    steps(plain, [0.0, 0.0])
-    assert events(plain) == []
 
 
 if __name__ == "__main__":
