@@ -72,8 +72,8 @@ WAIT_S = 30.0
 
 
 class Pipeline:
-    """One distributed run on started actor `groups`: the step loop, which executes the
-    decisions of actors/driver/core.py.  Its parts: `planner` (actors/driver/planner.py), `dispatch`
+    """One distributed run on started actor `groups`: the step loop, which carries out the
+    commands of its steps (actors/driver/step.py) and of actors/driver/core.py.  Its parts: `planner` (actors/driver/planner.py), `dispatch`
     (actors/driver/dispatch.py), `publisher` (actors/driver/publisher.py), `records` (actors/driver/records.py),
     `elastic` (actors/driver/elastic.py, None for a fixed pool), `quality` (actors/workers/evaluation.py, None
     without eval.track); `state` is the `core.DriverState`.  Hooks (tests) see the pipeline:
