@@ -611,7 +611,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loader.build(RunConfig, tree)
         except ConfigError as e:
             raise ConfigError(f"{preset}: {e}", e.key) from None
-    loader.apply_overrides(RunConfig, tree, overrides)
+    loader.set_overrides(RunConfig, tree, overrides)
     _objective_replaces_phases(tree, overrides)
     return config_from_dict(tree)
 
@@ -638,7 +638,7 @@ def _objective_replaces_phases(tree: dict[str, Any], overrides: list[str] | tupl
 def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     """A validated copy of `cfg` with dotted `key=value` overrides applied."""
     tree = config_to_dict(cfg)
-    loader.apply_overrides(RunConfig, tree, overrides)
+    loader.set_overrides(RunConfig, tree, overrides)
     _objective_replaces_phases(tree, overrides)
     return config_from_dict(tree)
 
