@@ -56,7 +56,7 @@ from rollout.options import (DECODINGS, ENGINE_OPTIONS, EXECUTIONS, REFRESHES, c
 # --------------------------------------------------------------------------------------------
 
 DType = Literal["float32", "bfloat16", "float64"]
-Engine = choices(ENGINE_OPTIONS)
+EngineName = choices(ENGINE_OPTIONS)
 Decoding = choices(DECODINGS)
 Refresh = choices(REFRESHES)
 Execution = choices(EXECUTIONS)
@@ -128,7 +128,7 @@ None is the uncalibrated half-batch fallback)."""
 class RolloutConfig:
     """Student rollout workers and their decoding engine."""
 
-    engine: Engine = "hbsjd"
+    engine: EngineName = "hbsjd"
     """Rollout engine: HB-SJD, Cached AR, batch-synchronous SJD or independent batched SJD."""
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
@@ -364,7 +364,7 @@ class EvalConfig:
     """Feature extractor: a small CNN for digits, or torch-fidelity's Inception (needs inception_weights offline)."""
     inception_weights: str | None = None
     """Local Inception weights file for the inception-v3-compat extractor."""
-    engine: Engine | None = None
+    engine: EngineName | None = None
     """Engine used to sample evaluation images; None = rollout.engine."""
     decoding: Decoding | None = "sample"
     """Decoding of evaluation samples: sample (the field's practice; greedy gives one image per class), None = rollout.decoding."""
