@@ -8,10 +8,12 @@ Per step k (policy version k = the number of updates the student has had):
     phase  = phase_at(cfg, k)                                  (distill.phases: the step's
                                                                objective, λ, prefix ratios, lr)
     source = objective.choose_source(k, seed)                  (GKD's λ: student or data)
-    for piece in pieces(batch):                                (distill.pieces, opd/distill/pieces.py)
-        traj = generate(current student, engine, piece)        (eval mode, no label dropout)
-        traj = score(teacher, traj)                           (teacher log-probs, full or top-k)
-    learn(student, optimizer, trajs, objective)                (gradients accumulated over the
+    for part in parts(batch):                                  (the step's rollout calls,
+                                                               opd/distill/plan.py)
+        traj = generate(current student, engine, part)         (eval mode, no label dropout)
+        for piece in pieces(traj):                             (distill.pieces, opd/distill/pieces.py)
+            piece = score(teacher, piece)                      (teacher log-probs, full or top-k)
+    learn(student, optimizer, pieces, objective)               (gradients accumulated over the
                                                                pieces in order, one update; loss
                                                                on the generated suffix; the
                                                                on-policy check, opd/distill/onpolicy.py,
