@@ -28,13 +28,11 @@ each entry validated like a section, errors name `distill.phases[1].lam`; one en
 on the command line as `distill.phases.1.lam=0.5`). Cross-field rules are functions
 decorated with `@cross_check`.
 
-Over 400 lines: one dataclass per section of a run, every field with the docstring users read
-(about 380 lines of them), then the cross-field rules over those sections and the entry points
-that apply both; the rules need the whole schema and `load_config` needs the rules.
-
-Longer than the ~450 lines the rest of opd/ keeps to, on purpose: it is the one place that
-lists every config key with its documentation, and splitting the schema by section would
-scatter what a user reads to find a key.
+Over 400 lines: it is the one place that lists every config key with the docstring users read
+(one dataclass per section of a run, about 380 lines of them), then the cross-field rules over
+those sections and the entry points that apply both; the rules need the whole schema and
+`load_config` needs the rules, and split by section, what a user reads to find a key would
+scatter.
 """
 from __future__ import annotations
 
