@@ -354,10 +354,10 @@ class EvalConfig:
 
     track: bool = True
     """Track quality during `opd train` (opd/eval/tracking.py): quality.parquet, sample grids over training, the closing table; false = no evaluation while training."""
-    every: int = bounded(100, ge=0)
+    every: int = bounded(200, ge=0)
     """Evaluate the student during training every this many learner steps, besides step 0 and the last step; 0 = only step 0 and the last step."""
-    num_samples: int = bounded(200, ge=1)
-    """Images generated per evaluation."""
+    num_samples: int = bounded(1000, ge=1)
+    """Images generated per evaluation (FID is biased and noisy on a few hundred)."""
     extractor: Literal["digits-cnn", "inception-v3-compat"] = "digits-cnn"
     """Feature extractor: a small CNN for digits, or torch-fidelity's Inception (needs inception_weights offline)."""
     inception_weights: str | None = None
