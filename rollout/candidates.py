@@ -46,36 +46,14 @@ verification reads and `next_candidates` drafts the next candidates (rollout/jac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from rollout.engine import Request, cfg_rows
+from rollout.jacobi_state import JacobiState, Plan, Tree
 from rollout.verify import verify_sample
-
-if TYPE_CHECKING:          # annotations only: jacobi imports this module at run time
-    from rollout.jacobi import JacobiState, Plan
-
-
-@dataclass
-class Tree:
-    """The window layout with K branches (constants of a generate call); C = W + (K - 1) L
-    columns: the root (0), branch 0 (1..W-1, the plain window's drafts), then branches j > 0
-    (L columns each, from W + (j - 1) L)."""
-    K: int
-    L: int               # columns of each branch j > 0
-    depth: Tensor        # (C,) position offset of each column: root 0, branch column t: 1 + t
-    base: Tensor         # (K,) first column of each branch
-    length: Tensor       # (K,) columns of each branch
-    path: Tensor         # (K, W) column of aligned index i when branch j wins (padded)
-    mask: Tensor         # (C, C) bool, column s sees column t
-
-    @property
-    def extra(self) -> int:
-        """Columns (and cache slots) beyond the plain window."""
-        return (self.K - 1) * self.L
 
 
 def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:

@@ -1,7 +1,8 @@
 """Imports go one way: rollout <- opd <- actors <- launch (and inside opd/, config <- data <- models
 <- distill <- eval, run); Ray only in actors/launch,
 DeepSpeed only in actors (docs/ARCHITECTURE.md, Layers); and no module imports itself through
-others (no import cycles, lazy imports inside functions included; scripts/ is in the cycle check).
+others (no import cycles, counting imports inside functions and under TYPE_CHECKING; scripts/ is in
+the cycle check).
 
     python tests/test_layering.py      # prints the import graph's size, depth and cycles
 """
@@ -22,36 +23,32 @@ FORBIDDEN = {
 PACKAGES = ("rollout", "opd", "actors", "launch", "scripts")   # scripts/: for cycles only
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node of a module except those under `if TYPE_CHECKING:` (imports for annotations
-    only, never executed, so never part of a cycle)."""
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-            for b in node.body for n in ast.walk(b)}
-    return (n for n in ast.walk(tree) if id(n) not in skip)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> the modules of the four packages it imports (at any depth of its code, so a
-    lazy import inside a function counts): `from a.b import c` is an edge to a.b.c when c is a
-    module, else to a.b."""
-    modules = {module_name(f): f for p in PACKAGES for f in (ROOT / p).rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for mod, path in modules.items():
-        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+def import_graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[str]]:
+    """module -> the modules of the packages it imports, counting every import statement: at any
+    depth of its code (a lazy import inside a function) and under `if TYPE_CHECKING:` (an
+    annotation names the other module's type, so the two modules depend on each other all the
+    same).  `from a.b import c` is an edge to a.b.c when c is a module, else to a.b; a relative
+    import is resolved against the module's package."""
+    files = {module_name(f, root): f for p in packages for f in (root / p).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
-                           else node.module for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) + 1 - node.level] if node.level else [])
+                source = ".".join(filter(None, [base, node.module]))
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in files else source
+                           for a in node.names]
             else:
                 continue
-            graph[mod] |= {t for t in targets if t in modules and t != mod}
+            graph[mod] |= {t for t in targets if t in files and t != mod}
     return graph
 
 
@@ -139,10 +136,19 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
-def test_annotation_only_imports_are_not_edges():
-    tree = ast.parse("import typing\nif typing.TYPE_CHECKING:\n    import a.b\nimport c\n")
-    names = {a.name for n in runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert names == {"typing", "c"}
+def test_every_import_is_an_edge_and_a_planted_circle_fails(tmp_path):
+    """An import under TYPE_CHECKING, one inside a function and a relative one all count: the
+    planted circle a -> b -> c -> a is found though no import of it runs at module load."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_cycle_finder_sees_a_cycle_and_measures_depth():

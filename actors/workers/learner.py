@@ -49,14 +49,14 @@ from opd.distill.phases import learning_rate
 
 
 def deepspeed_config(cfg: RunConfig, device: torch.device) -> dict:
-    lr = cfg.learner
-    micro = cfg.data.batch_size // lr.world_size
+    learner = cfg.learner
+    micro = cfg.data.batch_size // learner.world_size
     return {
-        "train_batch_size": micro * lr.world_size,
+        "train_batch_size": micro * learner.world_size,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": lr.grad_clip,
-        "zero_optimization": {"stage": lr.zero_stage},
+        "gradient_clipping": learner.grad_clip,
+        "zero_optimization": {"stage": learner.zero_stage},
         **precision.deepspeed_precision(cfg, device),      # float32 weights, bf16 autocast
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,

@@ -14,7 +14,8 @@ instead of resolving them): no trajectory passes through it or through the drive
 - Strict on-policy (staleness 0): an item is handed out only at exactly the version that
   generated it.  Bounded staleness k: lag = learner_version − version in [0, k]; the lag of
   every sample handed out is counted (a histogram {lag: samples}).  Items that became too old
-  are never handed out: they move to `expired` for the driver to issue again (nothing is lost).
+  are never handed out: they are dropped and counted (`counts["expired"]`), and a `take` of
+  their step answers None.
 - Generations: a step re-planned by the driver gets a new generation `gen`; sealing keeps the
   pieces of the sealed generation only, and pieces of steps already handed out are dropped.
 """
@@ -45,7 +46,6 @@ class QueueCore:
             raise ValueError(f"capacity must be >= 1 and staleness >= 0, got {capacity}, {staleness}")
         self.capacity, self.staleness = capacity, staleness
         self.items: list[QueueItem] = []
-        self.expired: list[QueueItem] = []
         self.lags: Counter[int] = Counter()  # {lag: samples handed out with that lag}
         self.counts = {"put": 0, "refused": 0, "handed_out": 0, "expired": 0}
 
@@ -66,10 +66,9 @@ class QueueCore:
 
     def get(self, learner_version: int, step: int | None = None) -> QueueItem | None:
         """Pop the admissible item with the lowest step (or exactly `step`), else None.  Items
-        too old for `learner_version` move to `expired` first."""
+        too old for `learner_version` are dropped (counted as expired) first."""
         for item in [i for i in self.items if learner_version - i.version > self.staleness]:
             self.items.remove(item)
-            self.expired.append(item)
             self.counts["expired"] += 1
         ready = [i for i in self.items if self.admissible(i.version, learner_version)
                  and (step is None or i.step == step)]
@@ -80,10 +79,6 @@ class QueueCore:
         self.lags[learner_version - item.version] += max(1, item.samples)
         self.counts["handed_out"] += 1
         return item
-
-    def take_expired(self) -> list[QueueItem]:
-        out, self.expired = self.expired, []
-        return out
 
     def stats(self) -> dict:
         return {"depth": len(self.items), "capacity": self.capacity, "staleness": self.staleness,
@@ -213,9 +208,6 @@ class TrajectoryQueue:
         owned them died): the driver makes the step's pieces again and seals them anew."""
         self.taking.pop(step, None)
         self.store.handed_out_below = min(self.store.handed_out_below, step)
-
-    async def take_expired(self) -> list[QueueItem]:
-        return self.core.take_expired()
 
     async def lags(self) -> dict[int, int]:
         """{lag: samples}: how many samples were handed out with each policy lag."""

@@ -19,7 +19,7 @@ from launch.commands import add_config_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from opd.config.schema import Engine  # no torch: the schema imports yaml and pydantic only
+    from opd.config.schema import EngineName  # no torch: the schema imports yaml and pydantic only
 
     p = subparsers.add_parser(
         "eval", help="FID / IS / precision / recall of a student, or a comparison of runs",
@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                            "and print a Markdown table")
     what.add_argument("--save-reference", metavar="FILE",
                       help="write the held-out split's features to FILE (for --reference) and exit")
-    p.add_argument("--engine", choices=get_args(Engine), help="rollout engine for the samples "
+    p.add_argument("--engine", choices=get_args(EngineName), help="rollout engine for the samples "
                    "(eval.engine; default: the run's rollout.engine)")
     p.add_argument("--decoding", choices=("sample", "greedy"),
                    help="eval.decoding (default sample; greedy gives one image per class)")

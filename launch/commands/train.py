@@ -89,13 +89,13 @@ def train(cfg, run_dir: Path, *, resume: bool) -> int:
 
     print(f"opd train: run directory {run_dir} (mode={cfg.run.mode})", flush=True)
     try:
-        with GracefulInterrupt() as stop:
+        with GracefulInterrupt() as interrupt:
             if cfg.run.mode == "reference":
                 from opd.run.reference import run_reference
-                rows = run_reference(cfg, run_dir, resume=resume, stop=stop.check)
+                rows = run_reference(cfg, run_dir, resume=resume, interrupt=interrupt)
             else:
                 from actors.driver.pipeline import run_distributed
-                rows = run_distributed(cfg, run_dir, resume=resume, interrupt=stop)
+                rows = run_distributed(cfg, run_dir, resume=resume, interrupt=interrupt)
     except RunInterrupted as e:
         print(f"opd train: interrupted with {e.step} steps done; checkpoint {e.checkpoint}; "
               f"continue with: opd train --resume {e.run_dir}", file=sys.stderr, flush=True)

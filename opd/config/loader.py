@@ -191,11 +191,11 @@ def spell(value: Any, tp: Any, meta: Any = None) -> Any:
         if type(None) in args and isinstance(value, str) and value in _NONE_WORDS:
             return None
         for a in args:
-            if a is not type(None) and fits(value, a):
+            if a is not type(None) and valid_value(value, a):
                 return value
         for a in args:
             out = spell(value, a, meta)
-            if out is not value and fits(out, a):
+            if out is not value and valid_value(out, a):
                 return out
         return value
     if tp is float and isinstance(value, str):     # PyYAML reads 1e-3 (no dot) as text
@@ -220,7 +220,7 @@ def spell(value: Any, tp: Any, meta: Any = None) -> Any:
     return value
 
 
-def fits(value: Any, tp: Any) -> bool:
+def valid_value(value: Any, tp: Any) -> bool:
     """Whether `value` (spelled) is a valid value of type `tp`."""
     try:
         _adapter(tp).validate_json(_json(value))
@@ -398,7 +398,7 @@ def parse_scalar(raw: str) -> Any:
         return raw
 
 
-def apply_overrides(root: type, tree: dict[str, Any], overrides: list[str] | tuple[str, ...],
+def set_overrides(root: type, tree: dict[str, Any], overrides: list[str] | tuple[str, ...],
                     what: str = "config") -> None:
     """Set each `section.key=value` of `overrides` in `tree`, in order (later ones win)."""
     for item in overrides:
@@ -486,7 +486,7 @@ def _override_value(raw: str, tp: Any, meta: Any) -> Any:
     value = parse_scalar(raw)
     if value is None or isinstance(value, str) or not _accepts_str(tp):
         return value
-    return value if fits(spell(value, tp, meta), tp) else raw
+    return value if valid_value(spell(value, tp, meta), tp) else raw
 
 
 def _accepts_str(tp: Any) -> bool:

@@ -126,7 +126,7 @@ class Objective:
         for key in OBJECTIVE_SETTINGS[self.name]:
             SETTINGS[key].check(self.name, getattr(self, key))
 
-    def check(self, student_logits: Tensor, batch: TrajectoryBatch) -> None:
+    def validate(self, student_logits: Tensor, batch: TrajectoryBatch) -> None:
         """Raise if the batch's source, teacher transport or shape does not fit this loss."""
         if batch.source not in self.accepts:
             raise ValueError(f"objective {self.name!r} takes batches from {self.accepts}, "
@@ -141,7 +141,7 @@ class Objective:
 
     def loss(self, student_logits: Tensor, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, float]]:
         """student_logits: (B, L, V) float; returns (scalar loss, metrics of Python floats)."""
-        self.check(student_logits, batch)
+        self.validate(student_logits, batch)
         loss, metrics = self._loss(student_logits, batch)
         mask = batch.loss_mask
         return loss, {"loss": float(loss.detach()), "tokens": float(mask.sum()),

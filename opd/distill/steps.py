@@ -292,6 +292,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def make_optimizer(student, cfg: RunConfig) -> torch.optim.Optimizer:
-    lr = cfg.learner
-    return torch.optim.AdamW(student.parameters(), lr=lr.lr, weight_decay=lr.weight_decay,
-                             betas=tuple(lr.betas))
+    learner = cfg.learner
+    return torch.optim.AdamW(student.parameters(), lr=learner.lr, weight_decay=learner.weight_decay,
+                             betas=tuple(learner.betas))

@@ -14,6 +14,7 @@ A row (one evaluation, a `quality.parquet` row):
     role        "student" | "teacher"
     fid, precision, recall, isc   eval.num_samples class-balanced samples with fixed keys
                 (eval.seed) against the held-out images (or eval.reference), eval.extractor
+    samples     how many (eval.num_samples then; FID's bias depends on it)
     class_acc   the digits CNN's agreement with the sampled class; None without digits-cnn
     kl_data     held-out KL(teacher ‖ student) per token (nats), first eval.kl_rows rows
     kl_samples  KL(teacher ‖ student) on student-generated suffixes of held-out prefixes
@@ -53,8 +54,8 @@ from opd.data.splits import data_paths, open_dataset
 QUALITY_FILE = "quality.parquet"
 SAMPLES_DIR = "samples"
 TEACHER_GRID = "teacher.png"
-COLUMNS = ("step", "role", "fid", "precision", "recall", "isc", "class_acc", "kl_data",
-           "kl_samples", "seconds")
+COLUMNS = ("step", "role", "fid", "precision", "recall", "isc", "class_acc", "samples",
+           "kl_data", "kl_samples", "seconds")
 CACHE_VERSION = 1
 """Bump when what a cached teacher row means changes."""
 
@@ -235,8 +236,8 @@ class Evaluator:
             self.save_samples(samples, student_grid_path(run_dir, step))
             q = quality_report(self.student, self.teacher, self.heldout, self.kl_cfg,
                                num_rows=self.cfg.eval.kl_rows)
-        return row(step, "student", metrics, q["kl_data"], q["kl_samples"],
-                   time.perf_counter() - start)
+        return row(step, "student", metrics, self.cfg.eval.num_samples, q["kl_data"],
+                   q["kl_samples"], time.perf_counter() - start)
 
     def teacher_row(self, run_dir: str | os.PathLike) -> dict:
         """The teacher's row (step 0; its KL to itself is 0) and samples/teacher.png, from the
@@ -259,16 +260,18 @@ class Evaluator:
         out = Path(run_dir) / SAMPLES_DIR / TEACHER_GRID
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(grid, out)
-        return row(0, "teacher", metrics, 0.0, 0.0, time.perf_counter() - start)
+        return row(0, "teacher", metrics, self.cfg.eval.num_samples, 0.0, 0.0,
+                   time.perf_counter() - start)
 
 
-def row(step: int, role: str, metrics: dict, kl_data: float, kl_samples: float,
+def row(step: int, role: str, metrics: dict, samples: int, kl_data: float, kl_samples: float,
         seconds: float) -> dict:
     """One quality.parquet row (COLUMNS); non-finite numbers become None."""
     def clean(v):
         return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v)
     out = {"step": int(step), "role": role,
            **{k: clean(metrics.get(k)) for k in ("fid", "precision", "recall", "isc", "class_acc")},
+           "samples": int(samples),
            "kl_data": clean(kl_data), "kl_samples": clean(kl_samples), "seconds": float(seconds)}
     return {k: out[k] for k in COLUMNS}
 

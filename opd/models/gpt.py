@@ -246,11 +246,6 @@ class GPT(nn.Module):
                 if on and cache is not None and cache.is_cuda:
                     torch._dynamo.mark_static_address(cache)
 
-    def release_cache(self) -> None:
-        for layer in self.layers:
-            layer.attention.k_cache = layer.attention.v_cache = None
-        self.max_batch = 0
-
     def prefill(self, labels: Tensor, prefix: Tensor, rows: Tensor | None) -> Tensor:
         """labels: (B,), prefix: (B, P), rows: (B,) or None (rows 0..B-1).
         Returns logits (B, P + 1, V); the last row is the distribution of image token P."""

@@ -216,7 +216,7 @@ class Decoder(nn.Module):
 
 
 class VectorQuantizer(nn.Module):
-    """Codebook `embedding.weight` (K, D); lookups and nearest-code search use L2-normalized rows."""
+    """Codebook `embedding.weight` (K, D); lookups use L2-normalized rows."""
 
     def __init__(self, a: VQArgs):
         super().__init__()
@@ -232,11 +232,6 @@ class VectorQuantizer(nn.Module):
         z = self.codebook()[codes]  # (B, h·w, D)
         return z.reshape(codes.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous()
 
-    def nearest(self, z: Tensor) -> Tensor:
-        """z (B, D, h, w) → codes (B, h·w) int64 of the nearest normalized code (cosine)."""
-        zf = F.normalize(z.permute(0, 2, 3, 1).flatten(1, 2), p=2, dim=-1)  # (B, h·w, D)
-        return (zf @ self.codebook().T).argmax(dim=-1)
-
 
 class VQModel(nn.Module):
     """LlamaGen's VQ tokenizer (same state-dict keys); used here for decoding GPT samples."""
@@ -249,11 +244,6 @@ class VQModel(nn.Module):
         self.quantize = VectorQuantizer(args)
         self.quant_conv = nn.Conv2d(args.z_channels, args.codebook_embed_dim, 1)
         self.post_quant_conv = nn.Conv2d(args.codebook_embed_dim, args.z_channels, 1)
-
-    @torch.no_grad()
-    def encode_codes(self, images: Tensor) -> Tensor:
-        """images (B, 3, H, W) float in [−1, 1] → codes (B, (H/16)·(W/16)) int64, raster order."""
-        return self.quantize.nearest(self.quant_conv(self.encoder(images)))
 
     def decode_codes(self, codes: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
         """codes (B, h·w) int64 (square grid unless `grid`=(h, w)) → images (B, 3, 16h, 16w) float ≈[−1, 1]."""

@@ -1,15 +1,16 @@
 """Ctrl-C during a run: finish what is safe to finish, checkpoint, stop.
 
-    with GracefulInterrupt() as stop:        # installs a SIGINT handler (main thread only)
-        with stop.armed():                   # the step loop: a first Ctrl-C is deferred ...
-            if stop.pending(): ...           # ... to the loop's next safe point (or: stop.check())
-            with stop.safe():                # ... or raised at once while the loop only waits
+    with GracefulInterrupt() as interrupt:   # installs a SIGINT handler (main thread only)
+        with interrupt.armed():              # the step loop: a first Ctrl-C is deferred ...
+            if interrupt.pending(): ...      # ... to the loop's next safe point (or: .check())
+            with interrupt.safe():           # ... or raised at once while the loop only waits
                 ray.wait(...)
 
 A first SIGINT outside `armed()` (start-up, pretraining) raises KeyboardInterrupt at once, as
 Python does by default; inside it, the loop checkpoints its current step and raises
 `RunInterrupted`.  A second SIGINT always raises at once (abort without a checkpoint).
-No Ray here: the reference loop (opd/) takes `stop.check` as a plain callable.
+No Ray here: both run loops take the object as `interrupt=` (the reference loop calls `check()`
+before every step).
 """
 from __future__ import annotations
 

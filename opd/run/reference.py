@@ -13,7 +13,7 @@ Per step k (policy version k = the number of updates the student has had):
                                                                opd/distill/stream.py; eval mode,
                                                                no label dropout)
             piece = score(teacher, piece)                      (teacher log-probs, full or top-k)
-    learn(student, optimizer, trajs, objective)                (gradients accumulated over the
+    learn(student, optimizer, pieces, objective)               (gradients accumulated over the
                                                                pieces in order, one update; loss
                                                                on the generated suffix; the
                                                                on-policy check, opd/distill/onpolicy.py,
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from opd.run import checkpoints as ckpt
+from opd.run.interrupt import GracefulInterrupt, NoInterrupt
 from opd.models import precision
 from opd.run.artifacts import plot_training
 from opd.config.schema import RunConfig
@@ -88,13 +88,15 @@ def track_quality(evaluator: Evaluator | None, quality, student, step: int, run_
 
 def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                   resume: bool = False, stop_after: int | None = None,
-                  stop: Callable[[], bool] | None = None) -> list[dict]:
+                  interrupt: GracefulInterrupt | None = None) -> list[dict]:
     """Run cfg.distill.steps OPD steps in this process; returns the per-step metric rows (also
     in run_dir/metrics.parquet).  `resume` continues from the run's latest checkpoint;
-    `stop_after` ends the loop early after that many steps (tests of exact resume); `stop()`,
-    asked before every step, True: checkpoint that step and raise RunInterrupted (Ctrl-C)."""
+    `stop_after` ends the loop early after that many steps (tests of exact resume); `interrupt`
+    (opd.run.interrupt.GracefulInterrupt), asked before every step: after Ctrl-C, checkpoint that
+    step and raise RunInterrupted."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    interrupt = interrupt or NoInterrupt()
     seed = cfg.run.seed
     torch.manual_seed(seed)
     teacher = precision.to_role(load_role_model(cfg, "teacher", progress=progress), cfg, "teacher")
@@ -122,7 +124,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     track_quality(evaluator, quality, student, start, run_dir)
     with steps:
         for step in range(start, steps.end):
-            if stop is not None and stop():
+            if interrupt.check():
                 path = save_checkpoint(run_dir, step, student, optimizer, batcher, cfg)
                 raise steps.interrupted(step, path)
             pb = next(batcher)

@@ -161,17 +161,25 @@ def _number(value: float | None) -> str:
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
 
 
+def _count(row: dict, before: str, after: str = "") -> str:
+    """", 1,000 samples" (with the given brackets) of a row that records its sample count."""
+    return f"{before}{row['samples']:,} samples{after}" if row.get("samples") else ""
+
+
 def gap_table(rows: list[dict]) -> str:
     """Markdown table `teacher | student before | student after | share of the gap closed` of
-    quality.parquet rows: before = the first student evaluation, after = the last; the
-    teacher's KL(T‖S), held-out and on-policy, is 0 by definition.  "" when there is no student row."""
+    quality.parquet rows: before = the first student evaluation, after = the last, each header
+    with the sample count of its FID, precision, recall and class accuracy (rows that record
+    one); the teacher's KL(T‖S), held-out and on-policy, is 0 by definition.  "" when there is
+    no student row."""
     students = sorted((r for r in rows if r.get("role") == "student"), key=lambda r: r["step"])
     if not students:
         return ""
     teacher = next((r for r in rows if r.get("role") == "teacher"), {})
     before, after = students[0], students[-1]
-    lines = [f"| | teacher | student before (step {before['step']}) | student after "
-             f"(step {after['step']}) | share of the gap closed |",
+    lines = [f"| | teacher{_count(teacher, ' (', ')')} | student before (step {before['step']}"
+             f"{_count(before, ', ')}) | student after (step {after['step']}{_count(after, ', ')}) "
+             f"| share of the gap closed |",
              "|---|---:|---:|---:|---:|"]
     for label, key in GAP_ROWS:
         t = 0.0 if key in KL_KEYS else teacher.get(key)
@@ -191,7 +199,8 @@ def write_quality_summary(run_dir: str | Path) -> str:
     if table:
         (Path(run_dir) / QUALITY_TABLE).write_text(
             "# Quality: student vs teacher\n\n" + table
-            + "\nFID / precision / recall / class accuracy of eval.num_samples class-balanced "
-              "samples (fixed keys); KL per token in nats: held-out = teacher-forced on held-out "
-              "sequences, on-policy = on the student's own completions of held-out prefixes.\n")
+            + "\nFID / precision / recall / class accuracy of the class-balanced samples each "
+              "header counts (fixed keys); KL per token in nats: held-out = teacher-forced on "
+              "held-out sequences, on-policy = on the student's own completions of held-out "
+              "prefixes.\n")
     return table

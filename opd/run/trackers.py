@@ -60,7 +60,7 @@ STAGE_OF = {
 """Columns that do not start with their stage's name; every other column without a stage
 prefix (the loss, the objective's own figures, `phase`) is under loss/."""
 SOURCES = ("data", "student", "teacher")
-QUALITY_SKIP = ("step", "role")
+QUALITY_SKIP = ("step", "role", "samples")     # keys and a setting, not measures
 
 
 def tag(column: str) -> str:

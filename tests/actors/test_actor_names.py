@@ -23,7 +23,7 @@ def info(name: str, namespace: str) -> dict:
 
 
 def test_actors_carry_names_and_reprs_with_their_version(ray_session, tiny_overrides, tmp_path):
-    cfg = load_config("tiny", [*tiny_overrides, "rollout.num_workers=2", "learner.world_size=2",
+    cfg = load_config("tiny", [*tiny_overrides, "rollout.num_workers=2",
                                "eval.track=false", "rollout.num_cpus=0.25",
                                "teacher.num_cpus=0.25", "learner.num_cpus=0.25"])
     groups = ActorGroups.start(cfg, tmp_path / "run-a")
@@ -33,12 +33,11 @@ def test_actors_carry_names_and_reprs_with_their_version(ray_session, tiny_overr
         assert ns.startswith("opd-run-a-")
         assert {n: info(n, ns)["repr"] for n in
                 ["opd/rollout/0", "opd/rollout/1", "opd/teacher/0", "opd/learner/0",
-                 "opd/learner/1", "opd/queue"]} == {
+                 "opd/queue"]} == {
             "opd/rollout/0": "RolloutWorker(opd/rollout/0, version=None)",
             "opd/rollout/1": "RolloutWorker(opd/rollout/1, version=None)",
             "opd/teacher/0": "TeacherWorker(opd/teacher/0, version=None)",
             "opd/learner/0": "StudentLearner(opd/learner/0, version=0)",
-            "opd/learner/1": "StudentLearner(opd/learner/1, version=0)",
             "opd/queue": "TrajectoryQueue(opd/queue, version=None, depth=0/4)"}
 
         calls = [a.publish_weights.remote(0) for a in groups.learners]

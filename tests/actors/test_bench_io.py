@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 TINY = ["model.student=GPT-tiny", "model.teacher=GPT-tiny", "model.vocab_size=11",
@@ -13,6 +14,7 @@ TINY = ["model.student=GPT-tiny", "model.teacher=GPT-tiny", "model.vocab_size=11
         "teacher.num_cpus=0.25", "learner.num_cpus=0.5"]
 
 
+@pytest.mark.slow   # the bytes each role receives, on a Ray run: tests/actors/test_driver_payloads.py
 def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
     from launch.cli import main
     from opd.distill.batch import index_dtype

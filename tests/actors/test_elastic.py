@@ -7,11 +7,12 @@ one worker and cannot grow; after step ADD_AT a second node joins with two more,
 driver adds workers mid-run, without a restart.  Strict on-policy, greedy: the losses equal
 the single-process reference and every batch id is consumed once (invariants 5 and 7).
 Retiring (on the session's local Ray): an added worker left idle is killed, down to min.
+The two-node run is marked slow; the retire run, which grows first, is in the default run.
 
 The runs do not depend on how fast the machine is: the policy's wait comes from the pipeline
 wait they give `ElasticRollout.rollout_wait` (1.0 = the learner waited all step, 0.0 = not at
-all) instead of the measured `rollout_wait`, and `settle` holds a step until a worker being added has its bundle
-and its weights, so the pool grows within a bounded number of steps however slowly workers
+all) instead of the measured `rollout_wait`, and `settle` holds a step until a worker being
+added has its bundle and its weights, so the pool grows within a bounded number of steps however slowly workers
 start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the decisions (`after_step`
 on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
 
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 40
+STEPS = 40             # the grow run (a node joins)
+RETIRE_STEPS = 10      # the retire run: grown by step 3, retired 2 idle steps later
 ADD_AT = 2
 LOSS_TOL = 1e-5
 
@@ -119,6 +121,7 @@ def elastic_run(tiny_overrides, digits_dir, opd_cache, tmp_path_factory):
     return json.loads((out / "rows.json").read_text()), out / "run"
 
 
+@pytest.mark.slow   # grows mid-run (on the session's Ray): test_idle_added_worker_is_retired_down_to_min
 def test_rollout_workers_grow_mid_run_when_a_node_joins(elastic_run):
     rows, run_dir = elastic_run
     workers = [r["rollout_workers"] for r in rows]
@@ -133,25 +136,25 @@ def test_rollout_workers_grow_mid_run_when_a_node_joins(elastic_run):
     assert all(e["step"] >= ADD_AT for e in events if e["event"] == "place")
 
 
-@pytest.fixture(scope="module")
-def reference(digits_dir, tmp_path_factory):
+def reference(digits_dir, tmp_path, steps: int) -> list[dict]:
     from opd.config.schema import load_config
     from opd.run.reference import run_reference
-    return run_reference(load_config("tiny", overrides(digits_dir)), tmp_path_factory.mktemp("ref"),
-                         progress=False)
+    return run_reference(load_config("tiny", overrides(digits_dir, f"distill.steps={steps}")),
+                         tmp_path / "ref", progress=False)
 
 
-def test_elastic_run_equals_the_reference(elastic_run, reference):
+@pytest.mark.slow   # an elastic run equal to the reference: test_idle_added_worker_is_retired_down_to_min
+def test_elastic_run_equals_the_reference(elastic_run, digits_dir, tmp_path):
     rows, _ = elastic_run
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=0,
+    ref = reference(digits_dir, tmp_path, STEPS)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=0,
                                                       abs=LOSS_TOL)
-    assert [r["rounds"] for r in rows] == [r["rounds"] for r in reference]    # the same tokens
+    assert [r["rounds"] for r in rows] == [r["rounds"] for r in ref]          # the same tokens
     assert [(r["step"], r["batch_id"], r["policy_lag"]) for r in rows] == \
         [(k, k, 0) for k in range(STEPS)]
 
 
-def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, reference, tmp_path,
-                                                  monkeypatch):
+def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, tmp_path, monkeypatch):
     """Grow to 2 on the session's local Ray (the wait says 1.0), then every step is idle
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
@@ -163,7 +166,7 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
         settle(pipeline)
         if row["rollout_workers"] == 2 and "switched" not in seen:
             seen["switched"] = step
-        if step == STEPS - 1:
+        if step == RETIRE_STEPS - 1:
             seen["states"] = list(pipeline.pools["rollout"].state)
             with pytest.raises(ray_session.exceptions.RayActorError):
                 ray_session.get(pipeline.rollout[1].info.remote(), timeout=30)
@@ -173,10 +176,11 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
 
     from actors.driver.elastic import ElasticRollout
     monkeypatch.setattr(ElasticRollout, "rollout_wait", wait)
-    cfg = load_config("tiny", overrides(digits_dir, "rollout.num_workers=1..2",
-                                        "rollout.elastic_patience=1",
+    cfg = load_config("tiny", overrides(digits_dir, f"distill.steps={RETIRE_STEPS}",
+                                        "rollout.num_workers=1..2", "rollout.elastic_patience=1",
                                         "rollout.elastic_idle_steps=2"))
-    rows = run_distributed(cfg, tmp_path, progress=False, hooks={"after_step": idle_from_now})
+    rows = run_distributed(cfg, tmp_path / "run", progress=False,
+                           hooks={"after_step": idle_from_now})
     workers = [r["rollout_workers"] for r in rows]
     k = seen["switched"]
     # placed after step 0 (wait 1.0, patience 1); settle: its bundle by step 1's hook and its
@@ -184,14 +188,15 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, refer
     assert 1 <= k <= 3, workers
     # idle after k and k+1: retired after step k+1 (strict on-policy: it has nothing in flight
     # between its rollout of a step and the next step's weights)
-    assert workers == [1] * k + [2, 2] + [1] * (STEPS - k - 2), workers
+    assert workers == [1] * k + [2, 2] + [1] * (RETIRE_STEPS - k - 2), workers
     assert seen["states"] == ["up", "retired"]
-    record = json.loads((tmp_path / "consumed.json").read_text())
+    record = json.loads((tmp_path / "run" / "consumed.json").read_text())
     events = record["rollout_workers"]["events"]
     assert [(e["event"], e["workers"]) for e in events] == [("place", 2), ("add", 2), ("retire", 1)]
     assert events[0]["step"] == 0 and events[2]["step"] == k + 1, events
-    assert record["consumed"] == {str(b): 1 for b in range(STEPS)}
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=0,
+    assert record["consumed"] == {str(b): 1 for b in range(RETIRE_STEPS)}
+    ref = reference(digits_dir, tmp_path, RETIRE_STEPS)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=0,
                                                       abs=LOSS_TOL)
 
 

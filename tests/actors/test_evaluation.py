@@ -54,6 +54,7 @@ def test_quality_rows_and_grids_from_the_evaluation_worker(tracked, tiny_overrid
         {k: v for k, v in quality[1].items() if k != "seconds"}
 
 
+@pytest.mark.slow   # invariant 9: tests/opd/test_tracking.py::test_tracking_does_not_change_the_losses
 def test_tracking_does_not_change_the_losses(tracked, ray_session, tiny_overrides, tmp_path):
     rows, _ = tracked
     off = run_distributed(cfg_for(tiny_overrides, "eval.track=false"), tmp_path, progress=False)

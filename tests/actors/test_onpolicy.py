@@ -5,6 +5,7 @@ version (a broken weight sync that the version check cannot see) is caught by th
 import re
 import time
 
+import pytest
 import ray
 
 from actors.driver.pipeline import run_distributed
@@ -15,6 +16,9 @@ from tests.actors.test_pipeline import scrape_metrics
 STEPS, FROZEN_AFTER = 5, 1
 
 
+@pytest.mark.slow   # the check catches stale weights: tests/opd/test_onpolicy.py
+#                      (test_stale_weights_give_the_weights_own_logprob_change); Ray rows carry
+#                      it: test_phases_ray, test_precision_ray
 def test_a_worker_with_stale_weights_is_caught_by_the_metric(ray_session, tiny_overrides,
                                                             tmp_path):
     cfg = load_config("tiny", [*tiny_overrides, f"distill.steps={STEPS}", "rollout.gamma=2",

@@ -23,7 +23,9 @@ def cfg_for(tiny_overrides, *extra):
                                 "learner.num_cpus=0.5", *BF16, *extra])
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", [
+    pytest.param("greedy", marks=pytest.mark.slow),   # [sample]: the same bf16 pipeline
+    "sample"])
 def test_ray_equals_reference_in_bf16(ray_session, tiny_overrides, tmp_path, decoding):
     cfg = cfg_for(tiny_overrides, f"rollout.decoding={decoding}")
     ref = run_reference(cfg, tmp_path / "ref", progress=False)

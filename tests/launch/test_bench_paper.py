@@ -302,6 +302,7 @@ def test_bench_step_engine_arms_set_the_window():
         ["rollout.engine=sjd_independent", "rollout.window=16"]]
 
 
+@pytest.mark.slow   # the harness: test_bench_step_reference; Ray rows' weight bytes: test_driver_payloads
 def test_bench_step_ray(ray_session, tiny_overrides, tmp_path):
     """mode=ray: the Ray pipeline's rows carry a measured weight sync; both engines run."""
     from launch.cli import main

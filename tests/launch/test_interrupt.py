@@ -98,7 +98,7 @@ def test_first_ctrl_c_is_deferred_inside_the_loop_the_second_aborts():
 
 
 def test_ctrl_c_in_reference_mode_checkpoints_and_resumes_exactly(digits_dir, opd_cache, tmp_path):
-    steps = 40
+    steps = 16
     args = overrides(digits_dir, steps, "run.mode=reference")
     run_dir = tmp_path / "run"
     code, err = interrupt_after(opd("train", "--config", "tiny", *args, f"run.dir={run_dir}"),

@@ -101,6 +101,8 @@ def submit(head, env: dict, *entrypoint: str, runtime_env: dict | None = None,
                           text=True, timeout=600)
 
 
+@pytest.mark.slow   # a job that trains on the cluster: test_ray_job_stop_with_sigint_...; to the end on
+#                      Ray: tests/launch/test_export_cmd.py
 def test_opd_train_runs_as_a_job_on_the_cluster(head, digits_dir, opd_cache, tmp_path):
     run_dir = tmp_path / "run"
     proc = submit(head, head["env"], "opd", "train", "--config", "tiny",
@@ -142,6 +144,7 @@ def test_ray_job_stop_with_sigint_checkpoints_the_run(head, digits_dir, opd_cach
         time.sleep(0.5)
     logs = subprocess.run([*ray_job, "logs", "--address", head["address"], job], env=head["env"],
                           capture_output=True, text=True, timeout=120).stdout
+    assert "Connecting to existing Ray cluster" in logs          # joined the job's cluster
     done = len(read_metrics(run_dir))
     assert 2 <= done < 500
     assert (f"opd train: interrupted with {done} steps done; checkpoint "

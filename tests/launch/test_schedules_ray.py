@@ -16,6 +16,7 @@ def overrides(tiny_overrides):
             "rollout.num_cpus=0.25", "teacher.num_cpus=0.25", "learner.num_cpus=0.25"]
 
 
+@pytest.mark.slow   # the matching: test_bench_schedules (reference mode); Ray runs: tests/actors
 def test_ray_mode_matches_equal_time_on_wall_seconds(ray_session, tmp_path, overrides):
     """mode: ray runs every arm on the Ray pipeline (`opd bench schedules` passes it) and gives
     the equal-time arm the base arm's steps that fit in the matched arm's summed step wall time."""

@@ -29,6 +29,13 @@ def test_gap_table_exact_shares():
     ]
 
 
+def test_gap_table_headers_count_the_samples_of_each_column():
+    rows = [{**r, "samples": 1000 if r["role"] == "student" else 200} for r in ROWS]
+    assert gap_table(rows).splitlines()[0] == (
+        "| | teacher (200 samples) | student before (step 0, 1,000 samples) | student after "
+        "(step 100, 1,000 samples) | share of the gap closed |")
+
+
 def test_gap_share():
     assert gap_share(10.0, 50.0, 30.0) == pytest.approx(0.5)
     assert gap_share(10.0, 50.0, 60.0) == pytest.approx(-0.25)    # moved away

@@ -96,6 +96,13 @@ def test_checkpoint_key_mismatch_is_named(tmp_path):
         load_vq_checkpoint(str(tmp_path / "missing.pt"), **TINY)
 
 
+def nearest(model: VQModel, z: torch.Tensor) -> torch.Tensor:
+    """z (B, D, h, w) → codes (B, h·w) int64 of the nearest normalized code (cosine): the
+    encode side of the codebook, which opd never runs (it only decodes samples)."""
+    zf = F.normalize(z.permute(0, 2, 3, 1).flatten(1, 2), p=2, dim=-1)   # (B, h·w, D)
+    return (zf @ model.quantize.codebook().T).argmax(dim=-1)
+
+
 def test_codebook_lookup_is_normalized_raster_order():
     model = create_vq16(**TINY)
     codes = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -107,8 +114,10 @@ def test_codebook_lookup_is_normalized_raster_order():
             torch.testing.assert_close(z[0, :, i, j], want)
     # A normalized code vector's nearest code is itself.
     all_codes = torch.arange(64).reshape(1, 64)
-    assert torch.equal(model.quantize.nearest(model.quantize.lookup(all_codes, 8, 8)), all_codes)
-    assert model.encode_codes(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    assert torch.equal(nearest(model, model.quantize.lookup(all_codes, 8, 8)), all_codes)
+    with torch.no_grad():                               # the encoder down-samples 16x
+        z = model.quant_conv(model.encoder(torch.randn(2, 3, 32, 32)))
+    assert nearest(model, z).shape == (2, 4)
 
 
 def test_attention_matches_llamagen_formula():

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from opd.models import create_model
 from rollout import make_engine
 
 ENGINES = [  # name, options
@@ -73,7 +74,8 @@ def test_the_kv_cache_is_allocated_once_and_reused(tiny, batch):
     again = engine.generate(model, labels[:4], prefix[:4], 14, cfg_scale=2.0, seed=1)
     slotted = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1, slots=2)
     assert model.layers[0].attention.k_cache.data_ptr() == storage
-    model.release_cache()
-    fresh = engine.generate(model, labels, prefix, 14, cfg_scale=2.0, seed=1)
+    clean = create_model("GPT-tiny", vocab_size=5, grid_size=4).double().eval()
+    clean.load_state_dict(model.state_dict())            # the same weights, no cache yet
+    fresh = engine.generate(clean, labels, prefix, 14, cfg_scale=2.0, seed=1)
     assert torch.equal(first.tokens, fresh.tokens) and torch.equal(slotted.tokens, fresh.tokens)
     assert torch.equal(again.tokens, fresh.tokens[:4])
