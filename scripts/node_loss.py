@@ -11,13 +11,13 @@ learner: `opd_learner`), two rollout nodes (`opd_rollout`) and two teacher nodes
 (`opd_teacher`); the tiny config, strict on-policy, sampled HB-SJD, 2 rollout and 2 teacher
 workers, cluster.role_resources=true, so each worker sits on its own node.  Mid-run:
 
-- a rollout node is removed right after its worker generated a part of step --lose-rollout
-  (the part's payload in that node's store, not yet scored), and a fresh rollout node joins, as
-  an autoscaler replaces a lost node: the part is made again and Ray restarts the worker on the
-  new node;
-- a teacher node is removed right after step --lose-teacher was sealed with pieces its worker
-  scored (in that node's store, the learner not yet given them); nothing replaces it: the step
-  is made again and the run goes on with one teacher worker.
+- a rollout node is removed right after its worker handed out a piece of step --lose-rollout
+  (the piece's payload in that node's store, not yet scored), and a fresh rollout node joins, as
+  an autoscaler replaces a lost node: the rollout call is made again and Ray restarts the worker
+  on the new node;
+- a teacher node is removed right after its worker delivered a piece of step --lose-teacher (in
+  that node's store, the learner not yet given it); nothing replaces it: the piece is scored
+  again and the run goes on with one teacher worker.
 
 "driver": a head started as docs/CLUSTER.md says (`ray start --head`, its own ports and temp
 dir, with the dashboard's job server); `opd train` is submitted with `ray job submit`, its
@@ -102,32 +102,27 @@ class NodeFaults:
         self.rollout_nodes, self.teacher_nodes = rollout_nodes, teacher_nodes
         self.lose_rollout, self.lose_teacher, self.steps = lose_rollout, lose_teacher, steps
         self.removed: dict[str, dict] = {}                # role -> {"node", "step", "t"}
-        self.scored_on: dict[int, set[int]] = {}          # step -> teacher workers that scored
         self.memory: dict[str, dict] = {}
         self.queue_node = None
 
     def hooks(self) -> dict:
-        return {"after_part": self.after_part, "after_submit": self.after_submit,
-                "after_seal": self.after_seal, "after_step": self.after_step}
+        return {"after_piece": self.after_piece, "after_scored": self.after_scored,
+                "after_step": self.after_step}
 
     def _on(self, pipeline, role: str, worker: int, node) -> bool:
         return pipeline.nodes.where.get((role, worker)) == node.node_id
 
-    def after_part(self, pipeline, step: int, part: int, worker: int) -> None:
+    def after_piece(self, pipeline, step: int, piece: int, worker: int) -> None:
         node = self.rollout_nodes[0]
         if ("rollout" not in self.removed and step >= self.lose_rollout
                 and self._on(pipeline, "rollout", worker, node)):
             self._remove("rollout", node, step)
             self.cluster.add_node(num_cpus=1, resources={"opd_rollout": 1})
 
-    def after_submit(self, pipeline, kind: str, step: int, worker: int, **_) -> None:
-        if kind == "score":
-            self.scored_on.setdefault(step, set()).add(worker)
-
-    def after_seal(self, pipeline, step: int) -> None:
+    def after_scored(self, pipeline, step: int, piece: int, worker: int) -> None:
         node = self.teacher_nodes[0]
         if ("teacher" not in self.removed and step >= self.lose_teacher
-                and any(self._on(pipeline, "teacher", w, node) for w in self.scored_on.get(step, ()))):
+                and self._on(pipeline, "teacher", worker, node)):
             self._remove("teacher", node, step)
 
     def after_step(self, pipeline, step: int, row: dict) -> None:
