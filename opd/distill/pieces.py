@@ -15,15 +15,15 @@ Two kinds of unit, never mixed up:
 - a **piece** is a streaming unit: piece p has `Layout.sizes[p]` rows; a part's pieces are a
   contiguous run of piece indices (`Layout.parts[c]`), in order.
 
-Which rows a piece holds (`opd/distill/stream.py`): the rows of a part in the order their images
-complete (the round of their last committed token), images completing in the same round in row
-order; the part's first piece takes the first `sizes[p]` of them, the next piece the next ones,
-each holding its rows in row order.
-Completion order is a function of the rollout (the engine, its options and calibration, the
-model and the keyed random numbers), so both run modes cut the same pieces.  Learner rank r of R
-trains on rows `rank_cuts(sizes[p], R)[r]` of every piece: every rank has rows in every piece,
-so each rank runs one forward and backward per piece, which ZeRO 2-3 need (they reduce
-gradients at every backward).
+Which rows a piece holds: the p-th contiguous run of `sizes[p]` rows of the batch (a part's
+pieces cover its rows in order), fixed by the config alone.  A rollout call hands a piece out as
+soon as every one of its rows is complete (`opd/distill/stream.py`), in whatever order the
+pieces complete; the learner still sums them in piece order.  So which rows a piece holds, and
+the order of every float sum of a step, never depend on the engine, its window policy or the
+machine: HB-SJD and Cached AR train bit-identical runs, and both run modes cut the same pieces.
+Learner rank r of R trains on rows `rank_cuts(sizes[p], R)[r]` of every piece: every rank has
+rows in every piece, so each rank runs one forward and backward per piece, which ZeRO 2-3 need
+(they reduce gradients at every backward).
 
 How many.  `distill.pieces` P, or with 0 (auto) `auto_pieces`: pieces of about `PIECE_ROWS`
 rows per learner rank, at least one per worker of the larger pool (rollout or teacher) so every

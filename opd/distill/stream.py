@@ -1,15 +1,17 @@
 """A rollout call ("part") streamed as its pieces: each piece as soon as its rows are complete.
 
     stream = PartStream(model, engine, job, cfg, policy_version, layout.part_sizes(c))
-    for piece in stream:          # Piece(index, rows, batch), in piece order
+    for piece in stream:          # Piece(index, rows, batch), each as soon as its rows are done
         ...                       # score it, hand it on: the call's other rows go on decoding
     stream.stats                  # the call's RolloutStats, once it is exhausted
 
-The rule (opd/distill/pieces.py, docs/STREAMING.md): the engine hands out images as they
-complete (`rollout.engine.Engine.stream`: one group per round, in row order); the part's
-completed rows queue up in that order, and piece k takes the next `sizes[k]` of them as soon as
-that many are there, and holds them in row order.  Both run modes iterate this class, so they cut the same pieces.  A "data"
-job runs no model: its pieces are its rows in order.
+The rule (opd/distill/pieces.py, docs/STREAMING.md): piece k of a part holds the part's k-th
+contiguous run of `sizes[k]` rows, fixed by the config alone, and is handed out as soon as the
+engine has completed every one of its rows (`rollout.engine.Engine.stream` hands out images
+after each round); pieces completing in the same round come in piece order.  Which rows a piece
+holds never depends on the engine, its window or the machine, so a step's gradient is summed in
+the same order whatever decoded it: HB-SJD and Cached AR train bit-identical runs, and both run
+modes cut the same pieces.  A "data" job runs no model: its pieces come in order.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from opd.distill.steps import RolloutJob, engine_call, generate, rollout_stats, 
 @dataclass
 class Piece:
     """Piece `index` of a part (0-based within the part): the part's `rows` it holds, (n,)
-    int64 row indices of the job, ascending, and their trajectory (its
-    rollout_stats empty: the call's are `PartStream.stats`)."""
+    int64 row indices of the job (a contiguous run), and their trajectory (its rollout_stats
+    empty: the call's are `PartStream.stats`)."""
     index: int
     rows: Tensor
     batch: TrajectoryBatch
@@ -38,7 +40,8 @@ class Piece:
 
 class PartStream:
     """`job`'s rollout by `model` (the student, or the teacher for SeqKD) at `policy_version`,
-    cut into pieces of `sizes` rows (summing to the job's rows) as they complete."""
+    cut into pieces of `sizes` rows (contiguous runs summing to the job's rows), each handed out
+    as soon as its rows are complete."""
 
     def __init__(self, model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int,
                  sizes: list[int]):
@@ -47,33 +50,34 @@ class PartStream:
                              f"{int(job.labels.shape[0])} rows")
         self.model, self.engine, self.job, self.cfg = model, engine, job, cfg
         self.version, self.sizes = policy_version, list(sizes)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.rows = [torch.arange(a, a + n) for a, n in zip(starts, sizes)]
         self.stats: RolloutStats | None = None
 
     def __iter__(self) -> Iterator[Piece]:
         job = self.job
         if job.source == "data":
-            whole, start = generate(None, None, job, self.cfg, self.version), 0
-            for k, n in enumerate(self.sizes):
-                yield Piece(k, torch.arange(start, start + n), take_rows(whole, start, start + n))
-                start += n
+            whole = generate(None, None, job, self.cfg, self.version)
+            for k, rows in enumerate(self.rows):
+                yield Piece(k, rows, take_rows(whole, int(rows[0]), int(rows[-1]) + 1))
             self.stats = whole.rollout_stats
             return
         args, kwargs = engine_call(self.model, job, self.cfg)
         stream = self.engine.stream(*args, **kwargs)
-        queued = None                    # (rows, tokens, logprobs) completed, not in a piece yet
-        k = 0
+        B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
+        tokens = logprobs = None                       # (B, T), (B, N): rows as they complete
+        complete = torch.zeros(B, dtype=torch.bool)
+        waiting = list(range(len(self.sizes)))         # pieces not handed out yet
         for done in stream:
-            group = (done.images.cpu(), done.tokens, done.logprobs)
-            queued = group if queued is None else tuple(torch.cat(x) for x in zip(queued, group))
-            while k < len(self.sizes) and queued[0].shape[0] >= self.sizes[k]:
-                n = self.sizes[k]
-                order = queued[0][:n].argsort()              # a piece's rows in row order
-                yield self._piece(k, *(x[:n][order] for x in queued))
-                queued = tuple(x[n:] for x in queued)
-                k += 1
+            if tokens is None:
+                tokens = done.tokens.new_empty(B, done.tokens.shape[1])
+                logprobs = done.logprobs.new_empty(B, N)
+            images = done.images.cpu()
+            tokens[images], logprobs[images] = done.tokens, done.logprobs
+            complete[images] = True
+            for k in [k for k in waiting if bool(complete[self.rows[k]].all())]:
+                waiting.remove(k)
+                rows = self.rows[k]
+                yield Piece(k, rows, trajectory(job, rows, tokens[rows], logprobs[rows],
+                                                self.version, RolloutStats()))
         self.stats = rollout_stats(stream.result, job, self.cfg)
-
-    def _piece(self, k: int, rows: Tensor, tokens: Tensor, logprobs: Tensor) -> Piece:
-        return Piece(k, rows, trajectory(self.job, rows, tokens, logprobs, self.version,
-                                         RolloutStats()))
-

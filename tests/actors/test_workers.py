@@ -28,8 +28,8 @@ def setup(ray_session, tiny_overrides):
 
 
 def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
-    """It streams a part's pieces as they complete (piece k: the next rows to complete, in row
-    order), each put whole for a teacher, then the part's report; only at the version it holds."""
+    """It streams a part's pieces as their rows complete, each put whole for a teacher, then
+    the part's report; only at the version it holds."""
     from actors.transport.delivery import PartReport, PieceTag
     from opd.distill.stream import PartStream
     ray_get = ray_session.get
@@ -44,7 +44,7 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
     worker.load_weights(3, tag_weights(weights, 3))
     *pieces, end = worker.generate(job, 3, tags, None, True)
     want = list(PartStream(student, build_engine(cfg), job, cfg, 3, [2, 2]))
-    assert [p.piece for p in pieces] == [5, 6]
+    assert [p.piece for p in pieces] == [tags[w.index].piece for w in want]   # the same order
     for got, w in zip(pieces, want):
         batch = TrajectoryBatch.from_numpy_dict(ray_get(got.payload))
         assert torch.equal(batch.tokens, w.batch.tokens) and batch.policy_version == 3

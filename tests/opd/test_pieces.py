@@ -139,33 +139,31 @@ def test_a_step_on_data_is_one_piece_and_rollout_calls_are_runs_of_pieces():
 
 
 @pytest.mark.parametrize("engine_name", ["hbsjd", "cached_ar"])
-def test_a_streamed_call_cuts_its_pieces_in_completion_order(setup, engine_name):
-    """Piece k holds the next sizes[k] rows in the order their images completed (ties in row
-    order), in row order, with exactly the whole call's tokens and behaviour log-probs; the call's stats are
-    the whole call's."""
+def test_a_streamed_call_hands_out_each_piece_once_its_rows_are_complete(setup, engine_name):
+    """Piece k holds the part's k-th contiguous run of sizes[k] rows, with exactly the whole
+    call's tokens and behaviour log-probs, and comes out after the round in which its last row
+    completed, before any piece whose rows complete later; the call's stats are the whole
+    call's."""
     cfg, student, job = setup
     engine = build_engine(cfg, engine_name)
     whole = generate(student, engine, job, cfg, policy_version=2)
     stream = PartStream(student, engine, job, cfg, 2, [2, 2, 1])
     pieces = list(stream)
-    assert [p.index for p in pieces] == [0, 1, 2]
-    assert [p.batch.batch_size for p in pieces] == [2, 2, 1]
-    rows = torch.cat([p.rows for p in pieces])
-    assert sorted(rows.tolist()) == list(range(5))
-    # the rows in the order they completed: the round of each row's last token, then its index
-    args, kwargs = engine_call(student, job, cfg)
-    result = engine.generate(*args, **kwargs)
-    last = torch.where(result.committed > 0,
-                       torch.arange(result.committed.shape[0])[:, None], -1).max(0).values
-    order = sorted(range(5), key=lambda r: (int(last[r]), r))
-    assert [p.rows.tolist() for p in pieces] == [sorted(order[:2]), sorted(order[2:4]), order[4:]]
+    assert sorted(p.index for p in pieces) == [0, 1, 2]
+    by_index = {p.index: p for p in pieces}
+    assert [by_index[k].rows.tolist() for k in range(3)] == [[0, 1], [2, 3], [4]]
     for p in pieces:
         assert torch.equal(p.batch.tokens, whole.tokens[p.rows])
         assert torch.equal(p.batch.labels, whole.labels[p.rows])
         assert torch.equal(p.batch.behaviour_logprobs, whole.behaviour_logprobs[p.rows])
+    # the order: by the round each piece's last row completed, ties in piece order
+    args, kwargs = engine_call(student, job, cfg)
+    result = engine.generate(*args, **kwargs)
+    last = torch.where(result.committed > 0,
+                       torch.arange(result.committed.shape[0])[:, None], -1).max(0).values
+    done = {k: int(last[by_index[k].rows].max()) for k in range(3)}
+    assert [p.index for p in pieces] == sorted(range(3), key=lambda k: (done[k], k))
     assert stream.stats.generated_tokens == whole.rollout_stats.generated_tokens
     assert stream.stats.rounds == whole.rollout_stats.rounds
-    if engine_name == "cached_ar":
-        assert rows.tolist() == [0, 1, 2, 3, 4]      # every image completes in the last round
     with pytest.raises(ValueError, match="do not cut"):
         PartStream(student, engine, job, cfg, 2, [2, 2])

@@ -36,6 +36,20 @@ def test_hbsjd_greedy_gives_the_cached_ar_loss_curve(cached_ar_run, tiny_overrid
     assert read_metrics(tmp_path) == rows
 
 
+def test_streamed_pieces_leave_hbsjd_bit_identical_to_cached_ar(tiny_overrides, tmp_path):
+    """With a step cut into 4 pieces, HB-SJD hands them out as their rows complete, in another
+    order than Cached AR (all at its last round); the pieces hold the same rows and are summed in
+    piece order, so the losses and gradient norms are bit-identical (the behaviour log-probs,
+    from other forwards, agree within the on-policy bound)."""
+    runs = {e: run_reference(cfg_for(tiny_overrides, f"rollout.engine={e}", "distill.pieces=4",
+                                     "distill.steps=2"), tmp_path / e, progress=False)
+            for e in ("cached_ar", "hbsjd")}
+    assert [r["pieces"] for r in runs["hbsjd"]] == [4, 4]
+    for key in ("loss", "grad_norm", "tokens"):
+        assert [r[key] for r in runs["hbsjd"]] == [r[key] for r in runs["cached_ar"]], key
+    assert all(r["onpolicy_logprob_delta_max"] < STRICT_BOUND for r in runs["hbsjd"])
+
+
 def test_slots_leave_the_losses_alone_and_rows_count_every_token(cached_ar_run, tiny_overrides,
                                                                   tmp_path):
     """Continuous batching (rollout.slots) changes which row an image runs in, never its
