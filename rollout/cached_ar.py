@@ -38,7 +38,8 @@ def decode_tokens(model, req: Request, first: torch.Tensor, first_logp: torch.Te
 
 @register("cached_ar")
 class CachedAR(Engine):
-    """Options: decoding = greedy (argmax) | sample (keyed inverse-CDF sampling)."""
+    """Options: decoding = greedy (argmax) | sample (the keyed Gumbel-max token of each
+    position) | speculative (keyed inverse-CDF sampling), rollout/sampling.py."""
 
     def run(self, model, req: Request) -> RolloutResult:
         B, N = req.batch, req.num_new

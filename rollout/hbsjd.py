@@ -222,7 +222,8 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
     in place (rollout/jacobi.py); a tree window's winning branch (the branch jacobi_update
     returns only then) then moves into place (`candidates.move_branch`).  -> counts (3, B)
     int64: committed, accepted, rejected."""
-    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
+    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), positions, offset, req,
+                                  plan)
     if taken is not None:
         move_branch(model, positions, offset, taken, req, rows, plan.tree)
     return counts
@@ -245,12 +246,13 @@ def _single_token(model, req: Request, times: list) -> RolloutResult:
 
 class JacobiEngine(Engine):
     """Shared option handling: window (W = tokens per verifier forward, [last committed,
-    W - 1 drafts]), history_offset (H; None = one grid row), decoding, refresh (sampled drafts
-    after the commit point: "coupled" = maximal coupling with their new distribution,
-    "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
-    also take candidates (K >= 2: after a correction the next window also verifies K - 1
-    alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
-    or sampled; 0 = off) and branch (columns of each alternative branch; None = 1)."""
+    W - 1 drafts]), history_offset (H; None = one grid row), decoding (rollout/options.py
+    DECODINGS), refresh (decoding "speculative": the drafts after the commit point, "coupled" =
+    maximal coupling with their new distribution, "resample" = drawn afresh; both lossless, see
+    rollout/jacobi.py).  Independent engines also take candidates (K >= 2: after a correction
+    the next window also verifies K - 1 alternatives for the following token as token-tree
+    branches, rollout/candidates.py; every decoding; 0 = off) and branch (columns of each
+    alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -285,7 +287,7 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.sampled, span)
+                         model.vocab_size, req.speculative, span)
 
     def run(self, model, req: Request) -> RolloutResult:
         dev = req.labels.device
@@ -350,11 +352,12 @@ class HBSJD(JacobiEngine):
         if self.options["costs"] is not None:
             return self.options["costs"]
         from rollout.calibrate import ensure_calibrations, find_entry, model_signature
-        key = (model_signature(model), req.rows, req.cfg, req.sampled)
+        key = (model_signature(model), req.rows, req.cfg, req.decoding)
         if key not in self._tables:
             path = calibration_path(self.options)
             found = {W: find_entry(path, model, req.rows, W, req.cfg) for W in WINDOWS}
-            missing = [W for W, e in found.items() if e is None or "overhead_s" not in e]
+            missing = [W for W, e in found.items()
+                       if e is None or req.decoding not in e.get("overhead_s", {})]
             if missing:
                 if not self.options["calibrate_missing"]:
                     raise ValueError(
@@ -365,8 +368,7 @@ class HBSJD(JacobiEngine):
                 found = {W: e for (_, W), e in ensure_calibrations(       # interleaved
                     model, [req.rows], WINDOWS, cfg=req.cfg, path=path,
                     need=("overhead_s",)).items()}
-            self._tables[key] = CostTable.from_entries(
-                found, "sample" if req.sampled else "greedy")
+            self._tables[key] = CostTable.from_entries(found, req.decoding)
         return self._tables[key]
 
     def gamma(self, model, req: Request) -> int:

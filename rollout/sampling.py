@@ -4,7 +4,23 @@ Order (LlamaGen): guided logits `uncond + (cond - uncond) * scale`, then tempera
 top-k, then top-p, then softmax.  Greedy decoding is the argmax of the guided logits (the
 warps never move the argmax).
 
-Behaviour log-prob of a committed token (`token_logprob`), the same for both decodings:
+Decoding "sample" is the Gumbel-max rule with keyed noise (`perturb`): token j of an image is
+
+    argmax_v  log p_j(v) + G(seed, image id, j, v)
+
+p_j the warped guided distribution of position j (masked tokens at -inf) and G standard Gumbel
+noise keyed by (seed, image id, token index j, token id v), so token j is a function of p_j
+and the image's key only; it is distributed as p_j, independently of the other positions.
+Cached AR commits it directly; a Jacobi engine proposes the draft for token j as the same
+argmax under the distribution it predicted for j and accepts a draft exactly when it equals
+the token its verified prediction gives (greedy verification of the perturbed scores), so every
+engine, window, batch, slot order and execution mode commits Cached AR's tokens.
+
+Decoding "speculative" is speculative sampling (rollout/verify.py), whose uniforms are keyed
+by the round too (below): its tokens follow the same distribution, but which tokens a call
+commits depends on the windows it ran.
+
+Behaviour log-prob of a committed token (`token_logprob`), the same for every decoding:
 log p(token) under the warped guided distribution p = warp(guide(logits)) of its position --
 the distribution a sampled token was drawn (or accepted) from; for greedy decoding the same
 distribution's log-prob of the argmax.  The learner recomputes it teacher-forced with this
@@ -15,10 +31,11 @@ Random numbers are not drawn from a generator in batch order.  Every uniform is 
     (seed, image id, token index, attempt, stream)
 
 (splitmix64 in int64 tensor ops, vectorised), so an image's tokens never depend on which
-other images share its batch, on their order, or on Full / Compact execution.  `attempt` is the
-image's own round counter (0 = the prefill round) and `stream` separates the uses of one
-(image, token, attempt): the committed token, the acceptance test, a new draft and the test
-that keeps a stale draft under coupled refresh.
+other images share its batch, on their order, or on Full / Compact execution.  For decoding
+"speculative" `attempt` is the image's own round counter (0 = the prefill round) and `stream`
+separates the uses of one (image, token, attempt): the committed token, the acceptance test, a
+new draft and the test that keeps a stale draft under coupled refresh.  The Gumbel noise of
+decoding "sample" has its own stream, and the token id in place of the attempt.
 """
 from __future__ import annotations
 
@@ -31,6 +48,7 @@ STREAM_TOKEN = 0    # a token drawn and committed directly (AR step, residual / 
 STREAM_ACCEPT = 1   # acceptance test of a draft
 STREAM_DRAFT = 2    # a draft drawn for the next round (fresh, or the residual of a coupling)
 STREAM_COUPLE = 3   # coupled refresh: the test that keeps a stale draft
+STREAM_GUMBEL = 4   # decoding "sample": the Gumbel noise of (token index, token id)
 
 _U64 = 1 << 64
 
@@ -101,6 +119,13 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
     """logits: (..., V) guided -> probabilities (..., V) float32 after temperature, top-k
     (keep the k largest; 0/None = off) and top-p (keep the smallest prefix of the sorted
     distribution whose mass reaches top_p, as in HF/LlamaGen; 1.0/None = off)."""
+    return warp_logits(logits, temperature, top_k, top_p).softmax(-1)
+
+
+def warp_logits(logits: Tensor, temperature: float, top_k: int | None,
+                top_p: float | None) -> Tensor:
+    """`warp` before the softmax: (..., V) float32 logits of the warped distribution (up to a
+    constant per row), the tokens top-k / top-p remove at -inf."""
     if logits.dtype != torch.float32:
         logits = logits.float()
     if temperature != 1.0:                      # (x / 1.0 is x: skip the copy)
@@ -115,7 +140,27 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
         remove[..., 1:] = remove[..., :-1].clone()
         remove[..., 0] = False
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    return logits.softmax(-1)
+    return logits
+
+
+def gumbel(key: Tensor, position: Tensor, vocab: Tensor) -> Tensor:
+    """Standard Gumbel noise -log(-log u), float64, one number per (image key, token index,
+    token id): key, position int64 broadcasting to (..., 1), vocab (V,) int64 the token ids ->
+    (..., V).  Nothing else enters it (no round, row or window).  The token id takes
+    `uniform`'s attempt field (V <= 2**24)."""
+    u = uniform(key, position, vocab, STREAM_GUMBEL)
+    return u.log_().neg_().log_().neg_()          # u = 0: -inf, never the argmax
+
+
+def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
+            top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor]:
+    """Decoding "sample" (module docstring): guided (..., V) logits, key / position int64
+    broadcasting to (..., 1) (the image key and the token index each row predicts) ->
+    scores (..., V) float64, whose argmax is the token, and p (..., V) float32 the warped
+    distribution (`warp`, for the behaviour log-prob)."""
+    logits = warp_logits(guided, temperature, top_k, top_p)
+    vocab = torch.arange(guided.shape[-1], device=guided.device)
+    return gumbel(key, position, vocab).add_(logits), logits.softmax(-1)
 
 
 def token_logprob(p: Tensor, tokens: Tensor) -> Tensor:

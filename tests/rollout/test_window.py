@@ -108,7 +108,7 @@ def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
     assert sum(res.window_histogram(16)) == res.rounds - 1
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch, decoding):
     """Costs that depend on W only: Full, Compact and Hybrid choose the same windows, so their
     tokens are the same (invariant 3 for a given policy); a second call repeats the first."""
@@ -167,6 +167,8 @@ def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkey
 
 
 # ---- sampled decoding: exact distribution with W changing, and a policy that peeks -----------
+# (decoding "speculative": decoding "sample" commits Cached AR's tokens whatever the windows,
+# tests/rollout/test_keyed_sampling.py)
 
 SAMPLES = 4000
 
@@ -177,7 +179,7 @@ def sampled_counts(model, opts, prefix, cfg=None, seed=11, batch=SAMPLES, **warp
     counts = torch.zeros(V ** N, dtype=torch.float64)
     windows = []
     for s in range(SAMPLES // batch):
-        res = make_engine("hbsjd", decoding="sample", **opts).generate(
+        res = make_engine("hbsjd", **{"decoding": "speculative", **opts}).generate(
             model, torch.full((batch,), 1), prefix.expand(batch, -1), N, cfg_scale=cfg,
             seed=seed + s, **warps)
         code = (res.tokens[:, P:] * V ** torch.arange(N - 1, -1, -1)).sum(1)
@@ -194,6 +196,8 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
     ((5, 4, 2), 0, dict(candidates=3), None, {}),
     ((3, 3, 3), 4, dict(candidates=3, branch=2), None, dict(temperature=1.2)),
     ((3, 2, 3), 0, dict(candidates=2, branch=3), None, {}),   # trees of W 4 in a state for 8
+    ((7, 3, 2), 0, dict(decoding="sample"), 2.0, dict(temperature=0.8)),
+    ((3, 3, 3), 4, dict(decoding="sample", candidates=3, branch=2), None, dict(temperature=1.2)),
 ]
 
 
@@ -201,7 +205,8 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
 def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P, opts, cfg,
                                                                        warps):
     """The policy switches W and Full / Compact between rounds (both fixture tables), with
-    both refresh rules, CFG, warps and candidate drafting."""
+    both refresh rules, CFG, warps and candidate drafting; decoding "speculative" unless the
+    case says "sample"."""
     seed, V, grid = spec
     model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
     prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
