@@ -9,8 +9,10 @@ Decoding "sample" is the Gumbel-max rule with keyed noise (`perturb`): token j o
     argmax_v  log p_j(v) + G(seed, image id, j, v)
 
 p_j the warped guided distribution of position j (masked tokens at -inf) and G standard Gumbel
-noise keyed by (seed, image id, token index j, token id v), so token j is a function of p_j
-and the image's key only; it is distributed as p_j, independently of the other positions.
+noise keyed by (seed, image id, token index j, token id v) -- drawn in two levels, a block of
+the vocabulary and then a token in it, so a row needs noise for 2 sqrt(V) ids, not V -- so
+token j is a function of p_j and the image's key only; it is distributed as p_j,
+independently of the other positions.
 Cached AR commits it directly; a Jacobi engine proposes the draft for token j as the same
 argmax under the distribution it predicted for j and accepts a draft exactly when it equals
 the token its verified prediction gives (greedy verification of the perturbed scores), so every
@@ -35,7 +37,8 @@ other images share its batch, on their order, or on Full / Compact execution.  F
 "speculative" `attempt` is the image's own round counter (0 = the prefill round) and `stream`
 separates the uses of one (image, token, attempt): the committed token, the acceptance test, a
 new draft and the test that keeps a stale draft under coupled refresh.  The Gumbel noise of
-decoding "sample" has its own stream, and the token id in place of the attempt.
+decoding "sample" has its own streams (block, token), and the block or token id in place of the
+attempt.
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ STREAM_TOKEN = 0    # a token drawn and committed directly (AR step, residual / 
 STREAM_ACCEPT = 1   # acceptance test of a draft
 STREAM_DRAFT = 2    # a draft drawn for the next round (fresh, or the residual of a coupling)
 STREAM_COUPLE = 3   # coupled refresh: the test that keeps a stale draft
-STREAM_GUMBEL = 4   # decoding "sample": the Gumbel noise of (token index, token id)
+STREAM_BLOCK = 4    # decoding "sample": the Gumbel noise of (token index, vocabulary block)
+STREAM_GUMBEL = 5   # decoding "sample": the Gumbel noise of (token index, token id)
 
 _U64 = 1 << 64
 
@@ -143,24 +147,50 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int | None,
     return logits
 
 
-def gumbel(key: Tensor, position: Tensor, vocab: Tensor) -> Tensor:
+def gumbel(key: Tensor, position: Tensor, ids: Tensor, stream: int) -> Tensor:
     """Standard Gumbel noise -log(-log u), float64, one number per (image key, token index,
-    token id): key, position int64 broadcasting to (..., 1), vocab (V,) int64 the token ids ->
-    (..., V).  Nothing else enters it (no round, row or window).  The token id takes
-    `uniform`'s attempt field (V <= 2**24)."""
-    u = uniform(key, position, vocab, STREAM_GUMBEL)
-    return u.log_().neg_().log_().neg_()          # u = 0: -inf, never the argmax
+    id, stream): key, position int64 broadcasting against ids (int64, the token or block ids;
+    ids < 2**24 take `uniform`'s attempt field) -> their broadcast shape.  Nothing else enters
+    it (no round, row or window)."""
+    return uniform(key, position, ids, stream).log_().neg_().log_().neg_()   # u = 0: -inf
+
+
+def block_size(V: int) -> int:
+    """Tokens of a vocabulary block of `perturb`: the power of two nearest sqrt(V) from above
+    (V = 16384: 128 blocks of 128)."""
+    return 1 << max(1, math.ceil(math.log2(V) / 2))
 
 
 def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
             top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor]:
     """Decoding "sample" (module docstring): guided (..., V) logits, key / position int64
     broadcasting to (..., 1) (the image key and the token index each row predicts) ->
-    scores (..., V) float64, whose argmax is the token, and p (..., V) float32 the warped
-    distribution (`warp`, for the behaviour log-prob)."""
+    scores (..., V) float32, whose argmax is the token, and p (..., V) float32 the warped
+    distribution (`warp`, for the behaviour log-prob).
+
+    Gumbel-max in two levels, so a row draws noise for 2 sqrt(V) ids, not V: the vocabulary is
+    cut into blocks of `block_size(V)` tokens (the last padded with -inf); the block is the
+    argmax of its log-mass (log of its tokens' summed p) plus Gumbel noise keyed by the
+    block id (STREAM_BLOCK), the token the argmax inside that block of its logit plus Gumbel
+    noise keyed by the token id (STREAM_GUMBEL).  The block is drawn with probability its mass
+    and the token with its probability given the block, so the token is distributed as p.
+    scores hold the winning block's perturbed logits and -inf elsewhere: their argmax is the
+    token, the next-best are the alternatives candidate drafting takes."""
     logits = warp_logits(guided, temperature, top_k, top_p)
-    vocab = torch.arange(guided.shape[-1], device=guided.device)
-    return gumbel(key, position, vocab).add_(logits), logits.softmax(-1)
+    p = logits.softmax(-1)
+    V, b = logits.shape[-1], block_size(logits.shape[-1])
+    nb = -(-V // b)
+    pad = nb * b - V                           # the last block's missing tokens (-inf, p = 0)
+    padded = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+    blocks = padded.view(*logits.shape[:-1], nb, b)                        # (..., nb, b)
+    mass = (torch.nn.functional.pad(p, (0, pad)) if pad else p).view_as(blocks).sum(-1).log_()
+    ids = torch.arange(max(nb, b), device=logits.device)
+    block = gumbel(key, position, ids[:nb], STREAM_BLOCK).add_(mass).argmax(-1, keepdim=True)
+    inner = blocks.gather(-2, block[..., None].expand(*block.shape, b)).squeeze(-2)  # (..., b)
+    tokens = block * b + ids[:b]                                            # (..., b)
+    noisy = gumbel(key, position, tokens, STREAM_GUMBEL).add_(inner).float()
+    scores = torch.full_like(padded, float("-inf")).scatter_(-1, tokens, noisy)
+    return scores[..., :V], p
 
 
 def token_logprob(p: Tensor, tokens: Tensor) -> Tensor:

@@ -156,6 +156,28 @@ def test_noise_not_keyed_by_position_fails_the_equality(tiny, batch, monkeypatch
         check_engines(model, labels, prefix, SAMPLING[1])
 
 
+# ---- the rule itself ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("V,warps", [(50, {}), (64, dict(top_k=20)), (37, dict(top_p=0.7))])
+def test_the_two_level_rule_draws_from_p(V, warps):
+    """40000 keyed draws from one distribution (blocks of `block_size(V)`, the last padded)
+    follow p; masked tokens never come; shifting the logits changes no token."""
+    from rollout.sampling import block_size, perturb
+    assert block_size(16384) == 128 and block_size(V) == 8
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(V)) * 2
+    n = 40000
+    key, position = torch.arange(n)[:, None] * 7919, torch.full((n, 1), 3)
+    scores, p = perturb(logits.expand(n, V), key, position, 1.0, **{"top_k": None,
+                                                                     "top_p": None, **warps})
+    tokens = scores.argmax(-1)
+    again, _ = perturb(logits.expand(n, V) + 5.0, key, position, 1.0,
+                       **{"top_k": None, "top_p": None, **warps})
+    assert torch.equal(again.argmax(-1), tokens)
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[p[0] == 0].sum() == 0
+    assert chi2_pvalue(counts, p[0].double()) > 1e-3
+
+
 # ---- the tokens follow the model's distribution (exact enumeration) ----------------------
 
 KEYED_CASES = [  # engine, options, P, cfg, warps
@@ -190,9 +212,10 @@ def test_a_wrong_noise_is_detected(monkeypatch):
     model = peaked_model(7, 3, GRID, 0.6)
     prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
     probs = exact_distribution(model, 1, prefix, N, None)
-    uniform, stream = rollout.sampling.uniform, rollout.sampling.STREAM_GUMBEL
+    uniform = rollout.sampling.uniform
     monkeypatch.setattr(rollout.sampling, "gumbel",
-                        lambda key, position, vocab: -uniform(key, position, vocab, stream).log())
+                        lambda key, position, ids, stream: -uniform(key, position, ids,
+                                                                    stream).log())
     counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="sample"), 1, prefix,
                               N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
