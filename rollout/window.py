@@ -54,8 +54,9 @@ The choice is a pure function of the rollout state (active count, physical rows,
 counts, N) and the table -- never of time measured during the rollout -- so a rollout is
 reproducible and a Ray run equals the reference loop for the same piece jobs.  It depends on
 the number of active rows of the call: the same images rolled out in a call of a different
-size may take other windows (the tokens of greedy decoding do not change; sampled tokens are
-distributed exactly as the target either way, but are not the same draws).
+size may take other windows, as may a machine with another calibration file (the tokens of
+greedy and "sample" decoding do not change; "speculative" tokens are distributed exactly as the
+target either way, but are not the same draws).
 """
 from __future__ import annotations
 
