@@ -9,8 +9,9 @@ Decoding "sample" is the Gumbel-max rule with keyed noise (`perturb`): token j o
     argmax_v  log p_j(v) + G(seed, image id, j, v)
 
 p_j the warped guided distribution of position j (masked tokens at -inf) and G standard Gumbel
-noise keyed by (seed, image id, token index j, token id v) -- drawn in two levels, a block of
-the vocabulary and then a token in it, so a row needs noise for 2 sqrt(V) ids, not V -- so
+noise keyed by (seed, image id, token index j, token id v) -- above FLAT_VOCAB tokens drawn in
+two levels, a block of the vocabulary and then a token in it, so a row needs noise for
+2 sqrt(V) ids, not V -- so
 token j is a function of p_j and the image's key only; it is distributed as p_j,
 independently of the other positions.
 Cached AR commits it directly; a Jacobi engine proposes the draft for token j as the same
@@ -155,10 +156,15 @@ def gumbel(key: Tensor, position: Tensor, ids: Tensor, stream: int) -> Tensor:
     return uniform(key, position, ids, stream).log_().neg_().log_().neg_()   # u = 0: -inf
 
 
+FLAT_VOCAB = 256
+"""`perturb` draws noise for every token id up to this vocabulary size (one level: fewer
+operators per round), in two levels above it."""
+
+
 def block_size(V: int) -> int:
-    """Tokens of a vocabulary block of `perturb`: the power of two nearest sqrt(V) from above
-    (V = 16384: 128 blocks of 128)."""
-    return 1 << max(1, math.ceil(math.log2(V) / 2))
+    """Tokens of a vocabulary block of `perturb`: V itself up to FLAT_VOCAB (one block), else
+    the power of two nearest sqrt(V) from above (V = 16384: 128 blocks of 128)."""
+    return V if V <= FLAT_VOCAB else 1 << math.ceil(math.log2(V) / 2)
 
 
 def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
@@ -168,6 +174,7 @@ def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
     scores (..., V) float32, whose argmax is the token, and p (..., V) float32 the warped
     distribution (`warp`, for the behaviour log-prob).
 
+    Up to FLAT_VOCAB tokens the noise of every token id is added to the logits.  Above it,
     Gumbel-max in two levels, so a row draws noise for 2 sqrt(V) ids, not V: the vocabulary is
     cut into blocks of `block_size(V)` tokens (the last padded with -inf); the block is the
     argmax of its log-mass (log of its tokens' summed p) plus Gumbel noise keyed by the
@@ -179,12 +186,14 @@ def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
     logits = warp_logits(guided, temperature, top_k, top_p)
     p = logits.softmax(-1)
     V, b = logits.shape[-1], block_size(logits.shape[-1])
+    ids = torch.arange(V, device=logits.device)
+    if b == V:
+        return gumbel(key, position, ids, STREAM_GUMBEL).add_(logits).float(), p
     nb = -(-V // b)
     pad = nb * b - V                           # the last block's missing tokens (-inf, p = 0)
     padded = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
     blocks = padded.view(*logits.shape[:-1], nb, b)                        # (..., nb, b)
     mass = (torch.nn.functional.pad(p, (0, pad)) if pad else p).view_as(blocks).sum(-1).log_()
-    ids = torch.arange(max(nb, b), device=logits.device)
     block = gumbel(key, position, ids[:nb], STREAM_BLOCK).add_(mass).argmax(-1, keepdim=True)
     inner = blocks.gather(-2, block[..., None].expand(*block.shape, b)).squeeze(-2)  # (..., b)
     tokens = block * b + ids[:b]                                            # (..., b)

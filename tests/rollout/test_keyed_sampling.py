@@ -66,6 +66,14 @@ def test_every_engine_and_window_commits_cached_ar_samples(tiny, batch, sampling
     check_engines(model, labels, prefix, sampling, slots)
 
 
+@pytest.mark.parametrize("sampling", SAMPLING[1:])
+def test_a_large_vocabulary_commits_cached_ar_samples(tiny, batch, sampling):
+    """Vocabulary 300: the two-level noise (rollout/sampling.py `perturb`) in every engine."""
+    model = tiny(2, vocab_size=300)
+    labels, prefix = batch(model, 5, 3, 1)
+    check_engines(model, labels, prefix, sampling)
+
+
 def test_the_equality_is_not_trivial(tiny, batch):
     """The cases above accept and reject drafts, and the seed changes the tokens."""
     model = tiny(2)
@@ -158,12 +166,14 @@ def test_noise_not_keyed_by_position_fails_the_equality(tiny, batch, monkeypatch
 
 # ---- the rule itself ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("V,warps", [(50, {}), (64, dict(top_k=20)), (37, dict(top_p=0.7))])
-def test_the_two_level_rule_draws_from_p(V, warps):
-    """40000 keyed draws from one distribution (blocks of `block_size(V)`, the last padded)
-    follow p; masked tokens never come; shifting the logits changes no token."""
+@pytest.mark.parametrize("V,warps", [(300, {}), (512, dict(top_k=40)), (257, dict(top_p=0.7)),
+                                     (40, {})])
+def test_the_rule_draws_from_p(V, warps):
+    """40000 keyed draws from one distribution (above FLAT_VOCAB in blocks of
+    `block_size(V)`, the last padded) follow p; masked tokens never come; shifting the logits
+    changes no token."""
     from rollout.sampling import block_size, perturb
-    assert block_size(16384) == 128 and block_size(V) == 8
+    assert block_size(16384) == 128 and block_size(V) == (V if V <= 256 else 32)
     logits = torch.randn(V, generator=torch.Generator().manual_seed(V)) * 2
     n = 40000
     key, position = torch.arange(n)[:, None] * 7919, torch.full((n, 1), 3)

@@ -46,11 +46,11 @@ def verify_ops(model, B, P, W, cfg=None, **opts):
 
 # The verification step at batch 32, W 4 (before it was fused, speculative decoding called 190
 # operators per round, 194 with CFG, greedy 61; docs/RESULTS.md, "The verification step").
-# Decoding "sample" is greedy's step plus the keyed noise of two levels (rollout/sampling.py
-# `perturb`: two `gumbel` draws of some 24 operators each, the block sums, the score tensor).
+# Decoding "sample" is greedy's step plus the keyed noise (rollout/sampling.py `perturb`: at
+# the digits vocabulary one `gumbel` draw of some 24 operators).
 BOUNDS = [(dict(decoding="speculative"), None, 96), (dict(decoding="speculative"), 2.0, 100),
           (dict(decoding="speculative", refresh="resample"), None, 89),
-          (dict(decoding="sample"), None, 113), (dict(decoding="sample"), 2.0, 117),
+          (dict(decoding="sample"), None, 69), (dict(decoding="sample"), 2.0, 73),
           (dict(decoding="greedy"), None, 39)]
 
 
