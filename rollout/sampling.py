@@ -98,12 +98,6 @@ def uniform(key: Tensor, position: Tensor, attempt: Tensor, stream: Tensor | int
     return _shr(h, 11).to(torch.float64).mul_(1.0 / (1 << 53))
 
 
-def keyed_uniform(seed: Tensor, image: Tensor, position: Tensor, attempt: Tensor,
-                  stream: Tensor | int) -> Tensor:
-    """`uniform(image_key(seed, image), position, attempt, stream)`."""
-    return uniform(image_key(seed, image), position, attempt, stream)
-
-
 # ---- logits -> distribution ------------------------------------------------------------------
 
 def uses_cfg(cfg_scale: float | None) -> bool:

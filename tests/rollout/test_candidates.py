@@ -6,7 +6,7 @@ import torch
 
 from rollout import make_engine
 from rollout.candidates import candidates, choose_path, make_tree, moves
-from rollout.window import CostTable
+from tests.rollout.tables import cost_table
 
 T = 16  # GPT-tiny: grid 4, vocab 11
 
@@ -108,8 +108,8 @@ def test_candidates_under_the_window_policy_return_cached_ar_tokens(tiny, batch,
     labels, prefix = batch(model, 8, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T, cfg_scale=cfg)
     R = slots or 8
-    tables = (CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W),
-              CostTable.from_function(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
+    tables = (cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W),
+              cost_table(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
                                       else 1.0 + 0.1 * W))
     narrower = set()
     for table in tables:

@@ -53,8 +53,8 @@ def bucket_blind_table(R: int):
     on.  Compiled Compact rounds are costed at their bucket (`hbsjd.bucket`: 3 of 4 rows ->
     4), eager ones at the active count; at every count this table chooses the same either
     way, so eager and compiled runs take the same windows and modes."""
-    from rollout.window import CostTable
-    return CostTable.from_function(R, lambda compact, rows, W: (1.0 + 0.1 * W) * (
+    from tests.rollout.tables import cost_table
+    return cost_table(R, lambda compact, rows, W: (1.0 + 0.1 * W) * (
         (0.5 if rows < 3 else 2.0) if compact else 1.0))
 
 

@@ -17,6 +17,7 @@ import rollout.sampling
 from rollout import make_engine
 from rollout.sampling import splitmix64
 from rollout.window import CostTable
+from tests.rollout.tables import cost_table
 from tests.rollout.test_distribution import (GRID, SAMPLES, chi2_pvalue, exact_distribution,
                                              peaked_model, sample_counts)
 
@@ -31,8 +32,8 @@ SAMPLING = [dict(cfg_scale=None), dict(cfg_scale=2.0, temperature=0.8, top_k=4),
 def tables(B: int) -> list[CostTable]:
     """Two cost tables under which W and Full / Compact change between rounds differently
     (two machines' calibrations)."""
-    return [CostTable.from_function(B, lambda c, rows, W: rows * W / B if c else 1.0),
-            CostTable.from_function(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
+    return [cost_table(B, lambda c, rows, W: rows * W / B if c else 1.0),
+            cost_table(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
 
 
 def same(res, ref, what) -> None:

@@ -3,7 +3,7 @@ Cached AR's while W and Full / Compact change between rounds, execution-mode inv
 given policy, determinism, and a policy that peeks at the round it chooses for (the round's
 own acceptance) caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
 
-Every test uses a fixture cost table (`CostTable.from_function`), never a timed one, so the
+Every test uses a fixture cost table (tests/rollout/tables.py `cost_table`), never a timed one, so the
 choices are the same on every machine."""
 import pytest
 import torch
@@ -13,6 +13,7 @@ from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
 from rollout.window import PRIOR, STRENGTH, Acceptance, CostTable, WindowPolicy
+from tests.rollout.tables import cost_table
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
 
@@ -23,11 +24,11 @@ def switching_table(R: int) -> CostTable:
     """Full costs the same at every W; Compact costs its rows times W: all rows active -> Full
     at the largest W; once few enough rows are active -> Compact at W = 1 (or 2 when drafts are
     likely accepted); in between the windows change with the acceptance seen."""
-    return CostTable.from_function(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
+    return cost_table(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
 
 
 def test_cost_table_interpolates_over_rows_and_width():
-    t = CostTable.from_function(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
+    t = cost_table(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
     assert t.cost(False, 8, 4) == 8 * 5 and t.cost(True, 3, 2) == 3 * 3
     assert t.cost(True, 3, 3) == pytest.approx(3 * 4)            # between W 2 and 4
     assert t.cost(True, 3, 6) == pytest.approx(3 * 7)            # between W 4 and 8
@@ -46,8 +47,8 @@ def test_acceptance_rates_and_expected_tokens_by_hand():
 
 
 def test_the_policy_maximises_expected_tokens_per_second():
-    flat = CostTable.from_function(8, lambda c, rows, W: 1.0)
-    linear = CostTable.from_function(8, lambda c, rows, W: float(W))
+    flat = cost_table(8, lambda c, rows, W: 1.0)
+    linear = cost_table(8, lambda c, rows, W: float(W))
     windows = (1, 2, 4, 8, 16)
     a = Acceptance(15)
     assert WindowPolicy(flat, windows).choose(8, a) == (16, False)      # free drafts: longest
@@ -67,7 +68,7 @@ def test_the_policy_maximises_expected_tokens_per_second():
 def graded_table(R: int) -> CostTable:
     """Full and Compact both dearer at larger W (Compact in proportion to its rows): the
     windows step between several sizes >= 2 as rows finish and acceptance is measured."""
-    return CostTable.from_function(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
+    return cost_table(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
                                    if compact else 1.0 + 0.1 * W)
 
 
@@ -77,7 +78,7 @@ def engines(R: int):
     yield dict(window="auto", costs=table, execution="full")
     yield dict(window="auto", costs=table, execution="compact")
     yield dict(window="auto", costs=table, candidates=3)
-    yield dict(window="auto", costs=CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W))
+    yield dict(window="auto", costs=cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W))
 
 
 @pytest.mark.parametrize("cfg", [None, 2.0])
@@ -114,7 +115,7 @@ def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch,
     tokens are the same (invariant 3 for a given policy); a second call repeats the first."""
     model = tiny(1)
     labels, prefix = batch(model, 6, 2, 1)
-    table = CostTable.from_function(6, lambda c, rows, W: 1.0 + 0.1 * W)
+    table = cost_table(6, lambda c, rows, W: 1.0 + 0.1 * W)
     out = {}
     for execution in ("full", "compact", "hybrid", "hybrid"):
         out.setdefault(execution, []).append(make_engine(
@@ -281,7 +282,7 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     model = peaked_model(7, 3, 2, 0.6)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, 4, None)
-    opts = dict(window="auto", costs=CostTable.from_function(1, lambda c, rows, W: 1.0))
+    opts = dict(window="auto", costs=cost_table(1, lambda c, rows, W: 1.0))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 1000)
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {3}
@@ -302,9 +303,9 @@ def test_a_rounds_fixed_cost_makes_longer_windows_pay():
     fwd = lambda compact, rows, W: 1e-3 * W                                       # noqa: E731
     windows, a = (1, 2, 4, 8, 16), Acceptance(15)
     for fixed, W in ((None, 1), (3e-3, 2), (20e-3, 4)):
-        t = CostTable.from_function(8, fwd, fixed=None if fixed is None else lambda W: fixed)
+        t = cost_table(8, fwd, fixed=None if fixed is None else lambda W: fixed)
         assert WindowPolicy(t, windows, modes=("full",)).choose(8, a) == (W, False), fixed
-    t = CostTable.from_function(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
+    t = cost_table(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
     assert t.cost(False, 8, 4) == pytest.approx(4e-3 + 6e-3)
     assert t.cost(True, 3, 3) == pytest.approx(3e-3 + 5e-3)              # interpolated over W
 
@@ -322,7 +323,7 @@ def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
     from rollout.window import PROBE
     # a round costs W + 0.5: on the prior W 1's 1 / 1.5 beats W 2's 1.5 / 2.5 and W 4's
     # 1.875 / 4.5
-    linear = CostTable.from_function(8, lambda c, rows, W: W + 0.5)
+    linear = cost_table(8, lambda c, rows, W: W + 0.5)
     policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
     chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
     # rounds 8, 9, 16, 17, 24: the probes, the next wider window (W 2)
@@ -349,7 +350,7 @@ def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 4, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T)
-    table = CostTable.from_function(4, lambda c, rows, W: float(W) ** 2)
+    table = cost_table(4, lambda c, rows, W: float(W) ** 2)
     runs = [make_engine("hbsjd", window="auto", costs=table, execution="full").generate(
         model, labels, prefix, T) for _ in range(2)]
     res = runs[0]
