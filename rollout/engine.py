@@ -15,20 +15,23 @@ batches.  An image's tokens never depend on its row or on S (keyed random number
 """
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from rollout.options import ENGINE_OPTIONS, check_engine_name, check_options, engine_options
+from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, check_options,
+                             engine_options)
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
                               sample_from, token_logprob, uniform, uses_cfg, warp)
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name, each registered under its name in rollout/options.py's
-ENGINE_OPTIONS (which also declares the options it takes)."""
+ENGINE_OPTIONS (which also declares the options it takes) when its module (ENGINE_MODULES) is
+imported; `engine_class` and `load_engines` import them."""
 
 
 def register(name: str):
@@ -44,12 +47,22 @@ def register(name: str):
 
 
 def engine_class(name: str) -> type[Engine]:
-    """The engine class registered under `name` (ValueError naming the known ones)."""
+    """The engine class registered under `name`, its module (rollout/options.py
+    ENGINE_MODULES) imported first (ValueError naming the known engines)."""
     check_engine_name(name)
     if name not in ENGINES:
-        raise ValueError(f"engine {name!r} is declared but not registered: import make_engine "
-                         f"from rollout (`from rollout import make_engine`), which loads them all")
+        importlib.import_module(ENGINE_MODULES[name])       # registers the module's engines
+    if name not in ENGINES:
+        raise ValueError(f"engine {name!r}: module {ENGINE_MODULES[name]} registers no engine "
+                         f"of that name (rollout/options.py ENGINE_MODULES)")
     return ENGINES[name]
+
+
+def load_engines() -> dict[str, type[Engine]]:
+    """ENGINES with every declared engine registered."""
+    for name in ENGINE_OPTIONS:
+        engine_class(name)
+    return ENGINES
 
 
 def make_engine(name: str, **options) -> Engine:

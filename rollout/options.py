@@ -36,6 +36,12 @@ ENGINE_OPTIONS: dict[str, dict] = {
 """Options of each engine by engine name, with their defaults (besides `compile`, which every
 engine takes, default False).  The order is the one error messages list them in."""
 
+ENGINE_MODULES: dict[str, str] = {"hbsjd": "rollout.hbsjd", "cached_ar": "rollout.cached_ar",
+                                  "sjd_sync": "rollout.sjd_sync",
+                                  "sjd_independent": "rollout.hbsjd"}
+"""The module that defines (and registers) each engine: rollout/engine.py `engine_class`
+imports it the first time the engine is asked for."""
+
 
 def check_engine_name(name: str) -> None:
     """ValueError naming the known engines (and the closest) when `name` is not one."""
