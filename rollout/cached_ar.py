@@ -45,7 +45,7 @@ class CachedAR(Engine):
         B, N = req.batch, req.num_new
         dev = req.labels.device
         parts = req.row_batches()
-        step = self.step(ar_step, dev)
+        step = self.compiled_round(ar_step, dev)
         decoded = [decode_tokens(model, req.take(i), *prefill_token(model, req.take(i)), step)
                    for i in parts]
         tokens, logprobs = (torch.cat(t) for t in zip(*decoded))

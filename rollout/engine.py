@@ -250,7 +250,7 @@ class Engine:
     Option compile (every engine): False, or a torch.compile backend (True = "inductor";
     "eager" traces without code generation, for tests): each round -- its verifier forward
     and the choice or verification of its tokens -- is one compiled function with static
-    shapes (`Engine.step`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
+    shapes (`Engine.compiled_round`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
     graph), run on the model's static cache (`static_cache`); prefills stay eager."""
     name = "engine"
 
@@ -262,7 +262,7 @@ class Engine:
     def compiles(self) -> bool:
         return bool(self.options["compile"])
 
-    def step(self, fn, device: torch.device):
+    def compiled_round(self, fn, device: torch.device):
         """`fn` (a round function of the engine's module), or with option compile its
         torch.compile'd version (compiled per function and device type; dynamic=False: one
         graph per input shape, which callers keep few)."""

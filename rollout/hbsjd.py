@@ -305,8 +305,9 @@ class JacobiEngine(Engine):
             plan, gamma = self.plan(model, req), self.gamma(model, req)
         if not self.compiles:
             return run_jacobi(model, req, plan, gamma, policy=policy, plan_for=plan_for)
-        return run_jacobi(model, req, plan, gamma, self.step(full_round_in_place, dev),
-                          self.step(compact_round, dev), self._states.hold, policy, plan_for)
+        return run_jacobi(model, req, plan, gamma, self.compiled_round(full_round_in_place, dev),
+                          self.compiled_round(compact_round, dev), self._states.hold, policy,
+                          plan_for)
 
     def policy(self, model, req: Request) -> WindowPolicy:
         raise ValueError(f"engine {self.name!r} has no window policy: set option window to an int")
