@@ -47,7 +47,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py): each
-    round's window and execution are `choose_round`'s, gamma unused; plan_for(W) -> the call's
+    round's window and execution are `policy.choose`'s, gamma unused; plan_for(W) -> the call's
     Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
@@ -80,7 +80,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if A == 0:
             break
         # 2. Full or Compact, and the window
-        is_compact, st, plan = execution(A, gamma, acceptance, policy, model, st, req, plan,
+        is_compact, st, plan = execution(A, gamma, acceptance, policy, st, plan,
                                          plan_for, hold if compiled else None)
         # 3. the round
         if is_compact:
@@ -98,14 +98,15 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
 
 
 def execution(active: int, gamma: int, acceptance: Acceptance | None,
-              policy: WindowPolicy | None, model, st: JacobiState, req: Request, plan: Plan,
-              plan_for, hold) -> tuple[bool, JacobiState, Plan]:
+              policy: WindowPolicy | None, st: JacobiState, plan: Plan, plan_for,
+              hold) -> tuple[bool, JacobiState, Plan]:
     """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
-    (W "auto") `choose_round`'s window and mode, `st` re-windowed to it (and held again when
-    hold is given: compiled rounds)."""
+    (W "auto") `policy.choose`'s window and mode for the active count and this rollout's
+    acceptance counts, `st` re-windowed to it (and held again when hold is given: compiled
+    rounds)."""
     if policy is None:
         return active < gamma, st, plan
-    W, compact = choose_round(policy, active, acceptance, model, st, req, plan, plan_for)
+    W, compact = policy.choose(active, acceptance)
     if W != plan.W:
         st = rewindow(st, plan, plan_for(W))
         plan = plan_for(W)
@@ -118,16 +119,6 @@ def compact_rows(live: Tensor, active: int, rows: int, compiled: bool) -> Tensor
     """The rows (k,) int64 of a Compact round: the active ones of live (R,) bool, padded to
     their bucket when compiled (`bucket_rows`)."""
     return bucket_rows(live, bucket(active, rows)) if compiled else live.nonzero().squeeze(1)
-
-
-def choose_round(policy: WindowPolicy, active: int, acceptance: Acceptance, model,
-                 st: JacobiState, req: Request, plan: Plan, plan_for) -> tuple[int, bool]:
-    """The next round's (W, compact): `policy.choose` of the active count and this rollout's
-    acceptance counts.  model, st, req, plan and plan_for (the state before the round) are
-    passed so a
-    test can swap in a policy that looks where it must not (the round's own acceptance,
-    tests/rollout/test_window.py); this one reads none of them."""
-    return policy.choose(active, acceptance)
 
 
 def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:

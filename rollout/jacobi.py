@@ -84,9 +84,9 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               span: int | None = None) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
     each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
-    speculative: decoding "speculative" (which committed tokens join the candidates); span: the state's
-    slots past T (None: W; a call whose window changes between rounds sizes its state for the
-    largest, `rewindow`)."""
+    speculative: decoding "speculative" (which committed tokens join the candidates); span:
+    the state's slots past T (None: W; a call whose window changes between rounds sizes its
+    state for the largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]

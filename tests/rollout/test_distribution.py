@@ -131,8 +131,8 @@ def test_a_wrong_resampling_rule_is_detected(model, monkeypatch):
     prefix, N, cfg = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, None
     probs = exact_distribution(model, 1, prefix, N, cfg)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="speculative"), 1, prefix,
-                              N, cfg, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(model, engine, 1, prefix, N, cfg, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
 
@@ -146,8 +146,8 @@ def test_a_wrong_acceptance_rule_is_detected(model, monkeypatch):
     def ignore_q(p, drafts, q, *args):
         return real(p, drafts, torch.ones_like(q), *args)
     monkeypatch.setattr("rollout.jacobi.verify_sample", ignore_q)
-    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="speculative"), 1, prefix,
-                              N, None, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(model, engine, 1, prefix, N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
 
 
@@ -271,7 +271,8 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
         return real(p, drafts, q, done, checked, u, *args)
     monkeypatch.setattr(rollout.jacobi, "verify_sample", keep_all)
     prefix = torch.zeros(1, 0, dtype=torch.long)
-    engine = make_engine("hbsjd", window=8, decoding="speculative", refresh="coupled", execution="full")
+    engine = make_engine("hbsjd", window=8, decoding="speculative", refresh="coupled",
+                         execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
     assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8
 
@@ -393,6 +394,6 @@ def test_bf16_model_with_a_wrong_resampling_rule_is_detected(bf16_model, monkeyp
     prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
     probs = exact_distribution(bf16_model, 1, prefix, N, None)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(bf16_model, make_engine("hbsjd", window=4, decoding="speculative"), 1,
-                              prefix, N, None, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(bf16_model, engine, 1, prefix, N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8

@@ -44,7 +44,8 @@ def test_init_state_drafts_come_from_history():
     assert st.seq[:, 9].tolist() == [3, 4]
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
-    sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]), plan, 7)
+    sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]),
+                         plan, 7)
     assert sampled.q.shape == (2, 5, 7)                                # one per window column
     assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
     assert (sampled.q.sum(-1) == 1).all()

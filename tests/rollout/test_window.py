@@ -3,8 +3,10 @@ Cached AR's while W and Full / Compact change between rounds, execution-mode inv
 given policy, determinism, and a policy that peeks at the round it chooses for (the round's
 own acceptance) caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
 
-Every test uses a fixture cost table (tests/rollout/tables.py `cost_table`), never a timed one, so the
-choices are the same on every machine."""
+Every test uses a fixture cost table (tests/rollout/tables.py `cost_table`), never a timed one,
+so the choices are the same on every machine."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -168,8 +170,6 @@ def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkey
 
 
 # ---- sampled decoding: exact distribution with W changing, and a policy that peeks -----------
-# (decoding "speculative": decoding "sample" commits Cached AR's tokens whatever the windows,
-# tests/rollout/test_keyed_sampling.py)
 
 SAMPLES = 4000
 
@@ -207,7 +207,7 @@ def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P,
                                                                        warps):
     """The policy switches W and Full / Compact between rounds (both fixture tables), with
     both refresh rules, CFG, warps and candidate drafting; decoding "speculative" unless the
-    case says "sample"."""
+    case says "sample" (whose tokens are Cached AR's, tests/rollout/test_keyed_sampling.py)."""
     seed, V, grid = spec
     model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
     prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
@@ -243,13 +243,13 @@ def stepped(policy, active, acceptance, *rest):
 
 def exact_then_mutated(monkeypatch, model, schedule, mutation, windows: set) -> None:
     """Whole images of `model` sampled (16000) under a window `schedule` (in place of
-    `choose_round`): they follow the exact distribution, take every (W, mode) of `windows`,
+    `WindowPolicy.choose`): they follow the exact distribution, take every (W, mode) of `windows`,
     and with `mutation` in place of `rewindow` they do not."""
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, model.block_size, None)
     opts = dict(window="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", schedule)
+    monkeypatch.setattr(WindowPolicy, "choose", schedule)
     counts, seen = sampled_counts(model, opts, prefix)
     assert windows <= set(seen)
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -265,15 +265,26 @@ def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
                        {(3, "full"), (2, "compact"), (3, "compact")})
 
 
-def peek(policy, active, acceptance, model, st, req, plan, plan_for):
-    """A wrong policy: it runs the coming round at the largest window on a copy of the state
-    and, where the first draft would be rejected, chooses W = 1 for it -- the token then comes
-    from p instead of the residual, so a rejected draft is drawn again from p."""
-    big = plan_for(policy.largest)
-    trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
-    counts = full_round(model, trial, req, big)
-    first_rejected = bool(((counts[1] == 0) & (counts[2] == 1)).any())
-    return (1 if first_rejected else policy.largest), False
+def peeking(monkeypatch, model) -> None:
+    """A wrong policy in place of the engine's (`hbsjd.execution` wrapped, the request taken
+    from `hbsjd.run_jacobi`'s call): it runs the coming round at the largest window on a copy
+    of the state and, where the first draft would be rejected, chooses W = 1 for it -- the
+    token then comes from p instead of the residual: a rejected draft drawn again from p."""
+    real_run, real_execution, call = rollout.hbsjd.run_jacobi, rollout.hbsjd.execution, {}
+
+    def run_jacobi(model, req, *args, **kw):
+        call["req"] = req
+        return real_run(model, req, *args, **kw)
+
+    def execution(active, gamma, acceptance, policy, st, plan, plan_for, hold):
+        big = plan_for(policy.largest)
+        trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
+        counts = full_round(model, trial, call["req"], big)
+        W = 1 if bool(((counts[1] == 0) & (counts[2] == 1)).any()) else policy.largest
+        chosen = SimpleNamespace(choose=lambda *_: (W, False), largest=policy.largest)
+        return real_execution(active, gamma, acceptance, chosen, st, plan, plan_for, hold)
+    monkeypatch.setattr(rollout.hbsjd, "run_jacobi", run_jacobi)
+    monkeypatch.setattr(rollout.hbsjd, "execution", execution)
 
 
 def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
@@ -287,7 +298,7 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {3}
     assert chi2_pvalue(counts, probs) > 1e-3
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", peek)
+    peeking(monkeypatch, model)
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {1, 3}
     assert chi2_pvalue(counts, probs) < 1e-8
