@@ -38,13 +38,14 @@ def decode_tokens(model, req: Request, first: torch.Tensor, first_logp: torch.Te
 
 @register("cached_ar")
 class CachedAR(Engine):
-    """Options: decoding = greedy (argmax) | sample (keyed inverse-CDF sampling)."""
+    """Options: decoding = greedy (argmax) | sample (the keyed Gumbel-max token of each
+    position) | speculative (keyed inverse-CDF sampling), rollout/sampling.py."""
 
     def run(self, model, req: Request) -> RolloutResult:
         B, N = req.batch, req.num_new
         dev = req.labels.device
         parts = req.row_batches()
-        step = self.step(ar_step, dev)
+        step = self.compiled_round(ar_step, dev)
         decoded = [decode_tokens(model, req.take(i), *prefill_token(model, req.take(i)), step)
                    for i in parts]
         tokens, logprobs = (torch.cat(t) for t in zip(*decoded))

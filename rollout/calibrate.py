@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import model_device, synchronize
+from rollout.options import DECODINGS
 
 FORMAT = 1
 CACHE_ENV = "OPD_CACHE"
@@ -184,7 +185,7 @@ def measure_round_overheads(model, batch: int, forward_s: dict, *, cfg: bool = F
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, model.num_classes, (batch,), generator=g).to(_device(model))
     out = {W: {} for W in forward_s}
-    for decoding in ("greedy", "sample"):
+    for decoding in DECODINGS:
         engines = {W: make_engine("hbsjd", window=W, decoding=decoding, execution="full")
                    for W in forward_s}
         rounds = {W: [] for W in forward_s}
@@ -300,8 +301,9 @@ def ensure_calibrations(model, batches, windows, *, cfg: bool = False,
     batches = sorted(set(int(b) for b in batches))
     windows = sorted(set(int(W) for W in windows))
 
-    def complete(e):
-        return e is not None and all(k in e for k in need)
+    def complete(e):        # an "overhead_s" entry holds every decoding's
+        return (e is not None and all(k in e for k in need)
+                and ("overhead_s" not in need or set(DECODINGS) <= set(e["overhead_s"])))
     found = {(b, W): find_entry(path, model, b, W, cfg) for b in batches for W in windows}
     if all(complete(e) for e in found.values()):
         return found

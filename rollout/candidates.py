@@ -1,4 +1,4 @@
-"""Candidate drafting at the correction point (SJD-PAC's proactive drafting), greedy and sampled.
+"""Candidate drafting at the correction point (SJD-PAC's proactive drafting), every decoding.
 
 After a round whose verification corrected a token, the next window's first draft (token cur)
 was predicted from the rejected draft: the Jacobi "single-token stall" (each round commits the
@@ -10,7 +10,7 @@ K - 1 alternatives for token cur, as branches of a token tree appended to the W 
     branch j = 1..K-1    L columns: [c_j, drafts cur + 1 ..] at positions cur + 1 ..
 
 Candidates (`candidates`): c_0, then committed tokens before token cur -- the one a history
-offset H above (one grid row: HB-SJD's history draft), and with sampled decoding first token
+offset H above (one grid row: HB-SJD's history draft), and with decoding "speculative" first token
 cur - 1, the corrected token itself (a residual draw lands where the new distribution exceeds
 the stale one, rarely among the stale top tokens, while image tokens often repeat their left
 neighbour; greedy windows gained more with H's token alone) -- then the most likely tokens of
@@ -20,7 +20,10 @@ in a clipped tail window every column up to the root).  The model caches column 
 start + s (rollout/protocol.py); a winning branch j > 0 is moved to slots cur + 1 .. .
 
 Verification: the root column chooses token cur (`root_token`) -- greedy: its
-argmax; sampled: speculative sampling of c_0 alone, i.e. c_0 kept with probability
+argmax; decoding "sample": the argmax of its perturbed scores (rollout/sampling.py `perturb`,
+applied to the whole tree window before the path is chosen, so the candidates are the stale
+prediction's next-best perturbed tokens and every committed token is Cached AR's, as greedy);
+"speculative": speculative sampling of c_0 alone, i.e. c_0 kept with probability
 min(1, p(c_0) / q(c_0)), else a draw y from norm(max(0, p - q)) (rollout/verify.py).  The
 branch whose c_j equals that token (else branch 0, whose c_0 is then rejected) is the row's
 *path*; verification runs along it as along a plain window, over its 1 + L valid predictions

@@ -15,6 +15,7 @@ batches.  An image's tokens never depend on its row or on S (keyed random number
 """
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollout.options import ENGINE_OPTIONS, check_engine_name, check_options, engine_options
-from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, sample_from,
-                              token_logprob, uniform, uses_cfg, warp)
+from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, check_options,
+                             engine_options)
+from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
+                              sample_from, token_logprob, uniform, uses_cfg, warp)
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name, each registered under its name in rollout/options.py's
-ENGINE_OPTIONS (which also declares the options it takes)."""
+ENGINE_OPTIONS (which also declares the options it takes) when its module (ENGINE_MODULES) is
+imported; `engine_class` and `load_engines` import them."""
 
 
 def register(name: str):
@@ -45,12 +48,22 @@ def register(name: str):
 
 
 def engine_class(name: str) -> type[Engine]:
-    """The engine class registered under `name` (ValueError naming the known ones)."""
+    """The engine class registered under `name`, its module (rollout/options.py
+    ENGINE_MODULES) imported first (ValueError naming the known engines)."""
     check_engine_name(name)
     if name not in ENGINES:
-        raise ValueError(f"engine {name!r} is declared but not registered: import make_engine "
-                         f"from rollout (`from rollout import make_engine`), which loads them all")
+        importlib.import_module(ENGINE_MODULES[name])       # registers the module's engines
+    if name not in ENGINES:
+        raise ValueError(f"engine {name!r}: module {ENGINE_MODULES[name]} registers no engine "
+                         f"of that name (rollout/options.py ENGINE_MODULES)")
     return ENGINES[name]
+
+
+def load_engines() -> dict[str, type[Engine]]:
+    """ENGINES with every declared engine registered."""
+    for name in ENGINE_OPTIONS:
+        engine_class(name)
+    return ENGINES
 
 
 def make_engine(name: str, **options) -> Engine:
@@ -69,7 +82,7 @@ class Request:
     temperature: float
     top_k: int | None
     top_p: float | None
-    sampled: bool         # decoding == "sample"
+    decoding: str         # rollout/options.py DECODINGS
     seeds: Tensor         # (B,) int64 RNG seed of each image
     ids: Tensor           # (B,) int64 RNG image id of each image
     keys: Tensor          # (B,) int64 image_key(seed, id): every uniform hashes it
@@ -93,7 +106,7 @@ class Request:
     def take(self, images: Tensor) -> Request:
         """The request for the images `images` (in that order), every image keeping its key."""
         return Request(self.labels[images], self.prefix[images], self.num_new, self.cfg_scale,
-                       self.temperature, self.top_k, self.top_p, self.sampled,
+                       self.temperature, self.top_k, self.top_p, self.decoding,
                        self.seeds[images], self.ids[images], self.keys[images], self.slots)
 
     @property
@@ -108,13 +121,28 @@ class Request:
     def cfg(self) -> bool:
         return uses_cfg(self.cfg_scale)
 
+    @property
+    def sampled(self) -> bool:
+        """Tokens are drawn (decoding "sample" or "speculative"), not the argmax."""
+        return self.decoding != "greedy"
+
+    @property
+    def speculative(self) -> bool:
+        """Decoding "speculative": speculative sampling, drafts with proposals q."""
+        return self.decoding == "speculative"
+
+    @property
+    def perturbed(self) -> bool:
+        """Decoding "sample": the argmax of keyed perturbed scores (`sampling.perturb`)."""
+        return self.decoding == "sample"
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
-                 cfg_scale, temperature, top_k, top_p, seed, image_ids, sampled,
+                 cfg_scale, temperature, top_k, top_p, seed, image_ids, decoding: str,
                  slots: int | None = None) -> Request:
     """Check a generate call against the model; ValueError naming the bad argument."""
     if not (torch.is_tensor(labels) and labels.dim() == 1 and labels.numel() >= 1):
@@ -142,14 +170,15 @@ def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: i
     if P + num_new_tokens > model.block_size:
         raise ValueError(f"num_new_tokens={num_new_tokens} overflows the sequence: prefix {P} + "
                          f"{num_new_tokens} > block_size {model.block_size}")
-    check_sampling(model.vocab_size, cfg_scale, temperature, top_k, top_p, sampled)
+    check_sampling(model.vocab_size, cfg_scale, temperature, top_k, top_p,
+                   decoding != "greedy")
     if slots is not None and not (_is_int(slots) and slots >= 1):
         raise ValueError(f"slots must be None or an int >= 1 (physical rows), got {slots!r}")
     seeds = _per_image("seed", seed, B, device)
     ids = (torch.arange(B, device=device) if image_ids is None
            else _per_image("image_ids", image_ids, B, device))
     return Request(labels, prefix, num_new_tokens, cfg_scale, temperature, top_k, top_p,
-                   sampled, seeds, ids, image_key(seeds, ids), slots)
+                   decoding, seeds, ids, image_key(seeds, ids), slots)
 
 
 def model_device(model, default: torch.device) -> torch.device:
@@ -176,15 +205,20 @@ def cfg_rows(x: Tensor, req: Request) -> Tensor:
 
 def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor,
                  keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """guided: (B, V) logits; position, attempt: (B,) -> token (B,) int64, the argmax (greedy)
-    or a sample keyed by (seed, image, position, attempt), and its behaviour log-prob (B,)
-    float32 (`sampling.token_logprob`); keys: the images' keys (default all)."""
-    p = warp(guided, req.temperature, req.top_k, req.top_p)
-    if not req.sampled:
-        token = guided.argmax(-1)
+    """guided: (B, V) logits; position, attempt: (B,) -> token (B,) int64 -- the argmax
+    (greedy), the keyed Gumbel-max token of (seed, image, position) (decoding "sample",
+    `sampling.perturb`), or an inverse-CDF sample keyed by (seed, image, position, attempt)
+    (decoding "speculative") -- and its behaviour log-prob (B,) float32
+    (`sampling.token_logprob`); keys: the images' keys (default all)."""
+    keys = req.keys if keys is None else keys
+    if req.perturbed:
+        scores, p = perturb(guided, keys[:, None], position[:, None], req.temperature,
+                            req.top_k, req.top_p)
+        token = scores.argmax(-1)
     else:
-        token = sample_from(p, uniform(req.keys if keys is None else keys, position, attempt,
-                                       STREAM_TOKEN))
+        p = warp(guided, req.temperature, req.top_k, req.top_p)
+        token = (sample_from(p, uniform(keys, position, attempt, STREAM_TOKEN))
+                 if req.speculative else guided.argmax(-1))
     return token, token_logprob(p, token)
 
 
@@ -217,7 +251,7 @@ class Engine:
     Option compile (every engine): False, or a torch.compile backend (True = "inductor";
     "eager" traces without code generation, for tests): each round -- its verifier forward
     and the choice or verification of its tokens -- is one compiled function with static
-    shapes (`Engine.step`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
+    shapes (`Engine.compiled_round`; mode "reduce-overhead" on CUDA, so a round replays as one CUDA
     graph), run on the model's static cache (`static_cache`); prefills stay eager."""
     name = "engine"
 
@@ -229,7 +263,7 @@ class Engine:
     def compiles(self) -> bool:
         return bool(self.options["compile"])
 
-    def step(self, fn, device: torch.device):
+    def compiled_round(self, fn, device: torch.device):
         """`fn` (a round function of the engine's module), or with option compile its
         torch.compile'd version (compiled per function and device type; dynamic=False: one
         graph per input shape, which callers keep few)."""
@@ -247,8 +281,8 @@ class Engine:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
     @property
-    def sampled(self) -> bool:
-        return self.options.get("decoding") == "sample"
+    def decoding(self) -> str:
+        return self.options["decoding"]
 
     def generate(self, model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
                  cfg_scale: float | None = None, temperature: float = 1.0,
@@ -276,7 +310,7 @@ class Engine:
         decoding; its `result` is then generate's.  Arguments are checked here (ValueError)."""
         req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           image_ids=image_ids, sampled=self.sampled, slots=slots)
+                           image_ids=image_ids, decoding=self.decoding, slots=slots)
         self.check_model(model, req)
         if self.compiles and not hasattr(model, "static_cache"):
             raise ValueError("option compile needs a model with static_cache(on) (a fixed-"

@@ -47,7 +47,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py): each
-    round's window and execution are `choose_round`'s, gamma unused; plan_for(W) -> the call's
+    round's window and execution are `policy.choose`'s, gamma unused; plan_for(W) -> the call's
     Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
@@ -93,7 +93,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if A == 0:
             break
         # 2. Full or Compact, and the window
-        is_compact, st, plan = execution(A, gamma, acceptance, policy, model, st, req, plan,
+        is_compact, st, plan = execution(A, gamma, acceptance, policy, st, plan,
                                          plan_for, hold if compiled else None)
         # 3. the round
         if is_compact:
@@ -111,14 +111,15 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
 
 
 def execution(active: int, gamma: int, acceptance: Acceptance | None,
-              policy: WindowPolicy | None, model, st: JacobiState, req: Request, plan: Plan,
-              plan_for, hold) -> tuple[bool, JacobiState, Plan]:
+              policy: WindowPolicy | None, st: JacobiState, plan: Plan, plan_for,
+              hold) -> tuple[bool, JacobiState, Plan]:
     """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
-    (W "auto") `choose_round`'s window and mode, `st` re-windowed to it (and held again when
-    hold is given: compiled rounds)."""
+    (W "auto") `policy.choose`'s window and mode for the active count and this rollout's
+    acceptance counts, `st` re-windowed to it (and held again when hold is given: compiled
+    rounds)."""
     if policy is None:
         return active < gamma, st, plan
-    W, compact = choose_round(policy, active, acceptance, model, st, req, plan, plan_for)
+    W, compact = policy.choose(active, acceptance)
     if W != plan.W:
         st = rewindow(st, plan, plan_for(W))
         plan = plan_for(W)
@@ -131,16 +132,6 @@ def compact_rows(live: Tensor, active: int, rows: int, compiled: bool) -> Tensor
     """The rows (k,) int64 of a Compact round: the active ones of live (R,) bool, padded to
     their bucket when compiled (`bucket_rows`)."""
     return bucket_rows(live, bucket(active, rows)) if compiled else live.nonzero().squeeze(1)
-
-
-def choose_round(policy: WindowPolicy, active: int, acceptance: Acceptance, model,
-                 st: JacobiState, req: Request, plan: Plan, plan_for) -> tuple[int, bool]:
-    """The next round's (W, compact): `policy.choose` of the active count and this rollout's
-    acceptance counts.  model, st, req, plan and plan_for (the state before the round) are
-    passed so a
-    test can swap in a policy that looks where it must not (the round's own acceptance,
-    tests/rollout/test_window.py); this one reads none of them."""
-    return policy.choose(active, acceptance)
 
 
 def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
@@ -235,7 +226,8 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
     in place (rollout/jacobi.py); a tree window's winning branch (the branch jacobi_update
     returns only then) then moves into place (`candidates.move_branch`).  -> counts (3, B)
     int64: committed, accepted, rejected."""
-    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), offset, req, plan)
+    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), positions, offset, req,
+                                  plan)
     if taken is not None:
         move_branch(model, positions, offset, taken, req, rows, plan.tree)
     return counts
@@ -243,12 +235,13 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
 
 class JacobiEngine(Engine):
     """Shared option handling: window (W = tokens per verifier forward, [last committed,
-    W - 1 drafts]), history_offset (H; None = one grid row), decoding, refresh (sampled drafts
-    after the commit point: "coupled" = maximal coupling with their new distribution,
-    "resample" = drawn afresh; both lossless, see rollout/jacobi.py).  Independent engines
-    also take candidates (K >= 2: after a correction the next window also verifies K - 1
-    alternatives for the following token as token-tree branches, rollout/candidates.py; greedy
-    or sampled; 0 = off) and branch (columns of each alternative branch; None = 1)."""
+    W - 1 drafts]), history_offset (H; None = one grid row), decoding (rollout/options.py
+    DECODINGS), refresh (decoding "speculative": the drafts after the commit point, "coupled" =
+    maximal coupling with their new distribution, "resample" = drawn afresh; both lossless, see
+    rollout/jacobi.py).  Independent engines also take candidates (K >= 2: after a correction
+    the next window also verifies K - 1 alternatives for the following token as token-tree
+    branches, rollout/candidates.py; every decoding; 0 = off) and branch (columns of each
+    alternative branch; None = 1)."""
     SYNC = False
     DEFAULT_H_IS_ONE = False
 
@@ -283,7 +276,7 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.sampled, span)
+                         model.vocab_size, req.speculative, span)
 
     def run_stream(self, model, req: Request) -> Iterator[Finished]:
         """`run_jacobi` with this call's plan, gamma or window policy, and compiled rounds."""
@@ -302,8 +295,9 @@ class JacobiEngine(Engine):
             plan, gamma = self.plan(model, req), self.gamma(model, req)
         if not self.compiles:
             return run_jacobi(model, req, plan, gamma, policy=policy, plan_for=plan_for)
-        return run_jacobi(model, req, plan, gamma, self.step(full_round_in_place, dev),
-                          self.step(compact_round, dev), self._states.hold, policy, plan_for)
+        return run_jacobi(model, req, plan, gamma, self.compiled_round(full_round_in_place, dev),
+                          self.compiled_round(compact_round, dev), self._states.hold, policy,
+                          plan_for)
 
     def policy(self, model, req: Request) -> WindowPolicy:
         raise ValueError(f"engine {self.name!r} has no window policy: set option window to an int")
@@ -349,11 +343,12 @@ class HBSJD(JacobiEngine):
         if self.options["costs"] is not None:
             return self.options["costs"]
         from rollout.calibrate import ensure_calibrations, find_entry, model_signature
-        key = (model_signature(model), req.rows, req.cfg, req.sampled)
+        key = (model_signature(model), req.rows, req.cfg, req.decoding)
         if key not in self._tables:
             path = calibration_path(self.options)
             found = {W: find_entry(path, model, req.rows, W, req.cfg) for W in WINDOWS}
-            missing = [W for W, e in found.items() if e is None or "overhead_s" not in e]
+            missing = [W for W, e in found.items()
+                       if e is None or req.decoding not in e.get("overhead_s", {})]
             if missing:
                 if not self.options["calibrate_missing"]:
                     raise ValueError(
@@ -364,8 +359,7 @@ class HBSJD(JacobiEngine):
                 found = {W: e for (_, W), e in ensure_calibrations(       # interleaved
                     model, [req.rows], WINDOWS, cfg=req.cfg, path=path,
                     need=("overhead_s",)).items()}
-            self._tables[key] = CostTable.from_entries(
-                found, "sample" if req.sampled else "greedy")
+            self._tables[key] = CostTable.from_entries(found, req.decoding)
         return self._tables[key]
 
     def gamma(self, model, req: Request) -> int:

@@ -7,8 +7,9 @@ Per image b (B images; `cur[b]` committed tokens; T = P + N):
     logp[b, :cur]         behaviour log-prob of each committed token (prefix: unused), the
                           log-prob under the target p of its position
                           (rollout.sampling.token_logprob)
-    q[b, c]               (sample mode) the distribution the token of the next window's column c
-                          was drawn from (one-hot for a token filled from history)
+    q[b, c]               (decoding "speculative") the distribution the token of the next
+                          window's column c was drawn from (one-hot for a token filled from
+                          history)
 
 A round feeds the window [token start - 1, ..., token start + W - 2] at positions start ..
 start + W - 1 (image token j sits at position j + 1): start = cur, the last committed token and
@@ -20,9 +21,12 @@ most N - 1.
 Verification (rollout/verify.py) runs in window columns: column c predicts token start + c.
 `m` tokens are committed (the accepted drafts plus the replacement / bonus token; the batch
 minimum for Batch-Synchronous SJD).  The round's tokens after them are the next drafts: the
-argmax (greedy), or tokens distributed exactly as this round's p, so q = p (sampled: redrawn, or
-kept by maximal coupling, see rollout/verify.py; with the batch minimum, accepted drafts that
-were not committed are redrawn from p).  Every column is written back in one scatter, the
+argmax (greedy), the argmax of the column's perturbed scores (decoding "sample": the keyed
+Gumbel-max rule, rollout/sampling.py `perturb`, verified as greedy drafts are, so every
+committed token is the one Cached AR commits), or tokens distributed exactly as this round's
+p, so q = p (decoding "speculative": redrawn, or kept by maximal coupling, see
+rollout/verify.py; with the batch minimum, accepted drafts that were not committed are
+redrawn from p).  Every column is written back in one scatter, the
 columns committed before the round to scratch slots past T.  Then the W - 1 tokens after the
 window are filled from history: token j gets the token H positions earlier, following the chain
 j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
@@ -40,19 +44,19 @@ from rollout.candidates import make_tree, next_candidates, no_candidates, tree_p
 from rollout.engine import Request, cfg_rows, choose_token
 from rollout.jacobi_state import JacobiState, Plan
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              guide, inverse_cdf, uniform, warp)
+                              guide, inverse_cdf, perturb, uniform, warp)
 from rollout.verify import verify_greedy, verify_sample
 
 
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None, sampled: bool = False,
+              vocab_size: int | None = None, speculative: bool = False,
               span: int | None = None) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
-    each branch j > 0 (None: 1); vocab_size: V (sampled decoding builds it when None);
-    sampled: the decoding (which committed tokens join the candidates); span: the state's
-    slots past T (None: W; a call whose window changes between rounds sizes its state for the
-    largest, `rewindow`)."""
+    each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
+    speculative: decoding "speculative" (which committed tokens join the candidates); span:
+    the state's slots past T (None: W; a call whose window changes between rounds sizes its
+    state for the largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -62,7 +66,7 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
     return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
-                known=torch.tensor([1, H] if sampled else [H], device=device),
+                known=torch.tensor([1, H] if speculative else [H], device=device),
                 span=max(W, span or W), K=candidates if candidates >= 2 else 0)
 
 
@@ -96,7 +100,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
     fill_history(seq.unsqueeze(2), cur.view(B, 1, 1), plan)
     q = None
-    if req.sampled:                 # the first window starts at cur (W <= N - 1)
+    if req.speculative:             # the first window starts at cur (W <= N - 1)
         q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
     logp = None
     if first_logp is not None:
@@ -127,7 +131,7 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
     after_ar = old.W == 1 < new.W
     if after_ar:
         fill_history(st.seq.unsqueeze(2), st.cur.view(B, 1, 1), new)
-    if q is not None:
+    if q is not None:               # decoding "speculative"
         start = st.cur.clamp(max=old.T - old.W)
         start_new = st.cur.clamp(max=new.T - new.W)
         col = (start_new - start)[:, None] + new.ar                      # (B, W') old column
@@ -174,12 +178,14 @@ def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
     return pool.gather(1, (shift + plan.q_cols).expand(B, W, V))
 
 
-def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
-                  plan: Plan) -> tuple[Tensor, Tensor | None]:
+def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor,
+                  req: Request, plan: Plan) -> tuple[Tensor, Tensor | None]:
     """Verify this round's windows and advance `st` in place.
 
     guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
-    tree's branches after the window); offset from `window_inputs`.
+    tree's branches after the window); positions: (B, W) (or (B, C)) int64 the index of the
+    token each column predicts (its position, `window_inputs`; the noise key of decoding
+    "sample"); offset from `window_inputs`.
     Returns counts (3, B) int64 -- tokens committed, drafts accepted and drafts rejected (0 or
     1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
     window took (else None).  Candidate drafting (plan.tree) has two seams here, both in
@@ -193,22 +199,25 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
     done = plan.col < off                                             # committed before
     held, checked, drafted, last, branch = done, plan.checked, None, W - 1, None
     p = u = None
-    if req.sampled:
+    if req.speculative:
         u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
-    if req.sampled or st.logp is not None:
+    if req.perturbed:       # from here on verified as greedy, on the perturbed scores
+        guided, p = perturb(guided, st.key.view(B, 1, 1), positions[..., None],
+                            req.temperature, req.top_k, req.top_p)    # (B, W or C, V)
+    elif req.speculative or st.logp is not None:
         p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
     if plan.tree is not None:       # candidate drafting: the path the root column chose
         guided, p, held, checked, drafted, last, branch = tree_path(st, guided, p, u, offset,
                                                                     off, done, plan)
     drafts = seq.gather(1, pos)                                       # (B, W, 1)
-    if req.sampled:     # on a tree path the drafts past its valid predictions are coupled too
+    if req.speculative:  # on a tree path the drafts past its valid predictions are coupled too
         a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
                                   drafted)
     else:
         tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
         a = verify_greedy(tokens, drafts, held, checked)
     m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
-    if plan.sync and req.sampled:    # accepted past the batch minimum: drafts again, from p
+    if plan.sync and req.speculative:    # accepted past the batch minimum: drafts again, from p
         again = (plan.col >= off + m) & (plan.col <= a)
         tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)       # u[3]: drafts
     write = torch.where(done, plan.scratch, pos)    # committed before: to scratch past T
@@ -224,7 +233,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, offset: Tensor, req: Request,
         next_candidates(st, guided, offset, a, m, last, branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)
-    if req.sampled:
+    if req.speculative:
         st.q = next_proposals(p, filled, start, st.cur, plan)
     return counts.view(3, B), branch
 
@@ -234,8 +243,9 @@ def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | No
     every live row from a 1-token forward (cache rows `rows`, None = all), committed in place
     -> counts (3, B) int64 (1 / 0 committed, nothing accepted or rejected).
 
-    Its tokens and log-probs are the ones `jacobi_update` commits at W = 1 (the argmax, or the
-    sample keyed by (image, token, round) on the token stream: verify_sample's token at a = 0),
+    Its tokens and log-probs are the ones `jacobi_update` commits at W = 1 (the argmax, the
+    keyed Gumbel-max token, or the sample keyed by (image, token, round) on the token stream:
+    verify_sample's token at a = 0),
     without the verification step; what it skips is the history fill after the window and the
     next proposals, which no round of W = 1 reads (a wider window after it fills its drafts,
     `rewindow`).  A finished row (cur = T) re-predicts token T - 1 into scratch slot T."""

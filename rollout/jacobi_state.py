@@ -37,7 +37,7 @@ class Plan:
     W: int               # window (<= N - 1)
     H: int               # history offset
     sync: bool           # commit the batch minimum (Batch-Synchronous SJD)
-    coupled: bool        # sampled drafts refreshed by maximal coupling (else resampled)
+    coupled: bool        # speculative drafts refreshed by maximal coupling (else resampled)
     ar: Tensor           # (W,) 0..W-1
     col: Tensor          # (W, 1) 0..W-1: the window's columns
     scratch: Tensor      # (W, 1) T..T+W-1: slots past the sequence, for columns not written
@@ -53,8 +53,8 @@ class Plan:
     vocab: Tensor | None = None  # (V,) 0..V-1 (one-hot proposals of filled tokens)
     tree: Tree | None = None  # candidate drafting's window layout (rollout/candidates.py)
     known: Tensor | None = None  # (h,) candidate drafting: the committed tokens this far
-    #                              before token cur join its candidates, (H,) greedy, (1, H)
-    #                              sampled (`candidates.candidates`)
+    #                              before token cur join its candidates, (H,) greedy or
+    #                              "sample", (1, H) "speculative" (`candidates.candidates`)
     span: int = 0        # slots of seq / logp past T (>= W; the largest window with W "auto")
     K: int = 0           # candidates of the call (>= 2: the state carries cand and on_tree,
     #                      also in a window without a tree, W 1 of W "auto", so rows

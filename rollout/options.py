@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import difflib
 
-DECODINGS = ("greedy", "sample")
+DECODINGS = ("greedy", "sample", "speculative")
+"""greedy: the argmax of the guided logits.  sample: the keyed Gumbel-max rule, one token per
+(seed, image, position) whatever the engine, window or batch (rollout/sampling.py `perturb`;
+Jacobi drafts are accepted when they equal it, like greedy drafts).  speculative: speculative
+sampling with per-round random numbers (rollout/verify.py): distributed as the model's
+samples, but which tokens a call commits depends on its windows."""
 REFRESHES = ("coupled", "resample")
+"""How decoding "speculative" refreshes the drafts after the commit point (rollout/verify.py)."""
 EXECUTIONS = ("full", "compact", "hybrid")
 COMPILE_BACKENDS = (False, True, "inductor", "aot_eager", "eager")
 
@@ -29,6 +35,12 @@ ENGINE_OPTIONS: dict[str, dict] = {
 }
 """Options of each engine by engine name, with their defaults (besides `compile`, which every
 engine takes, default False).  The order is the one error messages list them in."""
+
+ENGINE_MODULES: dict[str, str] = {"hbsjd": "rollout.hbsjd", "cached_ar": "rollout.cached_ar",
+                                  "sjd_sync": "rollout.sjd_sync",
+                                  "sjd_independent": "rollout.hbsjd"}
+"""The module that defines (and registers) each engine: rollout/engine.py `engine_class`
+imports it the first time the engine is asked for."""
 
 
 def check_engine_name(name: str) -> None:

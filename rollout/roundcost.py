@@ -57,7 +57,7 @@ def round_costs(model, engine: JacobiEngine, labels: Tensor, prefix: Tensor | No
     profiled."""
     req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       image_ids=None, sampled=engine.sampled)
+                       image_ids=None, decoding=engine.decoding)
     engine.check_model(model, req)
     if req.num_new < 2:
         raise ValueError("round_costs needs num_new_tokens >= 2 (one token is only a prefill)")

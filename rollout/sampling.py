@@ -4,7 +4,26 @@ Order (LlamaGen): guided logits `uncond + (cond - uncond) * scale`, then tempera
 top-k, then top-p, then softmax.  Greedy decoding is the argmax of the guided logits (the
 warps never move the argmax).
 
-Behaviour log-prob of a committed token (`token_logprob`), the same for both decodings:
+Decoding "sample" is the Gumbel-max rule with keyed noise (`perturb`): token j of an image is
+
+    argmax_v  log p_j(v) + G(seed, image id, j, v)
+
+p_j the warped guided distribution of position j (masked tokens at -inf) and G standard Gumbel
+noise keyed by (seed, image id, token index j, token id v) -- above FLAT_VOCAB tokens drawn in
+two levels, a block of the vocabulary and then a token in it, so a row needs noise for
+2 sqrt(V) ids, not V -- so
+token j is a function of p_j and the image's key only; it is distributed as p_j,
+independently of the other positions.
+Cached AR commits it directly; a Jacobi engine proposes the draft for token j as the same
+argmax under the distribution it predicted for j and accepts a draft exactly when it equals
+the token its verified prediction gives (greedy verification of the perturbed scores), so every
+engine, window, batch, slot order and execution mode commits Cached AR's tokens.
+
+Decoding "speculative" is speculative sampling (rollout/verify.py), whose uniforms are keyed
+by the round too (below): its tokens follow the same distribution, but which tokens a call
+commits depends on the windows it ran.
+
+Behaviour log-prob of a committed token (`token_logprob`), the same for every decoding:
 log p(token) under the warped guided distribution p = warp(guide(logits)) of its position --
 the distribution a sampled token was drawn (or accepted) from; for greedy decoding the same
 distribution's log-prob of the argmax.  The learner recomputes it teacher-forced with this
@@ -15,10 +34,12 @@ Random numbers are not drawn from a generator in batch order.  Every uniform is 
     (seed, image id, token index, attempt, stream)
 
 (splitmix64 in int64 tensor ops, vectorised), so an image's tokens never depend on which
-other images share its batch, on their order, or on Full / Compact execution.  `attempt` is the
-image's own round counter (0 = the prefill round) and `stream` separates the uses of one
-(image, token, attempt): the committed token, the acceptance test, a new draft and the test
-that keeps a stale draft under coupled refresh.
+other images share its batch, on their order, or on Full / Compact execution.  For decoding
+"speculative" `attempt` is the image's own round counter (0 = the prefill round) and `stream`
+separates the uses of one (image, token, attempt): the committed token, the acceptance test, a
+new draft and the test that keeps a stale draft under coupled refresh.  The Gumbel noise of
+decoding "sample" has its own streams (block, token), and the block or token id in place of the
+attempt.
 """
 from __future__ import annotations
 
@@ -31,6 +52,8 @@ STREAM_TOKEN = 0    # a token drawn and committed directly (AR step, residual / 
 STREAM_ACCEPT = 1   # acceptance test of a draft
 STREAM_DRAFT = 2    # a draft drawn for the next round (fresh, or the residual of a coupling)
 STREAM_COUPLE = 3   # coupled refresh: the test that keeps a stale draft
+STREAM_BLOCK = 4    # decoding "sample": the Gumbel noise of (token index, vocabulary block)
+STREAM_GUMBEL = 5   # decoding "sample": the Gumbel noise of (token index, token id)
 
 _U64 = 1 << 64
 
@@ -75,12 +98,6 @@ def uniform(key: Tensor, position: Tensor, attempt: Tensor, stream: Tensor | int
     return _shr(h, 11).to(torch.float64).mul_(1.0 / (1 << 53))
 
 
-def keyed_uniform(seed: Tensor, image: Tensor, position: Tensor, attempt: Tensor,
-                  stream: Tensor | int) -> Tensor:
-    """`uniform(image_key(seed, image), position, attempt, stream)`."""
-    return uniform(image_key(seed, image), position, attempt, stream)
-
-
 # ---- logits -> distribution ------------------------------------------------------------------
 
 def uses_cfg(cfg_scale: float | None) -> bool:
@@ -101,6 +118,13 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
     """logits: (..., V) guided -> probabilities (..., V) float32 after temperature, top-k
     (keep the k largest; 0/None = off) and top-p (keep the smallest prefix of the sorted
     distribution whose mass reaches top_p, as in HF/LlamaGen; 1.0/None = off)."""
+    return warp_logits(logits, temperature, top_k, top_p).softmax(-1)
+
+
+def warp_logits(logits: Tensor, temperature: float, top_k: int | None,
+                top_p: float | None) -> Tensor:
+    """`warp` before the softmax: (..., V) float32 logits of the warped distribution (up to a
+    constant per row), the tokens top-k / top-p remove at -inf."""
     if logits.dtype != torch.float32:
         logits = logits.float()
     if temperature != 1.0:                      # (x / 1.0 is x: skip the copy)
@@ -115,7 +139,61 @@ def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
         remove[..., 1:] = remove[..., :-1].clone()
         remove[..., 0] = False
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    return logits.softmax(-1)
+    return logits
+
+
+def gumbel(key: Tensor, position: Tensor, ids: Tensor, stream: int) -> Tensor:
+    """Standard Gumbel noise -log(-log u), float64, one number per (image key, token index,
+    id, stream): key, position int64 broadcasting against ids (int64, the token or block ids;
+    ids < 2**24 take `uniform`'s attempt field) -> their broadcast shape.  Nothing else enters
+    it (no round, row or window)."""
+    return uniform(key, position, ids, stream).log_().neg_().log_().neg_()   # u = 0: -inf
+
+
+FLAT_VOCAB = 256
+"""`perturb` draws noise for every token id up to this vocabulary size (one level: fewer
+operators per round), in two levels above it."""
+
+
+def block_size(V: int) -> int:
+    """Tokens of a vocabulary block of `perturb`: V itself up to FLAT_VOCAB (one block), else
+    the power of two nearest sqrt(V) from above (V = 16384: 128 blocks of 128)."""
+    return V if V <= FLAT_VOCAB else 1 << math.ceil(math.log2(V) / 2)
+
+
+def perturb(guided: Tensor, key: Tensor, position: Tensor, temperature: float,
+            top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor]:
+    """Decoding "sample" (module docstring): guided (..., V) logits, key / position int64
+    broadcasting to (..., 1) (the image key and the token index each row predicts) ->
+    scores (..., V) float32, whose argmax is the token, and p (..., V) float32 the warped
+    distribution (`warp`, for the behaviour log-prob).
+
+    Up to FLAT_VOCAB tokens the noise of every token id is added to the logits.  Above it,
+    Gumbel-max in two levels, so a row draws noise for 2 sqrt(V) ids, not V: the vocabulary is
+    cut into blocks of `block_size(V)` tokens (the last padded with -inf); the block is the
+    argmax of its log-mass (log of its tokens' summed p) plus Gumbel noise keyed by the
+    block id (STREAM_BLOCK), the token the argmax inside that block of its logit plus Gumbel
+    noise keyed by the token id (STREAM_GUMBEL).  The block is drawn with probability its mass
+    and the token with its probability given the block, so the token is distributed as p.
+    scores hold the winning block's perturbed logits and -inf elsewhere: their argmax is the
+    token, the next-best are the alternatives candidate drafting takes."""
+    logits = warp_logits(guided, temperature, top_k, top_p)
+    p = logits.softmax(-1)
+    V, b = logits.shape[-1], block_size(logits.shape[-1])
+    ids = torch.arange(V, device=logits.device)
+    if b == V:
+        return gumbel(key, position, ids, STREAM_GUMBEL).add_(logits).float(), p
+    nb = -(-V // b)
+    pad = nb * b - V                           # the last block's missing tokens (-inf, p = 0)
+    padded = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+    blocks = padded.view(*logits.shape[:-1], nb, b)                        # (..., nb, b)
+    mass = (torch.nn.functional.pad(p, (0, pad)) if pad else p).view_as(blocks).sum(-1).log_()
+    block = gumbel(key, position, ids[:nb], STREAM_BLOCK).add_(mass).argmax(-1, keepdim=True)
+    inner = blocks.gather(-2, block[..., None].expand(*block.shape, b)).squeeze(-2)  # (..., b)
+    tokens = block * b + ids[:b]                                            # (..., b)
+    noisy = gumbel(key, position, tokens, STREAM_GUMBEL).add_(inner).float()
+    scores = torch.full_like(padded, float("-inf")).scatter_(-1, tokens, noisy)
+    return scores[..., :V], p
 
 
 def token_logprob(p: Tensor, tokens: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 whole batch, which advances by the minimum number of tokens any image can commit.  Drafts
 follow SJD's own initialisation (H = 1: copy the left neighbour) unless H is given.
 
-Greedy output equals Cached AR's.  With decoding='sample' every image's tokens follow the
+Greedy and "sample" output equals Cached AR's (a draft accepted past the batch minimum is
+proposed again, the same token).  With decoding="speculative" every image's tokens follow the
 model's distribution, but they depend on the batch (the batch minimum decides which accepted
 drafts are kept), unlike the independent engines."""
 from __future__ import annotations

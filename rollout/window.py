@@ -31,11 +31,9 @@ W = 1 is Cached AR's round (no draft; rollout/jacobi.py `ar_round` runs it as Ca
 without the verification step): the policy picks a longer window only where the table says
 its expected tokens pay for its round.
 
-Pooled over the images: weighing the images furthest behind instead (the rollout ends with its
-last image) was tried and dropped: which images lag is largely the luck of their acceptance
-(sampled draws, or greedy drafts that happened to miss), so their counts underestimate every
-image's; on the pretrained digits student at batch 32 it ran 57 rounds greedy where the pooled
-counts ran 32 (0.93x against 0.89x Cached AR's time), 36 sampled where they ran 25.
+Pooled over the images: the counts of all the call's images together, not of the images
+furthest behind (which images lag is largely the luck of their acceptance, so their counts
+underestimate every image's; docs/WINDOW_POLICY.md has the measurement).
 
 Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
 of W = 1 made on the prior would never be revisited; likewise a window of W never measures
@@ -54,8 +52,9 @@ The choice is a pure function of the rollout state (active count, physical rows,
 counts, N) and the table -- never of time measured during the rollout -- so a rollout is
 reproducible and a Ray run equals the reference loop for the same piece jobs.  It depends on
 the number of active rows of the call: the same images rolled out in a call of a different
-size may take other windows (the tokens of greedy decoding do not change; sampled tokens are
-distributed exactly as the target either way, but are not the same draws).
+size may take other windows, as may a machine with another calibration file (the tokens of
+greedy and "sample" decoding do not change; "speculative" tokens are distributed exactly as the
+target either way, but are not the same draws).
 """
 from __future__ import annotations
 
@@ -126,15 +125,6 @@ class CostTable:
         return cls(rows.pop(), {int(W): f for W, f in zip(Ws, full)},
                    {int(W): (active, list(c)) for W, c in zip(Ws, compact)},
                    {int(W): f for W, f in zip(Ws, fixed)})
-
-    @classmethod
-    def from_function(cls, rows: int, seconds, windows=WINDOWS, fixed=None) -> CostTable:
-        """A table from seconds(compact: bool, rows, W) and fixed(W) (None: 0): fixture tables
-        for tests."""
-        active = list(range(1, rows + 1))
-        return cls(rows, {W: seconds(False, rows, W) for W in windows},
-                   {W: (active, [seconds(True, a, W) for a in active]) for W in windows},
-                   None if fixed is None else {W: fixed(W) for W in windows})
 
     def cost(self, compact: bool, rows: int, width: int) -> float:
         """Seconds of a round over `rows` rows (Compact; Full: the table's R) of `width`

@@ -12,7 +12,9 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
     prefix_ratio: 0.25           batch_sizes: [1, 4, 16]     windows: [2, 4, 8, 16]
     engines: [sjd_sync, sjd_independent, hbsjd-full, hbsjd-compact, hbsjd-hybrid]
     decodings: [greedy]          gamma: measure | <int>     repeats: 3    warmup: 1
-    refreshes: [coupled]         # sampled drafts: coupled and/or resample (rollout/jacobi.py)
+                                 # greedy, sample (keyed Gumbel-max), speculative; [sample,
+                                 # speculative] compares the two sampling rules side by side
+    refreshes: [coupled]         # speculative drafts: coupled and/or resample (rollout/jacobi.py)
     candidates: [0]              # candidate drafting K (0 = off; rollout/candidates.py), every
                                  # value a row of sjd_independent and hbsjd-* engines
     slots: null                  # physical rows per call (continuous batching); every engine,
@@ -22,7 +24,8 @@ Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up r
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
 rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
 images admitted into freed rows, tokens per image-round, latency mean and P95, speedup over
-Cached AR with the same decoding and batch, and (greedy) whether the tokens equal Cached AR's.
+Cached AR with the same decoding and batch, and (greedy, sample) whether the tokens equal
+Cached AR's.
 Jacobi rows also report one round's cost from one more rollout of the same images with Full
 execution (`rollout.roundcost`): the aten operators the verification step calls per round and
 its time per round, measured side by side with the verifier forward's.
@@ -44,6 +47,7 @@ from launch.bench.common import DTYPES
 from opd.config.loader import ConfigError, bounded, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration, ensure_calibrations
+from rollout.options import DECODINGS
 from rollout.roundcost import round_costs
 from rollout.window import WINDOWS
 
@@ -91,11 +95,12 @@ class RolloutBench:
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))
     """Engine variants (VARIANTS); Cached AR is the baseline and always runs."""
     decodings: list[str] = field(default_factory=lambda: ["greedy"])
-    """greedy and / or sample verification."""
+    """Decodings (rollout/options.py DECODINGS): greedy, sample (the keyed Gumbel-max rule)
+    and / or speculative (speculative sampling)."""
     cfg_scale: float | None = 2.0
     """Classifier-free guidance scale; null or 1.0 = no guidance."""
     temperature: float = bounded(1.0, gt=0.0)
-    """Sampling temperature (sample decoding)."""
+    """Sampling temperature (sample and speculative decoding)."""
     top_k: int = bounded(0, ge=0)
     """Top-k filter; 0 = off."""
     top_p: float = bounded(1.0, gt=0.0, le=1.0)
@@ -111,7 +116,7 @@ class RolloutBench:
     seed: int = 0
     """Seed of the inputs and of sampling."""
     refreshes: list[str] = field(default_factory=lambda: ["coupled"])
-    """Sampled drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
+    """Speculative drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
     candidates: list[int] = field(default_factory=lambda: [0])
     """Rows of the independent engines once per candidate count K (0 = off, >= 2 on;
     rollout/candidates.py), greedy and sampled; sjd_sync runs without."""
@@ -134,7 +139,7 @@ def check_bench(b: RolloutBench) -> RolloutBench:
     if "auto" in b.windows and any(e in ("sjd_sync", "sjd_independent") for e in b.engines):
         raise _fail("windows", b.windows, "auto is HB-SJD's policy: drop sjd_sync and "
                     "sjd_independent from engines, or auto from windows")
-    for key, allowed in (("engines", VARIANTS), ("decodings", ("greedy", "sample")),
+    for key, allowed in (("engines", VARIANTS), ("decodings", DECODINGS),
                          ("refreshes", ("coupled", "resample"))):
         v = getattr(b, key)
         if not v or any(x not in allowed for x in v):
@@ -178,7 +183,7 @@ def _engines(b: RolloutBench, B: int, gammas: dict) -> list[tuple[str, str, int 
     for d in b.decodings:
         for W in b.windows:
             for label in b.engines:
-                for refresh in (b.refreshes if d == "sample" else ["coupled"]):
+                for refresh in (b.refreshes if d == "speculative" else ["coupled"]):
                     for K in (b.candidates if label != "sjd_sync" else [0]):
                         name, opts = VARIANTS[label]
                         opts = dict(opts, window=W, history_offset=b.H, decoding=d, refresh=refresh)
@@ -234,7 +239,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
             rows.append({
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
-                "gamma": kw.get("gamma"), "refresh": kw.get("refresh") if d == "sample" else None,
+                "gamma": kw.get("gamma"),
+                "refresh": kw.get("refresh") if d == "speculative" else None,
                 "candidates": (kw.get("candidates", 0) if label not in ("cached_ar", "sjd_sync")
                                else None),
                 "slots": b.slots, "rounds": res.rounds,
@@ -244,8 +250,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "latency_ms": float(t.mean() * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
                 "speedup": float(base[d][0] / t.mean()),
-                "equal_ar": (bool(torch.equal(res.tokens, base[d][1])) if d == "greedy"
-                             else None),
+                "equal_ar": (bool(torch.equal(res.tokens, base[d][1]))
+                             if d != "speculative" else None),
                 "compact_rounds": sum(m == "compact" for m in res.modes),
                 "verify_ops": cost.get("verify_ops"), "forward_ms": cost.get("forward_ms"),
                 "verify_ms": cost.get("verify_ms"),

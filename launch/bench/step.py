@@ -33,6 +33,7 @@ from launch.bench import common
 from launch.bench.step_io import format_io_markdown, io_summary
 from opd.config.schema import RunConfig, apply_overrides
 from opd.config.loader import ConfigError
+from rollout.options import DECODINGS
 
 PARTS = ("rollout_s", "teacher_s", "learner_s", "weight_sync_s")
 STAGE_KEYS = ("rollout_busy_s", "teacher_busy_s", "learner_busy_s", "cpu_s")
@@ -67,16 +68,22 @@ def parse_pieces(pieces: str) -> list[int]:
 
 def _engine_arm(arm: str) -> bool:
     """An --engines entry: an engine name, or a Jacobi engine and its window (hbsjd:16,
-    hbsjd:auto; `engine_overrides`)."""
+    hbsjd:auto), either optionally with a decoding after "@" (hbsjd:auto@speculative: the two
+    sampling rules side by side; `engine_overrides`)."""
+    arm, _, decoding = arm.partition("@")
     name, _, W = arm.partition(":")
-    return name in ENGINES and (not W or (name != "cached_ar" and (W == "auto" and name == "hbsjd"
-                                                                    or W.isdigit() and int(W) >= 1)))
+    return name in ENGINES and (not decoding or decoding in DECODINGS) and (
+        not W or (name != "cached_ar" and (W == "auto" and name == "hbsjd"
+                                           or W.isdigit() and int(W) >= 1)))
 
 
 def engine_overrides(arm: str) -> list[str]:
-    """--engines entry -> its config overrides: rollout.engine, and rollout.window when given."""
+    """--engines entry -> its config overrides: rollout.engine, and rollout.window and
+    rollout.decoding when given."""
+    arm, _, decoding = arm.partition("@")
     name, _, W = arm.partition(":")
-    return [f"rollout.engine={name}"] + ([f"rollout.window={W}"] if W else [])
+    return ([f"rollout.engine={name}"] + ([f"rollout.window={W}"] if W else [])
+            + ([f"rollout.decoding={decoding}"] if decoding else []))
 
 
 def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, repeats: int,
@@ -97,7 +104,8 @@ def check_step_args(engines: str, modes: str, steps: int, warmup_steps: int, rep
     if not e or any(not _engine_arm(x) for x in e):
         raise ConfigError(f"--engines {engines!r}: must be comma-separated names from "
                           f"{', '.join(ENGINES)}, a Jacobi engine optionally with its window "
-                          f"as NAME:W or NAME:auto (e.g. hbsjd:4,hbsjd:auto)", "engines")
+                          f"as NAME:W or NAME:auto, either optionally with @DECODING (e.g. "
+                          f"hbsjd:4,hbsjd:auto,hbsjd:auto@speculative)", "engines")
     if not m or any(x not in MODES for x in m):
         raise ConfigError(f"--modes {modes!r}: must be reference, ray or both, "
                           f"comma-separated", "modes")
@@ -133,7 +141,8 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
         count[key] += 1
         tag = "" if compile is False else f"-compile_{compile}"
         arm = engine if objective == "gkd" else objective
-        run_dir = out / "runs" / f"{mode}-{arm.replace(':', '_W')}{tag}-p{piece}-{count[key]}"
+        run_dir = (out / "runs" / f"{mode}-{arm.replace(':', '_W').replace('@', '_')}{tag}"
+                                  f"-p{piece}-{count[key]}")
         # On-policy GKD (lambda 1) unless the objective rolls out itself (VarKD, SeqKD): the
         # bench measures rollouts inside the step, which the digits default (KD on data) has not.
         if objective == "kd":
@@ -143,7 +152,7 @@ def run_step_bench(cfg: RunConfig, out_dir: str | Path, runners: dict[str, Runne
                          else ["distill.objective=gkd", "distill.lam=1"])
         engine = cfg.rollout.engine if engine == "-" else engine
         # engines that draft no candidates compare with candidate drafting off
-        plain = ([] if engine.partition(":")[0] in ("hbsjd", "sjd_independent")
+        plain = ([] if engine.partition("@")[0].partition(":")[0] in ("hbsjd", "sjd_independent")
                  and compile is False else ["rollout.candidates=0"])
         run_cfg = apply_overrides(cfg, [*engine_overrides(engine), f"run.mode={mode}",
                                         f"rollout.compile={str(compile is not False).lower()}",

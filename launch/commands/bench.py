@@ -72,7 +72,9 @@ def add_step(which: argparse._SubParsersAction) -> None:
                     "AR vs HB-SJD rollouts, in the reference loop and on Ray. Takes a run "
                     "config like `opd train`.")
     r.add_argument("--engines", default="cached_ar,hbsjd", metavar="E1,E2",
-                   help="rollout engines, comma-separated (default cached_ar,hbsjd)")
+                   help="rollout engines, comma-separated (default cached_ar,hbsjd); an "
+                        "entry may set the window and the decoding: hbsjd:4, hbsjd:auto, "
+                        "hbsjd:auto@speculative")
     r.add_argument("--modes", default="reference,ray", metavar="M1,M2",
                    help="reference and/or ray, comma-separated (default both)")
     r.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")

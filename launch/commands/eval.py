@@ -19,7 +19,7 @@ from launch.commands import add_config_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from opd.config.schema import EngineName  # no torch: the schema imports yaml and pydantic only
+    from opd.config.schema import Decoding, EngineName  # no torch: the schema imports yaml and pydantic only
 
     p = subparsers.add_parser(
         "eval", help="FID / IS / precision / recall of a student, or a comparison of runs",
@@ -38,8 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="write the held-out split's features to FILE (for --reference) and exit")
     p.add_argument("--engine", choices=get_args(EngineName), help="rollout engine for the samples "
                    "(eval.engine; default: the run's rollout.engine)")
-    p.add_argument("--decoding", choices=("sample", "greedy"),
-                   help="eval.decoding (default sample; greedy gives one image per class)")
+    p.add_argument("--decoding", choices=get_args(Decoding),
+                   help="eval.decoding (default sample; greedy gives one image per class; "
+                        "speculative: speculative sampling)")
     p.add_argument("--num-samples", type=int, metavar="N", help="images to generate (eval.num_samples)")
     p.add_argument("--reference", metavar="FILE",
                    help="reference statistics file (eval.reference; default: held-out images)")

@@ -118,7 +118,7 @@ RUN_CHOICES = dict(window="auto", decoding="sample", gamma="auto")
 """The run defaults that differ from the engines': each round's window chosen from this
 machine's calibrated costs ("auto", rollout/window.py; the engines' fixed 16 is the paper's),
 sampled rollouts for on-policy distillation (greedy ones
-collapse onto the background), and Hybrid's threshold calibrated on this machine (the engines'
+collapse onto the background; "sample" commits the same tokens in every engine), and Hybrid's threshold calibrated on this machine (the engines'
 None is the uncalibrated half-batch fallback)."""
 
 
@@ -135,15 +135,15 @@ class RolloutConfig:
     history_offset: int | None = bounded(ENGINE_DEFAULTS["history_offset"], ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Decoding = RUN_CHOICES["decoding"]
-    """Greedy verification (lossless vs greedy AR) or probabilistic (sampling) verification."""
+    """greedy: Cached AR's argmax tokens; sample: the keyed Gumbel-max rule, one token per (seed, image, position), so every engine and window commits Cached AR's sampled tokens; speculative: speculative sampling (the model's distribution too, but the tokens depend on the windows run). rollout/options.py DECODINGS."""
     refresh: Refresh = ENGINE_DEFAULTS["refresh"]
-    """Sampled drafts after the commit point: kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
+    """Decoding speculative: the drafts after the commit point kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = ENGINE_DEFAULTS["compile"]
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
     candidates: int = bounded(ENGINE_DEFAULTS["candidates"], ge=0)
-    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (sampled: first the corrected token before it; the token a grid row above; then the likeliest) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (docs/ROLLOUTS.md, "Candidate drafting")."""
+    """After a correction, the next window also verifies candidates - 1 alternatives for the following token (speculative: first the corrected token before it; the token a grid row above; then the likeliest, by the perturbed scores with decoding sample) as token-tree branches (rollout/candidates.py; greedy or sampled, lossless either way); 0 = off. Cuts rounds at W 16, costs time on a CPU (docs/ROLLOUTS.md, "Candidate drafting")."""
     execution: Execution = ENGINE_DEFAULTS["execution"]
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: int | Literal["auto"] = bounded(RUN_CHOICES["gamma"], ge=0)

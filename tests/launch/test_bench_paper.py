@@ -288,18 +288,21 @@ def test_bench_step_bad_modes_name_the_option(tmp_path):
     from launch.cli import main
     assert main(["bench", "step", "--modes", "reference,gpu", "--out", str(tmp_path)]) == 2
     assert main(["bench", "step", "--compile", "false,fast", "--out", str(tmp_path)]) == 2
-    for bad in ("hbsjd:0", "cached_ar:4", "sjd_sync:auto", "hbsjd:x"):
+    for bad in ("hbsjd:0", "cached_ar:4", "sjd_sync:auto", "hbsjd:x", "hbsjd:4@exact"):
         assert main(["bench", "step", "--engines", bad, "--out", str(tmp_path)]) == 2, bad
 
 
-def test_bench_step_engine_arms_set_the_window():
+def test_bench_step_engine_arms_set_the_window_and_decoding():
     from launch.bench.step import check_step_args, engine_overrides
-    engines = check_step_args("cached_ar,hbsjd:4,hbsjd:auto,sjd_independent:16", "reference",
+    engines = check_step_args("cached_ar,hbsjd:4,hbsjd:auto,sjd_independent:16,"
+                              "hbsjd:auto@speculative,cached_ar@speculative", "reference",
                               1, 0, 1)[0]
     assert [engine_overrides(e) for e in engines] == [
         ["rollout.engine=cached_ar"], ["rollout.engine=hbsjd", "rollout.window=4"],
         ["rollout.engine=hbsjd", "rollout.window=auto"],
-        ["rollout.engine=sjd_independent", "rollout.window=16"]]
+        ["rollout.engine=sjd_independent", "rollout.window=16"],
+        ["rollout.engine=hbsjd", "rollout.window=auto", "rollout.decoding=speculative"],
+        ["rollout.engine=cached_ar", "rollout.decoding=speculative"]]
 
 
 @pytest.mark.slow   # the harness: test_bench_step_reference; Ray rows' weight bytes: test_driver_payloads

@@ -30,7 +30,8 @@ def state_after(model, engine, req, plan, rounds):
     return st
 
 
-@pytest.mark.parametrize("decoding,cfg", [("greedy", None), ("sample", None), ("sample", 2.0)])
+@pytest.mark.parametrize("decoding,cfg", [("greedy", None), ("sample", None), ("sample", 2.0),
+                                          ("speculative", 2.0)])
 @pytest.mark.parametrize("compact", [False, True])
 def test_ar_round_commits_what_the_general_round_commits(tiny, batch, decoding, cfg, compact):
     model = tiny(3)
@@ -38,7 +39,7 @@ def test_ar_round_commits_what_the_general_round_commits(tiny, batch, decoding, 
     labels, prefix = batch(model, B, P, 2)
     engine = make_engine("hbsjd", window=1, decoding=decoding)
     req = make_request(model, labels, prefix, T - P, cfg_scale=cfg, temperature=1.0, top_k=None,
-                       top_p=None, seed=4, image_ids=None, sampled=engine.sampled)
+                       top_p=None, seed=4, image_ids=None, decoding=engine.decoding)
     plan = engine.plan(model, req)
     assert plan.W == 1
     with torch.no_grad():

@@ -6,7 +6,7 @@ import torch
 
 from rollout import make_engine
 from rollout.candidates import candidates, choose_path, make_tree, moves
-from rollout.window import CostTable
+from tests.rollout.tables import cost_table
 
 T = 16  # GPT-tiny: grid 4, vocab 11
 
@@ -108,8 +108,8 @@ def test_candidates_under_the_window_policy_return_cached_ar_tokens(tiny, batch,
     labels, prefix = batch(model, 8, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T, cfg_scale=cfg)
     R = slots or 8
-    tables = (CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W),
-              CostTable.from_function(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
+    tables = (cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W),
+              cost_table(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
                                       else 1.0 + 0.1 * W))
     narrower = set()
     for table in tables:
@@ -149,23 +149,27 @@ def test_bad_candidate_options(options, word):
         make_engine("sjd_sync", candidates=2)
 
 
+@pytest.mark.parametrize("decoding", ["sample", "speculative"])
 @pytest.mark.parametrize("cfg,warps", [(None, {}), (1.5, dict(temperature=0.8, top_k=4))])
-def test_sampled_candidates_never_depend_on_execution_or_slots(tiny, batch, cfg, warps):
+def test_sampled_candidates_never_depend_on_execution_or_slots(tiny, batch, cfg, warps,
+                                                               decoding):
     """Invariant 3 with sampled candidate drafting: 7 images on a 36-token grid give the same
     tokens, log-probs and per-image committed counts in Full, Compact and Hybrid execution, in
-    sjd_independent, and through 3 slots (keyed random numbers); the tree is really used."""
+    sjd_independent, and through 3 slots (keyed random numbers); the tree is really used.
+    Decoding "sample" commits the same tokens without candidates too (one token per key);
+    decoding "speculative" does not (the tree changes which uniforms decide)."""
     model = tiny(3, grid_size=6, vocab_size=5)
     labels, prefix = batch(model, 7, 7, 3)
     for W, K, L in ((3, 2, 1), (8, 4, 2)):
         ref = None
         for name, opts in engines():
-            e = make_engine(name, window=W, candidates=K, branch=L, decoding="sample", **opts)
+            e = make_engine(name, window=W, candidates=K, branch=L, decoding=decoding, **opts)
             for slots in (None, 3):
                 res = e.generate(model, labels, prefix, 29, cfg_scale=cfg, seed=5, slots=slots,
                                  **warps)
                 got = (res.tokens, res.logprobs, res.committed.sum(0))
                 ref = ref or got
                 assert all(torch.equal(a, b) for a, b in zip(got, ref)), (name, opts, W, slots)
-        plain = make_engine("hbsjd", window=W, decoding="sample", execution="full").generate(
+        plain = make_engine("hbsjd", window=W, decoding=decoding, execution="full").generate(
             model, labels, prefix, 29, cfg_scale=cfg, seed=5, **warps)
-        assert not torch.equal(plain.tokens, ref[0])     # K changes a seed's tokens (not law)
+        assert torch.equal(plain.tokens, ref[0]) == (decoding == "sample")

@@ -1,7 +1,7 @@
 """Option compile: a round (verifier forward and token choice / verification) is one compiled
 function with static shapes; Compact rounds run in power-of-two buckets of rows padded with
-finished rows.  Tokens, log-probs and round statistics equal eager execution's, greedy and
-sampled, Full, Compact and Hybrid, with CFG, prefixes and slots.  Backend "eager" traces the
+finished rows.  Tokens, log-probs and round statistics equal eager execution's, for every
+decoding, Full, Compact and Hybrid, with CFG, prefixes and slots.  Backend "eager" traces the
 whole round through dynamo without code generation (quick); "aot_eager" also functionalizes
 it, as inductor does (the in-place state updates become the graph's input mutations).
 """
@@ -32,7 +32,7 @@ def _same(compiled, eager):
 
 
 @pytest.mark.parametrize("name,opts", JACOBI)
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 @pytest.mark.parametrize("slots,cfg", [(None, 2.0), (3, None)])
 def test_compiled_rounds_give_the_eager_tokens(tiny, batch, name, opts, decoding, slots, cfg):
     model = tiny(4, vocab_size=5, grid_size=4)
@@ -42,8 +42,8 @@ def test_compiled_rounds_give_the_eager_tokens(tiny, batch, name, opts, decoding
     engine = make_engine(name, decoding=decoding, compile="eager", **opts)
     for _ in range(2):            # the second call reuses the graphs and the state buffers
         _same(engine.generate(model, labels, prefix, 14, **kw), eager)
-    if decoding == "greedy":
-        ar = make_engine("cached_ar").generate(model, labels, prefix, 14, **kw)
+    if decoding != "speculative":            # one token per key: Cached AR's
+        ar = make_engine("cached_ar", decoding=decoding).generate(model, labels, prefix, 14, **kw)
         assert torch.equal(eager.tokens, ar.tokens)
     assert not any(layer.attention.static for layer in model.layers)
 
@@ -53,19 +53,19 @@ def bucket_blind_table(R: int):
     on.  Compiled Compact rounds are costed at their bucket (`hbsjd.bucket`: 3 of 4 rows ->
     4), eager ones at the active count; at every count this table chooses the same either
     way, so eager and compiled runs take the same windows and modes."""
-    from rollout.window import CostTable
-    return CostTable.from_function(R, lambda compact, rows, W: (1.0 + 0.1 * W) * (
+    from tests.rollout.tables import cost_table
+    return cost_table(R, lambda compact, rows, W: (1.0 + 0.1 * W) * (
         (0.5 if rows < 3 else 2.0) if compact else 1.0))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_compiled_window_policy_gives_the_eager_tokens(tiny, batch, decoding, backend):
     """W "auto" compiled (dynamo alone, and functionalized as inductor gets it), 7 images
     through 4 slots with CFG: the window changes between rounds and each window's state lives
     in its own held buffers (re-windowing leaves the old window's as they were,
     `jacobi.rewindow`); tokens, log-probs, round statistics and windows equal the eager
-    W "auto" run's, in two calls; greedy: Cached AR's."""
+    W "auto" run's, in two calls; greedy and sample: Cached AR's."""
     model = tiny(4, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 7, 2, seed=5)
     kw = dict(cfg_scale=2.0, seed=3, slots=4)
@@ -77,12 +77,12 @@ def test_compiled_window_policy_gives_the_eager_tokens(tiny, batch, decoding, ba
         res = engine.generate(model, labels, prefix, 14, **kw)
         _same(res, eager)
         assert res.windows == eager.windows
-    if decoding == "greedy":
-        ar = make_engine("cached_ar").generate(model, labels, prefix, 14, **kw)
+    if decoding != "speculative":            # one token per key: Cached AR's
+        ar = make_engine("cached_ar", decoding=decoding).generate(model, labels, prefix, 14, **kw)
         assert torch.equal(eager.tokens, ar.tokens)
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_compiled_cached_ar_gives_the_eager_tokens(tiny, batch, decoding):
     model = tiny(4, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 5, 3, seed=2)
@@ -93,7 +93,7 @@ def test_compiled_cached_ar_gives_the_eager_tokens(tiny, batch, decoding):
     _same(compiled, eager)
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_functionalized_rounds_give_the_eager_tokens(tiny, batch, decoding):
     """aot_eager: the round as inductor receives it (state updates as input mutations)."""
     model = tiny(6, vocab_size=5, grid_size=4)

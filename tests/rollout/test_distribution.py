@@ -7,8 +7,10 @@ The same test rejects a subtly wrong rule: resampling from p instead of norm(max
 after a rejection, ignoring q in the acceptance test, or a coupled refresh whose drafts are not
 distributed as the q it records.
 
-Every Jacobi engine refreshes sampled drafts by maximal coupling by default (refresh="coupled");
-the cases cover both refresh rules.  A second, longer model (vocabulary 2, grid 3: 9 tokens,
+Every case here runs decoding "speculative" (speculative sampling); decoding "sample" (the
+keyed Gumbel-max rule) has its cases in tests/rollout/test_keyed_sampling.py.  Every Jacobi
+engine refreshes speculative drafts by maximal coupling by default (refresh="coupled"); the
+cases cover both refresh rules.  A second, longer model (vocabulary 2, grid 3: 9 tokens,
 512 sequences) gives coupling room to act: stale drafts several tokens past a rejection.
 Sampled candidate drafting (recursive rejection over K candidates at the correction point,
 rollout/candidates.py) runs on models with vocabularies of 3 to 5 (up to 625 sequences), with
@@ -96,7 +98,7 @@ CASES = [  # engine, options, P, cfg, warps
 def test_samples_follow_the_exact_ar_distribution(model, name, opts, P, cfg, warps):
     prefix = torch.tensor([[2]])[:, :P]
     N = GRID * GRID - P
-    engine = make_engine(name, decoding="sample", **opts)
+    engine = make_engine(name, decoding="speculative", **opts)
     counts, res = sample_counts(model, engine, 1, prefix, N, cfg, seed=11, **warps)
     probs = exact_distribution(model, 1, prefix, N, cfg, **warps)
     assert torch.isclose(probs.sum(), torch.tensor(1.0, dtype=torch.float64))
@@ -109,7 +111,7 @@ def test_samples_follow_the_exact_ar_distribution(model, name, opts, P, cfg, war
 
 def test_sync_sjd_samples_follow_the_exact_distribution(model):
     """Batch-Synchronous SJD in small batches (a huge batch would almost never accept)."""
-    engine = make_engine("sjd_sync", window=4, decoding="sample")
+    engine = make_engine("sjd_sync", window=4, decoding="speculative")
     prefix, N, B = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, 4
     counts = torch.zeros(V ** N, dtype=torch.float64)
     accepted = 0
@@ -129,8 +131,8 @@ def test_a_wrong_resampling_rule_is_detected(model, monkeypatch):
     prefix, N, cfg = torch.zeros(1, 0, dtype=torch.long), GRID * GRID, None
     probs = exact_distribution(model, 1, prefix, N, cfg)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="sample"), 1, prefix,
-                              N, cfg, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(model, engine, 1, prefix, N, cfg, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
     assert 0.5 * (counts / SAMPLES - probs).abs().sum() > 0.05
 
@@ -144,8 +146,8 @@ def test_a_wrong_acceptance_rule_is_detected(model, monkeypatch):
     def ignore_q(p, drafts, q, *args):
         return real(p, drafts, torch.ones_like(q), *args)
     monkeypatch.setattr("rollout.jacobi.verify_sample", ignore_q)
-    counts, _ = sample_counts(model, make_engine("hbsjd", window=4, decoding="sample"), 1, prefix,
-                              N, None, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(model, engine, 1, prefix, N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8
 
 
@@ -186,7 +188,7 @@ LONG_CASES = [  # engine, options, P, cfg, warps
 @pytest.mark.parametrize("name,opts,P,cfg,warps", LONG_CASES)
 def test_coupled_refresh_follows_the_exact_distribution(long_model, name, opts, P, cfg, warps):
     prefix = torch.tensor([[1, 0, 1]])[:, :P]
-    engine = make_engine(name, decoding="sample", refresh="coupled", **opts)
+    engine = make_engine(name, decoding="speculative", refresh="coupled", **opts)
     if name == "sjd_sync":     # the batch minimum: small batches, half the samples (slow loop)
         counts = torch.zeros(V2 ** (GRID2 * GRID2 - P), dtype=torch.float64)
         for s in range(SAMPLES // 16):
@@ -269,7 +271,8 @@ def test_a_coupling_that_ignores_q_is_detected(long_model, monkeypatch):
         return real(p, drafts, q, done, checked, u, *args)
     monkeypatch.setattr(rollout.jacobi, "verify_sample", keep_all)
     prefix = torch.zeros(1, 0, dtype=torch.long)
-    engine = make_engine("hbsjd", window=8, decoding="sample", refresh="coupled", execution="full")
+    engine = make_engine("hbsjd", window=8, decoding="speculative", refresh="coupled",
+                         execution="full")
     counts, _ = long_counts(long_model, engine, prefix, None, seed=5)
     assert chi2_pvalue(counts, long_exact(long_model, prefix, None)) < 1e-8
 
@@ -321,7 +324,7 @@ def test_sampled_candidates_follow_the_exact_distribution(branch_wins, spec, P, 
     2 columns, CFG, temperature, top-k / top-p, both refresh rules and every execution."""
     seed, V, grid = spec
     model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
-    engine = make_engine(name, decoding="sample", **opts)
+    engine = make_engine(name, decoding="speculative", **opts)
     counts, probs = candidate_counts(model, engine, torch.tensor([[1, 0, 2, 1]])[:, :P], cfg,
                                      **warps)
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -345,7 +348,7 @@ def test_a_candidate_accepted_without_the_residual_draw_is_detected(branch_wins,
         return torch.where(take & st.on_tree, c1, root)
     model = peaked_model(3, 3, 3, 0.5)
     prefix = torch.tensor([[1, 0, 2, 1]])
-    engine = make_engine("hbsjd", window=5, decoding="sample", candidates=3, branch=2)
+    engine = make_engine("hbsjd", window=5, decoding="speculative", candidates=3, branch=2)
     counts, probs = candidate_counts(model, engine, prefix, None)
     assert chi2_pvalue(counts, probs) > 1e-3                 # the real rule, same samples
     monkeypatch.setattr(rollout.candidates, "root_token", accept_c1_by_p)
@@ -376,7 +379,7 @@ def test_bf16_model_samples_follow_its_exact_distribution(bf16_model, name, opts
     resolve)."""
     prefix = torch.tensor([[2]])[:, :P]
     N = GRID * GRID - P
-    engine = make_engine(name, decoding="sample", **opts)
+    engine = make_engine(name, decoding="speculative", **opts)
     counts, res = sample_counts(bf16_model, engine, 1, prefix, N, cfg, seed=11, **warps)
     probs = exact_distribution(bf16_model, 1, prefix, N, cfg, **warps)
     assert torch.isclose(probs.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-5)
@@ -391,6 +394,6 @@ def test_bf16_model_with_a_wrong_resampling_rule_is_detected(bf16_model, monkeyp
     prefix, N = torch.zeros(1, 0, dtype=torch.long), GRID * GRID
     probs = exact_distribution(bf16_model, 1, prefix, N, None)
     monkeypatch.setattr(rollout.verify, "residual", lambda p, q: p)
-    counts, _ = sample_counts(bf16_model, make_engine("hbsjd", window=4, decoding="sample"), 1,
-                              prefix, N, None, seed=11)
+    engine = make_engine("hbsjd", window=4, decoding="speculative")
+    counts, _ = sample_counts(bf16_model, engine, 1, prefix, N, None, seed=11)
     assert chi2_pvalue(counts, probs) < 1e-8

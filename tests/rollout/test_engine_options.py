@@ -72,3 +72,17 @@ def test_boundary_arguments_are_accepted(tiny):
     assert call(model, P=0, N=16, top_k=11, top_p=1.0).tokens.shape == (2, 16)
     assert call(model, opts=dict(history_offset=15, window=100)).tokens.shape == (2, 16)
     assert call(model, prefix=None, N=5).tokens.shape == (2, 5)
+
+
+def test_an_engine_is_found_from_rollout_engine_alone():
+    """A fresh process: `import rollout.options` loads no torch, and make_engine imported from
+    rollout.engine finds an engine whose module nothing imported yet (rollout/options.py
+    ENGINE_MODULES)."""
+    import subprocess
+    import sys
+    code = ("import sys; import rollout.options; assert 'torch' not in sys.modules; "
+            "from rollout.engine import make_engine; e = make_engine('sjd_sync', window=4); "
+            "print(type(e).__name__, e.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["SyncSJD", "sjd_sync"]

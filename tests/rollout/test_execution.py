@@ -15,7 +15,7 @@ def run(model, labels, prefix, name="hbsjd", cfg=2.0, seed=3, ids=None, **opts):
                                               temperature=0.9, top_k=8)
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 @pytest.mark.parametrize("W", [2, 5, 16])
 def test_full_compact_and_hybrid_at_every_gamma_give_identical_tokens(tiny, batch, decoding, W):
     model = tiny(1)

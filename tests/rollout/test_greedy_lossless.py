@@ -92,12 +92,12 @@ def test_model_in_train_mode_is_rolled_out_without_label_dropout(tiny, batch):
 def test_the_window_policy_returns_cached_ar_tokens(tiny, batch, B, P, cfg):
     """W="auto" (rollout/window.py) with fixture cost tables under which W and Full / Compact
     change between rounds (tests/rollout/test_window.py has the policy's own tests)."""
-    from rollout.window import CostTable
+    from tests.rollout.tables import cost_table
     model = tiny(2)
     labels, prefix = batch(model, B, P, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T - P, cfg_scale=cfg)
-    tables = [CostTable.from_function(B, lambda c, rows, W: rows * W / B if c else 1.0),
-              CostTable.from_function(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
+    tables = [cost_table(B, lambda c, rows, W: rows * W / B if c else 1.0),
+              cost_table(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
     for costs in tables:
         for execution in ("full", "compact", "hybrid"):
             res = make_engine("hbsjd", window="auto", costs=costs, execution=execution).generate(

@@ -13,11 +13,11 @@ class Shape:
     vocab_size, num_classes, block_size, grid_size = 7, 2, 16, 4
 
 
-def request(B, P, sampled=False):
+def request(B, P, decoding="greedy"):
     prefix = torch.arange(B * P).reshape(B, P) % 7
     return make_request(Shape, torch.zeros(B, dtype=torch.long), prefix, 16 - P, cfg_scale=None,
                         temperature=1.0, top_k=None, top_p=None, seed=0, image_ids=None,
-                        sampled=sampled)
+                        decoding=decoding)
 
 
 def test_fill_history_follows_the_offset_chain():
@@ -44,7 +44,8 @@ def test_init_state_drafts_come_from_history():
     assert st.seq[:, 9].tolist() == [3, 4]
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
-    sampled = init_state(request(2, 9, True), torch.arange(2), torch.tensor([3, 4]), plan, 7)
+    sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]),
+                         plan, 7)
     assert sampled.q.shape == (2, 5, 7)                                # one per window column
     assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
     assert (sampled.q.sum(-1) == 1).all()
@@ -83,7 +84,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
     tokens, positions, offset = window_inputs(st, plan)
     assert tokens[:, 1:].tolist() == [[1, 2, 3], [1, 0, 3]]
-    (m, took, rejected), _ = jacobi_update(st, logits_for(pred), offset, req, plan)
+    (m, took, rejected), _ = jacobi_update(st, logits_for(pred), positions, offset, req, plan)
     assert took.tolist() == [2, 1] and m.tolist() == [3, 2] and rejected.tolist() == [1, 1]
     assert st.cur.tolist() == [8, 7] and st.rounds.tolist() == [2, 2]
     assert st.seq[0, 5:8].tolist() == [1, 2, 5]                   # argmax replaced draft 7
@@ -95,12 +96,13 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     assert st.seq[1, 9].tolist() == st.seq[1, 5].tolist()
 
 
-def test_sampled_round_records_proposals():
-    req = request(1, 4, sampled=True)
+def test_speculative_round_records_proposals():
+    req = request(1, 4, "speculative")
     plan = make_plan(16, 4, 4, False, torch.device("cpu"))
     st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
-    (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), torch.tensor([0]), req,
+    _, positions, offset = window_inputs(st, plan)
+    (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), positions, offset, req,
                                     plan)
     k = int(m)
     assert st.cur.tolist() == [5 + k]

@@ -29,7 +29,7 @@ def teacher_forced(model, labels, tokens, prefix_len, cfg_scale):
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
 @pytest.mark.parametrize("slots", [None, 4])
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 @pytest.mark.parametrize("name,opts", ENGINES)
 def test_recorded_logprobs_equal_a_teacher_forced_recomputation(tiny, batch, name, opts,
                                                                 decoding, slots, cfg_scale):

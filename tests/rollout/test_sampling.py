@@ -4,10 +4,15 @@ import math
 import pytest
 import torch
 
-from rollout.sampling import (check_sampling, guide, keyed_uniform, sample_from, splitmix64,
-                              uses_cfg, warp)
+from rollout.sampling import (check_sampling, guide, image_key, sample_from, splitmix64,
+                              uniform, uses_cfg, warp)
 
 M64 = (1 << 64) - 1
+
+
+def keyed(seed, image, position, attempt, stream):
+    """The uniforms of (seed, image id, position, attempt, stream), as the engines draw them."""
+    return uniform(image_key(seed, image), position, attempt, stream)
 
 
 def splitmix64_ref(x: int) -> int:
@@ -31,21 +36,21 @@ def test_splitmix64_matches_the_reference_bit_for_bit():
 def test_keyed_uniform_is_a_pure_function_of_the_key():
     seed, img = torch.tensor([[5], [5]]), torch.tensor([[0], [1]])
     pos, att = torch.arange(8)[None].expand(2, -1), torch.zeros(2, 8, dtype=torch.long)
-    u = keyed_uniform(seed, img, pos, att, 0)
+    u = keyed(seed, img, pos, att, 0)
     assert u.dtype == torch.float64 and u.shape == (2, 8)
-    assert torch.equal(u[1], keyed_uniform(torch.tensor(5), torch.tensor(1), torch.arange(8),
+    assert torch.equal(u[1], keyed(torch.tensor(5), torch.tensor(1), torch.arange(8),
                                            torch.tensor(0), 0))
     assert not torch.equal(u[0], u[1])
-    for changed in (keyed_uniform(seed + 1, img, pos, att, 0),
-                    keyed_uniform(seed, img, pos, att + 1, 0),
-                    keyed_uniform(seed, img, pos, att, 1),
-                    keyed_uniform(seed, img, pos + 1, att, 0)):
+    for changed in (keyed(seed + 1, img, pos, att, 0),
+                    keyed(seed, img, pos, att + 1, 0),
+                    keyed(seed, img, pos, att, 1),
+                    keyed(seed, img, pos + 1, att, 0)):
         assert (changed != u).all()
 
 
 def test_keyed_uniforms_look_uniform_and_independent():
     n = 200_000
-    u = keyed_uniform(torch.tensor(0), torch.arange(n) % 97, torch.arange(n) // 97,
+    u = keyed(torch.tensor(0), torch.arange(n) % 97, torch.arange(n) // 97,
                       torch.tensor(3), 2)
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
     counts = torch.histc(u.float(), bins=20, min=0, max=1)
@@ -84,7 +89,7 @@ def test_sample_from_inverse_cdf():
     assert sample_from(probs.expand(4, -1), u).tolist() == [1, 1, 3, 3]
     n = 40_000
     p = torch.tensor([0.1, 0.0, 0.6, 0.3])
-    u = keyed_uniform(torch.tensor(1), torch.arange(n), torch.tensor(0), torch.tensor(0), 0)
+    u = keyed(torch.tensor(1), torch.arange(n), torch.tensor(0), torch.tensor(0), 0)
     freq = torch.bincount(sample_from(p.expand(n, -1), u), minlength=4).double() / n
     assert freq[1] == 0 and torch.allclose(freq, p.double(), atol=0.01)
     # unnormalised input is normalised

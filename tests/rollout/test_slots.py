@@ -24,7 +24,7 @@ ENGINES = [  # name, options
 
 
 @pytest.mark.parametrize("name,opts", ENGINES)
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 @pytest.mark.parametrize("B,S,P,cfg", [(11, 4, 0, None), (9, 2, 3, 2.0), (6, 1, 2, None),
                                        (5, 5, 0, 1.5), (3, 8, 1, None)])
 def test_slots_give_every_image_the_tokens_of_a_full_batch(tiny, batch, name, opts, decoding,

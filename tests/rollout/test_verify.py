@@ -1,10 +1,15 @@
 """Greedy and probabilistic verification of windows, in window columns (rollout/verify.py)."""
 import torch
 
-from rollout.sampling import keyed_uniform, sample_from
+from rollout.sampling import image_key, sample_from, uniform
 from rollout.verify import leading_true, residual, verify_greedy, verify_sample
 
 COL = torch.arange(4)[:, None]                              # (W, 1) window columns, W = 4
+
+
+def keyed(seed, image, position, attempt, stream):
+    """The uniforms of (seed, image id, position, attempt, stream), as the engines draw them."""
+    return uniform(image_key(seed, image), position, attempt, stream)
 
 
 def test_leading_true():
@@ -31,7 +36,7 @@ def test_greedy_accepts_until_the_first_mismatch():
 
 
 def uniforms(n, S, stream, seed=0):
-    return keyed_uniform(torch.tensor(seed), torch.arange(n)[:, None], torch.arange(S)[None],
+    return keyed(torch.tensor(seed), torch.arange(n)[:, None], torch.arange(S)[None],
                          torch.tensor(0), stream)
 
 

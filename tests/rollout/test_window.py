@@ -3,8 +3,10 @@ Cached AR's while W and Full / Compact change between rounds, execution-mode inv
 given policy, determinism, and a policy that peeks at the round it chooses for (the round's
 own acceptance) caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
 
-Every test uses a fixture cost table (`CostTable.from_function`), never a timed one, so the
-choices are the same on every machine."""
+Every test uses a fixture cost table (tests/rollout/tables.py `cost_table`), never a timed one,
+so the choices are the same on every machine."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
 from rollout.window import PRIOR, STRENGTH, Acceptance, CostTable, WindowPolicy
+from tests.rollout.tables import cost_table
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
 
@@ -23,11 +26,11 @@ def switching_table(R: int) -> CostTable:
     """Full costs the same at every W; Compact costs its rows times W: all rows active -> Full
     at the largest W; once few enough rows are active -> Compact at W = 1 (or 2 when drafts are
     likely accepted); in between the windows change with the acceptance seen."""
-    return CostTable.from_function(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
+    return cost_table(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
 
 
 def test_cost_table_interpolates_over_rows_and_width():
-    t = CostTable.from_function(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
+    t = cost_table(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
     assert t.cost(False, 8, 4) == 8 * 5 and t.cost(True, 3, 2) == 3 * 3
     assert t.cost(True, 3, 3) == pytest.approx(3 * 4)            # between W 2 and 4
     assert t.cost(True, 3, 6) == pytest.approx(3 * 7)            # between W 4 and 8
@@ -46,8 +49,8 @@ def test_acceptance_rates_and_expected_tokens_by_hand():
 
 
 def test_the_policy_maximises_expected_tokens_per_second():
-    flat = CostTable.from_function(8, lambda c, rows, W: 1.0)
-    linear = CostTable.from_function(8, lambda c, rows, W: float(W))
+    flat = cost_table(8, lambda c, rows, W: 1.0)
+    linear = cost_table(8, lambda c, rows, W: float(W))
     windows = (1, 2, 4, 8, 16)
     a = Acceptance(15)
     assert WindowPolicy(flat, windows).choose(8, a) == (16, False)      # free drafts: longest
@@ -67,7 +70,7 @@ def test_the_policy_maximises_expected_tokens_per_second():
 def graded_table(R: int) -> CostTable:
     """Full and Compact both dearer at larger W (Compact in proportion to its rows): the
     windows step between several sizes >= 2 as rows finish and acceptance is measured."""
-    return CostTable.from_function(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
+    return cost_table(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
                                    if compact else 1.0 + 0.1 * W)
 
 
@@ -77,7 +80,7 @@ def engines(R: int):
     yield dict(window="auto", costs=table, execution="full")
     yield dict(window="auto", costs=table, execution="compact")
     yield dict(window="auto", costs=table, candidates=3)
-    yield dict(window="auto", costs=CostTable.from_function(R, lambda c, rows, W: 1.0 + 0.2 * W))
+    yield dict(window="auto", costs=cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W))
 
 
 @pytest.mark.parametrize("cfg", [None, 2.0])
@@ -108,13 +111,13 @@ def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
     assert sum(res.window_histogram(16)) == res.rounds - 1
 
 
-@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+@pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch, decoding):
     """Costs that depend on W only: Full, Compact and Hybrid choose the same windows, so their
     tokens are the same (invariant 3 for a given policy); a second call repeats the first."""
     model = tiny(1)
     labels, prefix = batch(model, 6, 2, 1)
-    table = CostTable.from_function(6, lambda c, rows, W: 1.0 + 0.1 * W)
+    table = cost_table(6, lambda c, rows, W: 1.0 + 0.1 * W)
     out = {}
     for execution in ("full", "compact", "hybrid", "hybrid"):
         out.setdefault(execution, []).append(make_engine(
@@ -177,7 +180,7 @@ def sampled_counts(model, opts, prefix, cfg=None, seed=11, batch=SAMPLES, **warp
     counts = torch.zeros(V ** N, dtype=torch.float64)
     windows = []
     for s in range(SAMPLES // batch):
-        res = make_engine("hbsjd", decoding="sample", **opts).generate(
+        res = make_engine("hbsjd", **{"decoding": "speculative", **opts}).generate(
             model, torch.full((batch,), 1), prefix.expand(batch, -1), N, cfg_scale=cfg,
             seed=seed + s, **warps)
         code = (res.tokens[:, P:] * V ** torch.arange(N - 1, -1, -1)).sum(1)
@@ -194,6 +197,8 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
     ((5, 4, 2), 0, dict(candidates=3), None, {}),
     ((3, 3, 3), 4, dict(candidates=3, branch=2), None, dict(temperature=1.2)),
     ((3, 2, 3), 0, dict(candidates=2, branch=3), None, {}),   # trees of W 4 in a state for 8
+    ((7, 3, 2), 0, dict(decoding="sample"), 2.0, dict(temperature=0.8)),
+    ((3, 3, 3), 4, dict(decoding="sample", candidates=3, branch=2), None, dict(temperature=1.2)),
 ]
 
 
@@ -201,7 +206,8 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
 def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P, opts, cfg,
                                                                        warps):
     """The policy switches W and Full / Compact between rounds (both fixture tables), with
-    both refresh rules, CFG, warps and candidate drafting."""
+    both refresh rules, CFG, warps and candidate drafting; decoding "speculative" unless the
+    case says "sample" (whose tokens are Cached AR's, tests/rollout/test_keyed_sampling.py)."""
     seed, V, grid = spec
     model = peaked_model(seed, V, grid, 0.6 if grid == 2 else 0.5)
     prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
@@ -237,13 +243,13 @@ def stepped(policy, active, acceptance, *rest):
 
 def exact_then_mutated(monkeypatch, model, schedule, mutation, windows: set) -> None:
     """Whole images of `model` sampled (16000) under a window `schedule` (in place of
-    `choose_round`): they follow the exact distribution, take every (W, mode) of `windows`,
+    `WindowPolicy.choose`): they follow the exact distribution, take every (W, mode) of `windows`,
     and with `mutation` in place of `rewindow` they do not."""
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, model.block_size, None)
     opts = dict(window="auto", costs=graded_table(SAMPLES))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", schedule)
+    monkeypatch.setattr(WindowPolicy, "choose", schedule)
     counts, seen = sampled_counts(model, opts, prefix)
     assert windows <= set(seen)
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -259,15 +265,26 @@ def test_proposals_misaligned_across_a_window_change_are_detected(monkeypatch):
                        {(3, "full"), (2, "compact"), (3, "compact")})
 
 
-def peek(policy, active, acceptance, model, st, req, plan, plan_for):
-    """A wrong policy: it runs the coming round at the largest window on a copy of the state
-    and, where the first draft would be rejected, chooses W = 1 for it -- the token then comes
-    from p instead of the residual, so a rejected draft is drawn again from p."""
-    big = plan_for(policy.largest)
-    trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
-    counts = full_round(model, trial, req, big)
-    first_rejected = bool(((counts[1] == 0) & (counts[2] == 1)).any())
-    return (1 if first_rejected else policy.largest), False
+def peeking(monkeypatch, model) -> None:
+    """A wrong policy in place of the engine's (`hbsjd.execution` wrapped, the request taken
+    from `hbsjd.run_jacobi`'s call): it runs the coming round at the largest window on a copy
+    of the state and, where the first draft would be rejected, chooses W = 1 for it -- the
+    token then comes from p instead of the residual: a rejected draft drawn again from p."""
+    real_run, real_execution, call = rollout.hbsjd.run_jacobi, rollout.hbsjd.execution, {}
+
+    def run_jacobi(model, req, *args, **kw):
+        call["req"] = req
+        return real_run(model, req, *args, **kw)
+
+    def execution(active, gamma, acceptance, policy, st, plan, plan_for, hold):
+        big = plan_for(policy.largest)
+        trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
+        counts = full_round(model, trial, call["req"], big)
+        W = 1 if bool(((counts[1] == 0) & (counts[2] == 1)).any()) else policy.largest
+        chosen = SimpleNamespace(choose=lambda *_: (W, False), largest=policy.largest)
+        return real_execution(active, gamma, acceptance, chosen, st, plan, plan_for, hold)
+    monkeypatch.setattr(rollout.hbsjd, "run_jacobi", run_jacobi)
+    monkeypatch.setattr(rollout.hbsjd, "execution", execution)
 
 
 def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
@@ -276,12 +293,12 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     model = peaked_model(7, 3, 2, 0.6)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, 4, None)
-    opts = dict(window="auto", costs=CostTable.from_function(1, lambda c, rows, W: 1.0))
+    opts = dict(window="auto", costs=cost_table(1, lambda c, rows, W: 1.0))
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 1000)
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {3}
     assert chi2_pvalue(counts, probs) > 1e-3
-    monkeypatch.setattr(rollout.hbsjd, "choose_round", peek)
+    peeking(monkeypatch, model)
     counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {1, 3}
     assert chi2_pvalue(counts, probs) < 1e-8
@@ -297,9 +314,9 @@ def test_a_rounds_fixed_cost_makes_longer_windows_pay():
     fwd = lambda compact, rows, W: 1e-3 * W                                       # noqa: E731
     windows, a = (1, 2, 4, 8, 16), Acceptance(15)
     for fixed, W in ((None, 1), (3e-3, 2), (20e-3, 4)):
-        t = CostTable.from_function(8, fwd, fixed=None if fixed is None else lambda W: fixed)
+        t = cost_table(8, fwd, fixed=None if fixed is None else lambda W: fixed)
         assert WindowPolicy(t, windows, modes=("full",)).choose(8, a) == (W, False), fixed
-    t = CostTable.from_function(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
+    t = cost_table(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
     assert t.cost(False, 8, 4) == pytest.approx(4e-3 + 6e-3)
     assert t.cost(True, 3, 3) == pytest.approx(3e-3 + 5e-3)              # interpolated over W
 
@@ -317,7 +334,7 @@ def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
     from rollout.window import PROBE
     # a round costs W + 0.5: on the prior W 1's 1 / 1.5 beats W 2's 1.5 / 2.5 and W 4's
     # 1.875 / 4.5
-    linear = CostTable.from_function(8, lambda c, rows, W: W + 0.5)
+    linear = cost_table(8, lambda c, rows, W: W + 0.5)
     policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
     chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
     # rounds 8, 9, 16, 17, 24: the probes, the next wider window (W 2)
@@ -344,7 +361,7 @@ def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 4, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T)
-    table = CostTable.from_function(4, lambda c, rows, W: float(W) ** 2)
+    table = cost_table(4, lambda c, rows, W: float(W) ** 2)
     runs = [make_engine("hbsjd", window="auto", costs=table, execution="full").generate(
         model, labels, prefix, T) for _ in range(2)]
     res = runs[0]
