@@ -259,10 +259,12 @@ def kill_and_wait(actor) -> None:
 
 LOSE = ("rollout.num_workers=2", "teacher.num_workers=2", "learner.world_size=2",
         "learner.zero_stage=2", "learner.num_cpus=0.25", "data.batch_size=8", "distill.pieces=4",
-        "distill.steps=9")
-"""2 rollout workers (2 parts of 2 pieces each), 2 teacher workers, 2 learner ranks, 4 pieces."""
+        "distill.steps=9", "cluster.max_restarts=8")
+"""2 rollout workers (2 parts of 2 pieces each), 2 teacher workers, 2 learner ranks, 4 pieces;
+up to 8 restarts a worker, so one that happens to own every lost piece comes back each time."""
 
 
+@pytest.mark.slow   # 8 kills and restarts (~2 min): test_killed_{rollout,teacher}_worker_loses_nothing
 def test_a_piece_lost_at_every_index_is_made_again(ray_session, tiny_overrides, references,
                                                    tmp_path):
     """Workers own what they put in the object store.  Steps 1-4 lose piece 0-3 with the rollout
