@@ -247,10 +247,7 @@ class Step:
         if ps.made is not None and ps.issue > issue:
             return [self._score(piece)]
         ps.made = None
-        part = self.layout.part_of(piece)
-        if part in self.generating and self.issues[part] > issue:
-            return []                                  # scored when the new call hands it out
-        return [self._generate(part)]
+        return self._remake(self.layout.part_of(piece), issue)
 
     # -- the queue and the learner ---------------------------------------------------------------
 
@@ -313,11 +310,17 @@ class Step:
         ps = self.pieces[piece]
         ps.delivered = None
         part = self.layout.part_of(piece)
-        if self.scored:                                # delivered by a teacher: score it again
-            if ps.made is not None:
-                return [self._score(piece)]
-            return [] if part in self.generating else [self._generate(part)]
-        for p in self.layout.parts[part]:              # delivered by its rollout call's worker,
-            if p >= piece:                             # with the rest of that call's pieces
-                self.pieces[p].delivered = None
-        return [] if part in self.generating else [self._generate(part)]
+        if self.scored and ps.made is not None:        # delivered by a teacher: score it again
+            return [self._score(piece)]
+        if not self.scored:                            # delivered by its rollout call's worker,
+            for p in self.layout.parts[part]:          # with the rest of that call's pieces
+                if p >= piece:
+                    self.pieces[p].delivered = None
+        return self._remake(part, ps.issue)
+
+    def _remake(self, part: int, lost: int) -> list[Command]:
+        """Issue `part` again after what issue `lost` made was lost, unless a later issue is
+        making it already (its pieces then come from that call)."""
+        if part in self.generating and self.issues[part] > lost:
+            return []
+        return [self._generate(part)]

@@ -33,9 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description="Distill the teacher into the student in the phases "
                                           "of distill.phases; the default: KD on data for 420 "
                                           "steps, then on-policy GKD, where 3/4 of the batches "
-                                          "are the current student's HB-SJD rollouts scored by "
-                                          "the teacher. distill.objective=kd alone: plain KD on "
-                                          "data for the whole run. Writes a run directory.")
+                                          "are the current student's HB-SJD rollouts (keyed "
+                                          "sampling: Cached AR's tokens for the seed), streamed "
+                                          "piece by piece to the teacher and the learner; "
+                                          "evaluations on 1,000 samples every 200 steps. "
+                                          "distill.objective=kd alone: plain KD on data for the "
+                                          "whole run. Writes a run directory.")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its latest checkpoint")
     add_config_args(p)

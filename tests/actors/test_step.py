@@ -44,7 +44,7 @@ def test_a_rollout_call_streams_its_pieces_to_scoring_and_delivery():
     assert s.piece_made(1, 1, piece(2)) == []                    # being scored: once
     assert s.piece_made(0, 1, piece(0)) == [Score(0, 1)]
     s.piece_scored(2, piece(2), busy=0.5)
-    assert not s.complete and s.pieces[2].delivered is not None
+    assert [p.delivered for p in s.pieces] == [None, None, piece(2), None]
     s.part_made(1, 1, part(seconds=2.0), busy=9.0)
     assert s.times.busy["rollout"] == 2.0 and 1 in s.made and 1 not in s.generating
     assert s.piece_made(1, 1, piece(3)) == [Score(3, 1)]
@@ -195,8 +195,9 @@ def test_an_unscored_piece_lost_at_the_learner_makes_its_call_again():
             s.piece_trained(p, 1, r, answer(r, p), ranks=2)
     s.piece_trained(2, 1, 0, answer(0, 2, lost=True), ranks=2)
     assert s.piece_trained(2, 1, 1, answer(1, 2, lost=True), ranks=2) == [Generate(1, 2)]
-    assert s.pieces[3].delivered is None and s.pieces[1].delivered is not None
-    assert s.piece_made(1, 2, piece(2, None)) == [] and s.pieces[2].delivered is not None
+    assert [p.delivered for p in s.pieces] == [piece(0, None), piece(1, None), None, None]
+    assert s.piece_made(1, 2, piece(2, None)) == []
+    assert s.pieces[2].delivered == piece(2, None) and s.pieces[3].delivered is None
 
 
 def test_a_stale_step_trains_once_sealed_prefetching_and_a_lost_piece_replans_it():
