@@ -181,8 +181,23 @@ ENGINE_KEYS = tuple(f for f in RolloutConfig.__dataclass_fields__ if f in ENGINE
 
 @dataclass
 class TeacherConfig:
-    """Teacher workers that score the student-visited states."""
+    """Teacher workers that score the student-visited states: the `teacher:` section (one
+    teacher), or one entry of `teachers:` (several; opd/distill/teachers.py), where a key left
+    unset (null) takes the run's value."""
 
+    name: str = ""
+    """The teacher's name in `teachers:` (its worker pool is opd/teacher/<name>/<i>, its metrics
+    `teacher_*/<name>`); "" for the one `teacher:`."""
+    model: str | None = None
+    """Model preset; null = model.teacher."""
+    ckpt: str | None = None
+    """Weights; null = model.teacher_ckpt (null there too: pretrained here, on `classes` only
+    when it owns some)."""
+    classes: tuple[int, ...] = bounded((), ge=0)
+    """Routing (`teachers:`): the class labels this teacher owns; each row of a step is scored
+    by the teacher that owns its class."""
+    weight: float | None = bounded(None, ge=0.0)
+    """Mixing (`teachers:`): this teacher's weight w_i in the target log sum_i w_i p_i / sum w."""
     num_workers: int = bounded(1, ge=1)
     """Teacher workers."""
     transport: Literal["full", "topk"] = "full"
@@ -424,6 +439,10 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    """Several teachers (multi-teacher OPD, opd/distill/teachers.py): each entry a `teacher:`
+    section with a `name` and either the `classes` it owns (routing) or a `weight` (mixing);
+    [] = the one `teacher:` section."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
@@ -447,10 +466,70 @@ def cross_check(fn: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
 
 @cross_check
 def _teacher_topk(cfg: RunConfig) -> None:
-    k, v = cfg.teacher.topk, cfg.model.vocab_size
-    if cfg.teacher.transport == "topk" and not 1 <= k <= v:
-        raise ConfigError(f"teacher.topk={k}: teacher.transport='topk' needs 1 <= teacher.topk "
-                          f"<= model.vocab_size ({v})", "teacher.topk")
+    _teacher_topk_of(cfg.teacher, cfg.model.vocab_size, "teacher")
+
+
+@cross_check
+def _teachers(cfg: RunConfig) -> None:
+    """`teachers:` routes by class (every class owned once) or mixes by weight, with one
+    transport (the learner's target is one tensor); opd/distill/teachers.py."""
+    if cfg.teacher.classes or cfg.teacher.weight is not None:
+        key = "teacher.classes" if cfg.teacher.classes else "teacher.weight"
+        raise ConfigError(f"{key}: one teacher owns every class; classes and weights are for "
+                          f"the entries of teachers: (several teachers)", key)
+    ts = cfg.teachers
+    if not ts:
+        return
+    names = [t.name for t in ts]
+    for i, t in enumerate(ts):
+        if not t.name or "/" in t.name or names.count(t.name) > 1:
+            raise ConfigError(f"teachers[{i}].name={t.name!r}: every teacher needs a name of its "
+                              f"own, without '/' (its pool is opd/teacher/<name>)",
+                              f"teachers[{i}].name")
+        _teacher_topk_of(t, cfg.model.vocab_size, f"teachers[{i}]")
+        if (t.transport, t.topk) != (ts[0].transport, ts[0].topk):
+            raise ConfigError(f"teachers[{i}].transport={t.transport!r} (topk {t.topk}): every "
+                              f"teacher sends the learner one kind of target; set the "
+                              f"transport of teachers[0] ({ts[0].transport!r}, topk "
+                              f"{ts[0].topk}) on each", f"teachers[{i}].transport")
+    routed, mixed = [bool(t.classes) for t in ts], [t.weight is not None for t in ts]
+    if any(routed) and any(mixed) or (len(ts) > 1 and not (all(routed) or all(mixed))):
+        raise ConfigError("teachers: give every teacher either the classes it owns (routing) or "
+                          "a weight (mixing), not both and not neither", "teachers")
+    if any(mixed):
+        if sum(t.weight for t in ts) <= 0:
+            raise ConfigError("teachers: the weights sum to 0; give at least one teacher a "
+                              "positive weight", "teachers[0].weight")
+        if ts[0].transport != "full":
+            raise ConfigError("teachers[0].transport='topk': a mixture log sum_i w_i p_i is exact "
+                              "only over the full vocabulary (each teacher's top-k ids differ); "
+                              "set transport: full on every mixed teacher, or route by class",
+                              "teachers[0].transport")
+    C = cfg.model.num_classes
+    owner: dict[int, str] = {}
+    for i, t in enumerate(ts):
+        for c in t.classes:
+            if c >= C:
+                raise ConfigError(f"teachers[{i}].classes: class {c} is not a label of "
+                                  f"model.num_classes={C} (0..{C - 1})", f"teachers[{i}].classes")
+            if c in owner:
+                raise ConfigError(f"teachers[{i}].classes: class {c} is owned by {owner[c]!r} "
+                                  f"too; each class has one teacher", f"teachers[{i}].classes")
+            owner[c] = t.name
+    if any(routed) and len(owner) < C:
+        none = sorted(set(range(C)) - set(owner))
+        raise ConfigError(f"teachers: classes {none} are owned by no teacher; add them to one "
+                          f"teacher's classes", "teachers")
+    if any(p.objective == "seqkd" for p in cfg.distill.phases) or (
+            not cfg.distill.phases and cfg.distill.objective == "seqkd"):
+        raise ConfigError("distill.objective=seqkd samples from one teacher; with several "
+                          "teachers use kd, gkd or varkd", "distill.objective")
+
+
+def _teacher_topk_of(t: TeacherConfig, v: int, key: str) -> None:
+    if t.transport == "topk" and not 1 <= t.topk <= v:
+        raise ConfigError(f"{key}.topk={t.topk}: {key}.transport='topk' needs 1 <= {key}.topk "
+                          f"<= model.vocab_size ({v})", f"{key}.topk")
 
 
 @cross_check

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 import os
@@ -293,6 +295,14 @@ class TokenDataset:
 
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, rows={self.num_rows}, {self.meta})"
+
+    def of_classes(self, classes) -> TokenDataset:
+        """A copy holding only the rows of the given class labels (a specialist's data)."""
+        keep = np.isin(self.labels, np.asarray(list(classes), dtype=np.int64))
+        out = copy.copy(self)
+        out.labels, out.tokens = self.labels[keep], self.tokens[keep]
+        out.ids, out.augs = self.ids[keep], self.augs[keep]
+        return out
 
 
 def dataset_stats(dataset: TokenDataset) -> dict:

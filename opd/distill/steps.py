@@ -149,15 +149,19 @@ def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: 
     return logits.float()
 
 
-def score(teacher, batch: TrajectoryBatch, cfg: RunConfig) -> TrajectoryBatch:
+def score(teacher, batch: TrajectoryBatch, cfg: RunConfig, measure=None) -> TrajectoryBatch:
     """The batch with the teacher's scores of its suffix positions (P..L-1, the only ones a
     loss reads) attached: float32 full-vocabulary log-probs (B, N, V), or top-k float32
     log-probs (normalised over the full vocabulary) with their token ids in the smallest
-    exact integer type (B, N, k) (opd.distill.batch: `teacher_start`, `index_dtype`)."""
+    exact integer type (B, N, k) (opd.distill.batch: `teacher_start`, `index_dtype`).
+    `measure(logp)`, if given, sees the full (B, N, V) log-probs before any top-k
+    (opd/distill/teachers.py: the on-policy KL to this teacher)."""
     start = time.perf_counter()
     t = cfg.teacher
     logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg.rollout.cfg_scale)
     logp = F.log_softmax(logits[:, batch.prefix_len:], -1).cpu()          # (B, N, V)
+    if measure is not None:
+        measure(logp)
     if t.transport == "full":
         out = batch.with_teacher(logprobs=logp.contiguous())
     else:

@@ -85,9 +85,22 @@ def pretrain_key(cfg: RunConfig, role: str, train_file: Path) -> dict:
     p = cfg.pretrain
     preset = cfg.model.teacher if role == "teacher" else cfg.model.student
     steps = p.teacher_steps if role == "teacher" else p.student_steps
-    return {"role": role, "preset": preset, "model": model_overrides(cfg),
-            "data": file_sha256(train_file), "steps": steps, "batch_size": p.batch_size,
-            "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 2}
+    key = {"role": role, "preset": preset, "model": model_overrides(cfg),
+           "data": file_sha256(train_file), "steps": steps, "batch_size": p.batch_size,
+           "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 2}
+    classes = specialist_classes(cfg, role)
+    if classes is not None:
+        key["classes"] = list(classes)
+    return key
+
+
+def specialist_classes(cfg: RunConfig, role: str) -> tuple[int, ...] | None:
+    """The classes a specialist teacher is pretrained on (a `teachers:` entry that owns some
+    classes, as `opd.distill.teachers.teacher_config` gives it), None for every class."""
+    classes = cfg.teacher.classes if role == "teacher" else ()
+    if not classes or set(classes) >= set(range(cfg.model.num_classes)):
+        return None
+    return tuple(sorted(classes))
 
 
 def dataset_digest(path: Path) -> str:
@@ -123,6 +136,8 @@ def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
         return model.eval(), json.loads(report_path.read_text())
     train = open_dataset(cfg, "train")
     heldout = open_dataset(cfg, "heldout")
+    if (classes := specialist_classes(cfg, role)) is not None:
+        train, heldout = train.of_classes(classes), heldout.of_classes(classes)
     start = time.time()
     losses = train_supervised(model, train, steps=key["steps"], batch_size=key["batch_size"],
                               lr=key["lr"], seed=seed,

@@ -45,6 +45,7 @@ from opd.distill.phases import objectives, phase_at, rolls_out
 from opd.distill.pieces import merge_batches, step_layout
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.rollout_stats import RolloutStats
+from opd.distill.teachers import run_teachers, score_piece, teacher_config, teacher_metrics
 from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, score
 from opd.distill.stream import PartStream
 from opd.distill.phases import learning_rate
@@ -99,7 +100,11 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     interrupt = interrupt or NoInterrupt()
     seed = cfg.run.seed
     torch.manual_seed(seed)
-    teacher = precision.to_role(load_role_model(cfg, "teacher", progress=progress), cfg, "teacher")
+    teachers = run_teachers(cfg)
+    tcfgs = [teacher_config(cfg, i) for i in range(len(teachers))]
+    tmodels = [precision.to_role(load_role_model(c, "teacher", progress=progress), c, "teacher")
+               for c in tcfgs]
+    teacher = tmodels[0]              # SeqKD's and the evaluation's (one teacher: config check)
     student = load_role_model(cfg, "student", progress=progress)
     policy = precision.RolloutCopy(cfg, student)          # the student in model.dtype
     autocast = precision.learner_autocast(cfg, next(student.parameters()).device)
@@ -132,7 +137,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             layout = layouts[source]
             seconds = {"rollout": 0.0, "teacher": 0.0}
             cpu0 = time.process_time()
-            scored, part_stats = [], []
+            scored, part_stats, shares = [], [], []
             model = teacher if source == "teacher" else policy(student)   # version `step`
             for c, job in enumerate(step_jobs(cfg, step, source, pb, train.seq_len, layout)):
                 stream = PartStream(model, engine, job, cfg, step, layout.part_sizes(c))
@@ -142,7 +147,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     batch = piece.batch
                     if needs_teacher_scores(objective):
                         t0 = time.perf_counter()
-                        batch = score(teacher, batch, cfg)
+                        batch, made = score_piece(tmodels, tcfgs, teachers, batch, score)
+                        shares += made
                         seconds["teacher"] += time.perf_counter() - t0
                     scored.append(batch)
                     t0 = time.perf_counter()
@@ -158,6 +164,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             traj.rollout_stats = RolloutStats.merge(part_stats)   # the rollout calls' own stats
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name)
             row["pieces"] = layout.pieces
+            row.update(teacher_metrics(teachers, shares))
             row["step_cpu_s"] = time.process_time() - cpu0     # this process's CPU: not the load
             steps.record(row)                                  # other processes put on the machine
             track_quality(evaluator, quality, student, step + 1, run_dir)
