@@ -37,6 +37,7 @@ from opd.config.schema import RunConfig
 from opd.config.loader import ConfigError
 from opd.config.files import config_to_dict
 from opd.distill.phases import rolls_out
+from opd.distill.teachers import run_teachers, teacher_config
 from opd.models.factory import load_role_model
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -81,6 +82,9 @@ def actor_config(cfg: RunConfig) -> dict:
         value = tree[section][key]
         if value:
             tree[section][key] = str(Path(value).expanduser().resolve())
+    for t in tree.get("teachers") or []:
+        if t.get("ckpt"):
+            t["ckpt"] = str(Path(t["ckpt"]).expanduser().resolve())
     return tree
 
 
@@ -134,16 +138,23 @@ def bundle(num_cpus: float, num_gpus: float, custom: str | None = None) -> dict:
     return b
 
 
-def role_bundle(cfg: RunConfig, role: str) -> dict:
-    """The resources of one worker of `role` (learner | rollout | teacher)."""
-    sec = {"learner": cfg.learner, "rollout": cfg.rollout, "teacher": cfg.teacher}[role]
+def role_bundle(cfg: RunConfig, role: str, sec=None) -> dict:
+    """The resources of one worker of `role` (learner | rollout | teacher; a teacher of several:
+    its own section `sec`)."""
+    sec = sec or {"learner": cfg.learner, "rollout": cfg.rollout, "teacher": cfg.teacher}[role]
     return bundle(sec.num_cpus, sec.num_gpus, f"opd_{role}" if cfg.cluster.role_resources else None)
+
+
+def teacher_sections(cfg: RunConfig) -> list:
+    """Each teacher's section (the one `teacher:`, or the entries of `teachers:`)."""
+    return list(run_teachers(cfg).entries)
 
 
 def run_bundles(cfg: RunConfig, rollout_workers: int) -> list[dict]:
     """Every worker's bundle with `rollout_workers` rollout workers (an autoscaler request)."""
     return ([role_bundle(cfg, "learner")] * cfg.learner.world_size
-            + [role_bundle(cfg, "teacher")] * cfg.teacher.num_workers
+            + [role_bundle(cfg, "teacher", t) for t in teacher_sections(cfg)
+               for _ in range(t.num_workers)]
             + [role_bundle(cfg, "rollout")] * rollout_workers)
 
 
@@ -161,12 +172,17 @@ def fits(need: dict, available: dict) -> bool:
 class ActorGroups:
     learners: list = field(default_factory=list)
     rollout: list = field(default_factory=list)
-    teacher: list = field(default_factory=list)
+    teacher_pools: dict = field(default_factory=dict)   # pool name -> its teacher workers
     queue: object = None
     evaluator: object = None
     pgs: list = field(default_factory=list)
     namespace: str = ""                         # the run's Ray namespace (run_namespace)
     infos: dict = field(default_factory=dict)   # role -> each worker's `info` when it started
+
+    @property
+    def teacher(self) -> list:
+        """Every teacher worker, pool after pool."""
+        return [a for actors in self.teacher_pools.values() for a in actors]
 
     @classmethod
     def start(cls, cfg: RunConfig, run_dir: str | Path | None = None, *,
@@ -175,9 +191,12 @@ class ActorGroups:
         With eval.track and a `run_dir`, an evaluation worker too (it writes the run's sample
         grids).  On a local Ray (no cluster.address) resources that cannot fit are refused at
         once."""
-        for role in ("teacher", "student"):     # train or find the cached pretrained models once
-            if not (cfg.model.teacher_ckpt if role == "teacher" else cfg.model.student_ckpt):
-                load_role_model(cfg, role, progress=progress)
+        teachers = run_teachers(cfg)
+        for c in [teacher_config(cfg, i) for i in range(len(teachers))]:
+            if not c.model.teacher_ckpt:        # train or find the cached pretrained models once
+                load_role_model(c, "teacher", progress=progress)
+        if not cfg.model.student_ckpt:
+            load_role_model(cfg, "student", progress=progress)
         groups = cls(namespace=run_namespace(run_dir))
         try:
             groups._start(cfg, run_dir if cfg.eval.track else None)
@@ -188,11 +207,12 @@ class ActorGroups:
 
     def _start(self, cfg: RunConfig, run_dir: str | Path | None) -> None:
         c = actor_config(cfg)
+        teachers = run_teachers(cfg)
         roles = (("learner", StudentLearner, cfg.learner.world_size, cfg.learner, 0),
                  ("rollout", RolloutWorker, rollout_pool_size(cfg), cfg.rollout,
                   cfg.cluster.max_restarts),
-                 ("teacher", TeacherWorker, cfg.teacher.num_workers, cfg.teacher,
-                  cfg.cluster.max_restarts))
+                 *((teachers.pool(i), TeacherWorker, t.num_workers, t, cfg.cluster.max_restarts)
+                   for i, t in enumerate(teachers.entries)))
         sections = [(sec, n) for _, _, n, sec, _ in roles] + ([(cfg.eval, 1)] if run_dir else [])
         need = {"CPU": sum(bundle(sec.num_cpus, sec.num_gpus)["CPU"] * n for sec, n in sections),
                 "GPU": sum(sec.num_gpus * n for sec, n in sections)}
@@ -211,7 +231,8 @@ class ActorGroups:
         for name, _, count, sec, _ in roles:
             if count == 0:                       # no rollout worker: no phase samples the student
                 continue
-            pgs[name] = placement_group([role_bundle(cfg, name)] * count, strategy="PACK")
+            pgs[name] = placement_group([role_bundle(cfg, name.split("/")[0], sec)] * count,
+                                        strategy="PACK")
             self.pgs.append(pgs[name])
         for name, pg in pgs.items():
             if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S if local else CLUSTER_PLACEMENT_TIMEOUT_S):
@@ -219,9 +240,13 @@ class ActorGroups:
                                   f"{name}.num_gpus and the worker counts); it has "
                                   f"{ray.cluster_resources()}", f"{name}.num_cpus")
         for name, cls_, count, sec, restarts in roles:
+            extra = (teachers.names.index(sec.name),) if cls_ is TeacherWorker and cfg.teachers else ()
             actors = [_spawn(cls_, c, i, sec, restarts, pgs.get(name), i,
-                             actor_name(name, i), self.namespace) for i in range(count)]
-            setattr(self, name if name != "learner" else "learners", actors)
+                             actor_name(name, i), self.namespace, extra) for i in range(count)]
+            if cls_ is TeacherWorker:
+                self.teacher_pools[name] = actors
+            else:
+                setattr(self, name if name != "learner" else "learners", actors)
         if run_dir is not None:
             self.evaluator = self._start_evaluator(cfg, c, run_dir, local)
         infos = call_all(self.learners, "info")
@@ -236,7 +261,8 @@ class ActorGroups:
         call_all(self.learners, "setup", host, port)
         call_all(self.learners, "attach_queue", self.queue)
         self.infos = {"learner": infos, "rollout": call_all(self.rollout, "info"),  # constructed
-                      "teacher": call_all(self.teacher, "info")}
+                      **{name: call_all(actors, "info")
+                         for name, actors in self.teacher_pools.items()}}
 
     def _start_evaluator(self, cfg: RunConfig, c: dict, run_dir: str | Path, local: bool):
         """The evaluation worker in a one-bundle group of its own (not waited for: its first
@@ -301,17 +327,17 @@ class ActorGroups:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-        self.learners, self.rollout, self.teacher, self.queue, self.pgs = [], [], [], None, []
+        self.learners, self.rollout, self.teacher_pools, self.queue, self.pgs = [], [], {}, None, []
         self.evaluator = None
 
 
 def _spawn(cls_, c: dict, index: int, sec, restarts: int, pg, bundle_index: int, name: str,
-           namespace: str):
+           namespace: str, extra: tuple = ()):
     """One worker actor of class `cls_` in bundle `bundle_index` of placement group `pg`, named
-    `name` in `namespace`."""
+    `name` in `namespace` (`extra`: arguments after its index: a teacher's)."""
     return ray.remote(cls_).options(
         num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, name=name, namespace=namespace,
         runtime_env={"env_vars": {"OPD_CACHE": str(cache_root())}},
         max_restarts=restarts, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle_index)).remote(c, index)
+            placement_group=pg, placement_group_bundle_index=bundle_index)).remote(c, index, *extra)

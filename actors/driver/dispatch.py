@@ -46,7 +46,8 @@ class Dispatcher:
     def __init__(self, groups, max_restarts: int):
         self.max_restarts = max_restarts
         self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
-                      "teacher": WorkerPool("teacher", groups.teacher)}
+                      **{name: WorkerPool(name, actors)
+                         for name, actors in groups.teacher_pools.items()}}
         self.tasks: dict[ray.ObjectRef | ray.ObjectRefGenerator, Task] = {}
         self.backlog: list[tuple[Task, object]] = []   # (task, command) waiting for a worker
 
@@ -57,10 +58,10 @@ class Dispatcher:
         if task.role in self.pools and task.kind is not TaskKind.PROBE:
             self.pools[task.role].busy[task.worker] += 1
 
-    def submit(self, task: Task, command, call: Callable) -> int | None:
-        """`call(actor)` on the least busy worker of the task kind's pool that is up (returns
-        its index), else keep `command` waiting (None: `waiting` gives it back)."""
-        role = ROLE_OF[task.kind]
+    def submit(self, task: Task, command, call: Callable, pool: str | None = None) -> int | None:
+        """`call(actor)` on the least busy worker of `pool` (default: the task kind's) that is
+        up (returns its index), else keep `command` waiting (None: `waiting` gives it back)."""
+        role = pool or ROLE_OF[task.kind]
         pool = self.pools[role]
         if pool.exhausted:
             raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="

@@ -67,6 +67,7 @@ from opd.run.loop import StepLog, check_objectives
 from opd.distill.results import LearnerResult, PieceAnswer
 from opd.data.splits import open_dataset
 from opd.distill.stream import PartStream
+from opd.distill.teachers import teacher_metrics
 
 WAIT_S = 30.0
 
@@ -88,6 +89,7 @@ class Pipeline:
         self.dispatch = Dispatcher(groups, cfg.cluster.max_restarts)
         self.metrics = RoleMetrics("driver", 0)
         self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
+        self.teacher_metrics: dict[str, RoleMetrics] = {}    # several teachers: one per name
         self.records = RunRecords(cfg, self.run_dir, groups.learners)
         self.nodes = NodeWatch(log=lambda line: tqdm.write(f"opd: {line}"))
         for role, infos in groups.infos.items():
@@ -190,8 +192,8 @@ class Pipeline:
     def _tag(self, step: Step, piece: int) -> PieceTag:
         return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
 
-    def _submit(self, task: Task, command: Command, call: Callable) -> None:
-        worker = self.dispatch.submit(task, command, call)
+    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None) -> None:
+        worker = self.dispatch.submit(task, command, call, pool)
         if worker is not None:
             index = {"part": task.part} if task.kind.generates else {"piece": task.piece}
             self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
@@ -214,10 +216,13 @@ class Pipeline:
             job, version, tags, queue, scored))
 
     def _score(self, step: Step, c: Score) -> None:
-        """Score one piece from the payload its rollout call handed out."""
+        """One teacher's share of a piece, scored from the payload its rollout call handed out
+        by a worker of that teacher's pool."""
         payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
-        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen)
-        self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue))
+        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen,
+                    teacher=c.teacher)
+        self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue),
+                     self.planner.teachers.pool(c.teacher))
 
     def _hand_out(self, step: Step, c: HandOut) -> None:
         """Hand one piece to every learner rank (they train in piece order)."""
@@ -248,7 +253,7 @@ class Pipeline:
                 continue
             if isinstance(c, Generate) and c.issue == step.issues[c.part]:
                 self._generate(step, c)
-            elif isinstance(c, Score) and step.pieces[c.piece].scoring == c.issue:
+            elif isinstance(c, Score) and step.pieces[c.piece].scoring.get(c.teacher) == c.issue:
                 self._score(step, c)
         if self.elastic is not None:
             self.elastic.tick()
@@ -297,11 +302,19 @@ class Pipeline:
 
     def _row(self, step: Step, done: core.StepDone) -> dict:
         pools, sync = self.dispatch.pools, self.publisher.last_sync
+        teachers = self.planner.teachers
+        alive = sum(len(pools[teachers.pool(i)].alive()) for i in range(len(teachers)))
         row = core.step_metrics(step, done, PoolCounts(len(pools["rollout"].alive()),
-                                                       len(pools["rollout"].up()),
-                                                       len(pools["teacher"].alive())),
+                                                       len(pools["rollout"].up()), alive),
                                 sync_seconds=sync.seconds, sync_bytes=sync.bytes,
                                 reissued=self.state.reissued)
+        per_teacher = teacher_metrics(teachers, [r.measure for p in step.pieces
+                                                 for r in p.scored.values() if r.measure])
+        row.update(per_teacher)
+        for name in teachers.names if per_teacher else ():
+            self.teacher_metrics.setdefault(name, RoleMetrics("teacher", name)).report(
+                teacher_onpolicy_kl=per_teacher[f"teacher_kl/{name}"],
+                teacher_rows=per_teacher[f"teacher_rows/{name}"])
         self.metrics.report(step_seconds=done.wall, queue_depth=row["queue_depth"],
                             policy_lag=row["policy_lag"])
         for role in ("rollout", "teacher", "learner"):
@@ -372,7 +385,7 @@ class Pipeline:
             elif answer.lost_input:                   # the piece it scored died with its worker
                 step = self.planner.current(task.step, task.gen)
                 if step is not None:
-                    self._again(step, step.score_lost(task.piece, task.issue))
+                    self._again(step, step.score_lost(task.piece, task.issue, task.teacher))
             elif isinstance(e, RayActorError):
                 self._on_actor_error(task, answer.ref, e)
             else:
@@ -385,7 +398,7 @@ class Pipeline:
             if step is None:
                 return                               # an answer of a step since re-planned
             if task.kind is TaskKind.SCORE:
-                step.piece_scored(task.piece, value, now - task.submitted)
+                step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
                 self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
             else:
                 self._made(step, task, value, now - task.submitted)
@@ -444,7 +457,7 @@ class Pipeline:
         if task.kind.generates:
             commands = step.part_failed(task.part, task.issue, self.publisher.published.version)
         else:
-            commands = step.score_failed(task.piece)
+            commands = step.score_failed(task.piece, task.teacher)
         self._again(step, commands)
 
     def _again(self, step: Step, commands: list[Command]) -> None:

@@ -16,12 +16,14 @@ from opd.distill.phases import phase_at
 from opd.distill.pieces import step_layout
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.steps import needs_teacher_scores
+from opd.distill.teachers import run_teachers
 
 
 class StepPlanner:
     def __init__(self, cfg: RunConfig, batcher: PrefixBatcher, seq_len: int, start: int):
         self.cfg, self.batcher, self.seq_len = cfg, batcher, seq_len
         self.layouts = {src: step_layout(cfg, src) for src in ("student", "teacher", "data")}
+        self.teachers = run_teachers(cfg)
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, Step] = {}
         self.next_step = start
@@ -45,7 +47,7 @@ class StepPlanner:
         step = self.plans[s] = Step(s, pb.batch_id, source, version,
                                     step_jobs(cfg, s, source, pb, self.seq_len, lay), lay,
                                     gen=next(self._gens), scored=needs_teacher_scores(objective),
-                                    phase=phase_at(cfg, s).name)
+                                    phase=phase_at(cfg, s).name, teachers=self.teachers)
         self.next_step += 1
         return step
 

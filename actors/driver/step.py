@@ -9,15 +9,18 @@ hands it out, delivered into the trajectory queue, and trained by every learner 
 order.  Its life, event by event (-> the commands it answers with):
 
     start()                          -> Generate(part) for every part
-    piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece), or
-                                     nothing (delivered by the worker when no scores are needed)
+    piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece, teacher)
+                                     for each teacher its rows need (opd/distill/teachers.py),
+                                     or nothing (delivered by the worker: no scores needed)
     part_made(part, issue, report)   the call ended: its statistics
-    piece_scored(piece, report)      delivered into the queue
+    piece_scored(piece, report, teacher)  that teacher's share delivered into the queue; the
+                                     piece is delivered when every share it needs is
     part_failed(part, issue, ...)    the call's worker failed or held other weights
                                      -> Generate(part) again, or Replan (another version)
-    score_failed(piece)              the teacher worker failed -> Score(piece) again
-    score_lost(piece, issue)         the piece's payload died with its rollout worker
-                                     -> Score(piece) (a newer payload), Generate(part), or wait
+    score_failed(piece, teacher)     a worker of that teacher's pool failed -> Score(piece,
+                                     teacher) again: only that teacher's share
+    score_lost(piece, issue, teacher)  the piece's payload died with its rollout worker
+                                     -> Score (a newer payload), Generate(part), or wait
     seal()                           every piece delivered: the queue holds it as one item
     begin_training(published)        the learner group starts on it
     hand_out()                       -> HandOut(piece) for the pieces to train now, in order
@@ -40,6 +43,7 @@ from actors.transport.delivery import PartReport, PieceReport
 from opd.distill.pieces import Layout
 from opd.distill.results import LearnerResult, PieceAnswer
 from opd.distill.steps import RolloutJob
+from opd.distill.teachers import Teachers
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,11 @@ class Generate:
 
 @dataclass(frozen=True)
 class Score:
-    """Score `piece` from its latest payload (made by issue `issue` of its part)."""
+    """Teacher `teacher` scores its share of `piece` from the piece's latest payload (made by
+    issue `issue` of its part)."""
     piece: int
     issue: int
+    teacher: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,11 +86,14 @@ Command = Generate | Score | HandOut | Replan | Trained
 
 @dataclass
 class PieceState:
-    """What is known of one piece: its latest payload from its rollout call (`made`, by issue
-    `issue` of its part), the issue whose payload is being scored, and its delivery."""
+    """What is known of one piece: the teachers that score it (`scorers`), its latest payload
+    from its rollout call (`made`, by issue `issue` of its part), per teacher the issue whose
+    payload it is scoring and its share's delivery, and the piece's delivery (every share)."""
+    scorers: tuple[int, ...] = (0,)
     made: PieceReport | None = None
     issue: int = -1
-    scoring: int | None = None
+    scoring: dict[int, int] = field(default_factory=dict)          # teacher -> issue
+    scored: dict[int, PieceReport] = field(default_factory=dict)   # teacher -> its share's
     delivered: PieceReport | None = None
 
 
@@ -107,14 +116,16 @@ class Step:
     `jobs` (one per part of `layout`), scored when `scored`; `gen` its plan generation."""
 
     def __init__(self, step: int, batch_id: int, source: str, version: int,
-                 jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool, phase: str):
+                 jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool, phase: str,
+                 teachers: Teachers | None = None):
         self.step, self.batch_id, self.source = step, batch_id, source
         self.jobs, self.layout, self.scored, self.phase = jobs, layout, scored, phase
         self.version, self.gen = version, gen
         self.issues = [0] * len(jobs)                  # part -> its current issue
         self.generating: set[int] = set()              # parts with a call in flight
         self.made: dict[int, PartReport] = {}          # part -> the report of its call's end
-        self.pieces = [PieceState() for _ in range(layout.pieces)]
+        self.scorers = piece_scorers(jobs, layout, teachers)
+        self.pieces = [PieceState(s) for s in self.scorers]
         self.sealed = False
         self.training: Training | None = None
         self.times = StageTimer()
@@ -156,7 +167,7 @@ class Step:
         self.version, self.gen, self.sealed, self.training = version, gen, False, None
         self.generating.clear()
         self.made.clear()
-        self.pieces = [PieceState() for _ in range(self.layout.pieces)]
+        self.pieces = [PieceState(s) for s in self.scorers]
         return self.start()
 
     def _generate(self, part: int) -> Generate:
@@ -179,9 +190,10 @@ class Step:
         if not self.scored:
             self._delivered(report.piece, report, 0.0)
             return []
-        if ps.scoring is not None:       # scored from an earlier payload: if that one is lost,
-            return []                    # score_lost scores this one
-        return [self._score(report.piece)]
+        # a share scored, or being scored from an earlier payload (if that one is lost,
+        # score_lost scores this one), is not scored again
+        return [self._score(report.piece, t) for t in ps.scorers
+                if t not in ps.scored and t not in ps.scoring]
 
     def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> None:
         """Issue `issue` of `part` ended (`busy`: seconds from its submission to its end; the
@@ -207,45 +219,60 @@ class Step:
 
     # -- scoring --------------------------------------------------------------------------------
 
-    def _score(self, piece: int) -> Score:
+    def _score(self, piece: int, teacher: int) -> Score:
         ps = self.pieces[piece]
-        ps.scoring = ps.issue
+        ps.scoring[teacher] = ps.issue
         self.times.begin("teacher", time.perf_counter())
-        return Score(piece, ps.issue)
+        return Score(piece, ps.issue, teacher)
 
-    def piece_scored(self, piece: int, report: PieceReport, busy: float) -> None:
-        """`piece` was scored and delivered into the queue."""
-        self.pieces[piece].scoring = None
-        self._delivered(piece, report, busy)
+    def piece_scored(self, piece: int, report: PieceReport, busy: float,
+                     teacher: int = 0) -> None:
+        """`teacher` scored its share of `piece` and delivered it into the queue; the piece is
+        delivered with its last share."""
+        ps = self.pieces[piece]
+        ps.scoring.pop(teacher, None)
+        if ps.delivered is not None or teacher in ps.scored:
+            return
+        ps.scored[teacher] = report
+        self.times.busy["teacher"] += report.seconds or busy
+        if len(ps.scored) < len(ps.scorers):
+            return
+        if len(ps.scorers) == 1:
+            self._delivered(piece, report, busy)
+            return
+        shares = list(ps.scored.values())
+        self._delivered(piece, PieceReport(piece, ps.made.rows, ps.made.generated_tokens,
+                                           sum(r.nbytes for r in shares),
+                                           sum(r.seconds for r in shares)), busy)
 
     def _delivered(self, piece: int, report: PieceReport, busy: float) -> None:
         ps = self.pieces[piece]
         if ps.delivered is not None:
             return
         ps.delivered = report
-        if self.scored:
-            self.times.busy["teacher"] += report.seconds or busy
-            if self.complete:
-                self.times.end("teacher", time.perf_counter())
+        if self.scored and self.complete:
+            self.times.end("teacher", time.perf_counter())
 
-    def score_failed(self, piece: int) -> list[Command]:
-        """The teacher worker scoring `piece` failed: score it again (its payload lives on)."""
+    def score_failed(self, piece: int, teacher: int = 0) -> list[Command]:
+        """The worker of `teacher`'s pool scoring `piece` failed: score that share again (its
+        payload lives on); the other teachers' shares stand."""
         ps = self.pieces[piece]
-        ps.scoring = None
-        if ps.delivered is not None or ps.made is None:
+        ps.scoring.pop(teacher, None)
+        if ps.delivered is not None or teacher in ps.scored or ps.made is None:
             return []                                  # delivered, or being made again
-        return [self._score(piece)]
+        return [self._score(piece, teacher)]
 
-    def score_lost(self, piece: int, issue: int) -> list[Command]:
+    def score_lost(self, piece: int, issue: int, teacher: int = 0) -> list[Command]:
         """The payload of `piece` from issue `issue` of its part was lost with the rollout
-        worker that owned it: score a newer payload, wait for the call making it again, or
-        issue the part again."""
+        worker that owned it, while `teacher` scored it: score a newer payload, wait for the
+        call making it again, or issue the part again (shares scored already stand: a part
+        makes the same rows again)."""
         ps = self.pieces[piece]
-        ps.scoring = None
-        if ps.delivered is not None:
+        ps.scoring.pop(teacher, None)
+        if ps.delivered is not None or teacher in ps.scored:
             return []
         if ps.made is not None and ps.issue > issue:
-            return [self._score(piece)]
+            return [self._score(piece, teacher)]
         ps.made = None
         return self._remake(self.layout.part_of(piece), issue)
 
@@ -293,15 +320,16 @@ class Step:
         if first.skipped:                              # handed after a lost piece: again later
             return []
         if first.lost:
-            return self._lost(piece)
+            return self._lost(piece, {t for a in answers.values() for t in a.lost_shares})
         if piece == self.layout.pieces - 1:
             return [Trained([answers[r].result for r in range(ranks)])]
         return []
 
-    def _lost(self, piece: int) -> list[Command]:
-        """Every rank found `piece` lost (the worker that delivered it died): make it again and
-        hand it out again; those handed after it come back skipped.  A prefetching step lost it
-        before training anything: the step is re-planned."""
+    def _lost(self, piece: int, shares: set[int]) -> list[Command]:
+        """Every rank found `piece` lost (a worker that delivered it died; `shares`: the
+        positions of the lost shares among the piece's, in teacher order; all when unknown): make it again and hand it out
+        again; those handed after it come back skipped.  A prefetching step lost it before
+        training anything: the step is re-planned."""
         t = self.training
         if t.prefetch:
             self.training = None
@@ -310,8 +338,11 @@ class Step:
         ps = self.pieces[piece]
         ps.delivered = None
         part = self.layout.part_of(piece)
-        if self.scored and ps.made is not None:        # delivered by a teacher: score it again
-            return [self._score(piece)]
+        if self.scored and ps.made is not None:        # delivered by teachers: score it again
+            lost = [t for k, t in enumerate(ps.scorers) if not shares or k in shares]
+            for t in lost:
+                ps.scored.pop(t, None)
+            return [self._score(piece, t) for t in lost]
         if not self.scored:                            # delivered by its rollout call's worker,
             for p in self.layout.parts[part]:          # with the rest of that call's pieces
                 if p >= piece:
@@ -324,3 +355,18 @@ class Step:
         if part in self.generating and self.issues[part] > lost:
             return []
         return [self._generate(part)]
+
+
+def piece_scorers(jobs: list[RolloutJob], layout: Layout,
+                  teachers: Teachers | None) -> list[tuple[int, ...]]:
+    """For each piece of a step, the teachers that score its rows (routing: those that own one
+    of its rows' classes; else every teacher, or the one)."""
+    if teachers is None:
+        return [(0,)] * layout.pieces
+    out = []
+    for c, job in enumerate(jobs):
+        start = 0
+        for p, size in zip(layout.parts[c], layout.part_sizes(c)):
+            out.append((p, tuple(teachers.scorers(job.labels[start:start + size]))))
+            start += size
+    return [s for _, s in sorted(out)]

@@ -41,6 +41,7 @@ class Task:
     worker: int = -1
     issue: int = -1
     gen: int = -1       # the step's plan generation when it was submitted
+    teacher: int = 0    # a scoring: the teacher whose share it scores (its pool: `role`)
     submitted: float = field(default_factory=time.perf_counter)
 
 

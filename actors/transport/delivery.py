@@ -21,6 +21,7 @@ from opd.distill.batch import TrajectoryBatch
 from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
 from opd.distill.stream import PartStream
+from opd.distill.teachers import Share, ShareMeasure, cut_share, share_to_numpy
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class PieceReport:
     nbytes: int = 0
     seconds: float = 0.0              # the worker's busy time on it (scoring)
     payload: object = None
+    measure: ShareMeasure | None = None   # a teacher's share: what scoring it measured
 
 
 @dataclass
@@ -79,6 +81,24 @@ def deliver(batch: TrajectoryBatch, tag: PieceTag, queue, seconds: float = 0.0) 
         refs.append(ray.put(payload))
     ray.get(queue.put_piece.remote(tag.step, tag.gen, tag.piece, refs, tag.version))
     return PieceReport(tag.piece, batch.batch_size, batch.num_generated_tokens, nbytes, seconds)
+
+
+def deliver_share(share: Share, tag: PieceTag, queue, seconds: float) -> PieceReport:
+    """Deliver one teacher's share of a piece (several teachers, opd/distill/teachers.py): each
+    learner rank's rows of it, with their positions in the rank's cut, as one object per rank,
+    handed to `queue` as that teacher's share of the piece."""
+    refs, nbytes = [], 0
+    for a, b in tag.cuts:
+        cut = cut_share(share, a, b)
+        cut.batch.rollout_stats = RolloutStats()
+        payload = share_to_numpy(cut)
+        nbytes += payload_nbytes(payload)
+        refs.append(ray.put(payload))
+    ray.get(queue.put_piece.remote(tag.step, tag.gen, tag.piece, refs, tag.version,
+                                   share.teacher))
+    b = share.batch
+    return PieceReport(tag.piece, b.batch_size, b.num_generated_tokens, nbytes, seconds,
+                       measure=share.measure())
 
 
 def hand_out(stream: PartStream, tags: list[PieceTag], queue, scored: bool,

@@ -33,8 +33,9 @@ SECTIONS = {"evaluation": "eval"}           # the config section of a role, wher
 
 def actor_name(role: str, index: int | None = None) -> str:
     """The Ray name of a run's actor: `opd/<role>/<index>`, or `opd/<role>` for a single one
-    (role: learner | rollout | teacher | queue | evaluation, which is named `opd/eval`)."""
-    name = f"opd/{ROLE_NAMES[role]}"
+    (role: learner | rollout | teacher | queue | evaluation, which is named `opd/eval`; or a
+    teacher's pool of several, `teacher/<name>`)."""
+    name = f"opd/{ROLE_NAMES.get(role, role)}"
     return name if index is None else f"{name}/{index}"
 
 

@@ -40,7 +40,7 @@ from actors.transport.weights import (BroadcastGroup, Bucket, free_port, make_bu
 from actors.workers.base import Worker
 from opd.run import checkpoints as ckpt
 from opd.models import precision
-from opd.distill.batch import TrajectoryBatch
+from opd.distill.teachers import merge_shares, run_teachers, share_from_numpy
 from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
 from opd.distill.results import LearnerResult, PieceAnswer, combine_metrics
@@ -92,6 +92,7 @@ class StudentLearner(Worker):
         self.steps = 0
         self.queue = None
         self.accum: Accumulation | None = None
+        self.teachers = run_teachers(self.cfg)     # how a piece's shares make its target
 
     @property
     def version(self) -> int:
@@ -164,24 +165,21 @@ class StudentLearner(Worker):
                 refs = None if share is None else share["refs"]
             else:
                 share = ray.get(self.queue.take_piece.remote(step, gen, piece, self.rank, version))
-                refs = None if share is None else [share["ref"]]
+                refs = None if share is None else [share["refs"]]
             if refs is None:
                 raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible piece "
                                    f"{piece} of step {step} at version {version}")
             a.depth = share["depth"]
-            try:
-                payloads = ray.get(refs)
-            except ray.exceptions.ObjectLostError:    # OwnerDiedError: its worker died
-                payloads = None
+            payloads, lost = fetch_shares(refs)
             if self._any_rank(payloads is None):
                 if prefetch:                          # nothing trained yet: the step again
                     self.accum = None
                     if self.rank == 0:
                         ray.get(self.queue.drop.remote(step))
-                return PieceAnswer(self.rank, piece, lost=True)
-            a.received += payload_nbytes(payloads)
-            a.prefetched = list(self.io.received(payloads))
-        rows = TrajectoryBatch.from_numpy_dict(a.prefetched.pop(0))
+                return PieceAnswer(self.rank, piece, lost=True, lost_shares=lost)
+            a.received += payload_nbytes([d for shares in payloads for d in shares])
+            a.prefetched = [self.io.received(shares) for shares in payloads]
+        rows = merge_shares(self.teachers, [share_from_numpy(d) for d in a.prefetched.pop(0)])
         fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         self.ds_engine.set_gradient_accumulation_boundary(last)
@@ -312,3 +310,25 @@ class StudentLearner(Worker):
         self.ds_engine.eval()
         self.steps = step
         return step
+
+
+def fetch_shares(refs: list[list]) -> tuple[list[list] | None, tuple[int, ...]]:
+    """The payloads of each piece's share refs (`refs[piece][share]`), or (None, the positions
+    of the shares whose objects were lost: their owner died)."""
+    try:
+        flat = ray.get([r for shares in refs for r in shares])
+    except ray.exceptions.ObjectLostError:            # OwnerDiedError: its worker died
+        lost = set()
+        for shares in refs:
+            for s, ref in enumerate(shares):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ObjectLostError:
+                    lost.add(s)
+        return None, tuple(sorted(lost))
+    out, i = [], 0
+    for shares in refs:
+        out.append(flat[i:i + len(shares)])
+        i += len(shares)
+    return out, ()
+

@@ -87,28 +87,35 @@ class QueueCore:
 
 
 class PieceStore:
-    """Delivered pieces of steps not sealed yet: {step: {gen: {piece: refs by rank}}}, and the
-    policy version of each (step, gen)."""
+    """Delivered pieces of steps not sealed yet: {step: {gen: {piece: {share: refs by rank}}}}
+    (a share: one teacher's scores of the piece, opd/distill/teachers.py; one teacher or none:
+    share 0), and the policy version of each (step, gen).  A rank's refs of a piece are its
+    shares' refs, in share order."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.pieces: dict[int, dict[int, dict[int, list]]] = {}
+        self.pieces: dict[int, dict[int, dict[int, dict[int, list]]]] = {}
         self.versions: dict[tuple[int, int], int] = {}
         self.handed_out_below = 0          # steps < this were handed out: late pieces are dropped
         self.dropped = 0
 
-    def put(self, step: int, gen: int, piece: int, refs: list, version: int = -1) -> bool:
+    def put(self, step: int, gen: int, piece: int, refs: list, version: int = -1,
+            share: int = 0) -> bool:
         if step < self.handed_out_below or len(refs) != self.world_size:
             self.dropped += 1
             return False
-        self.pieces.setdefault(step, {}).setdefault(gen, {})[piece] = list(refs)
+        self.pieces.setdefault(step, {}).setdefault(gen, {}).setdefault(piece, {})[share] = list(refs)
         self.versions[step, gen] = version
         return True
 
     def get(self, step: int, gen: int, piece: int) -> tuple[list, int] | None:
-        """(refs by rank, version) of a delivered piece not sealed yet (its latest delivery)."""
-        refs = self.pieces.get(step, {}).get(gen, {}).get(piece)
-        return None if refs is None else (refs, self.versions[step, gen])
+        """(each rank's share refs, version) of a delivered piece not sealed yet (its latest
+        delivery of each share)."""
+        shares = self.pieces.get(step, {}).get(gen, {}).get(piece)
+        return None if shares is None else (self._by_rank(shares), self.versions[step, gen])
+
+    def _by_rank(self, shares: dict[int, list]) -> list[list]:
+        return [[shares[s][r] for s in sorted(shares)] for r in range(self.world_size)]
 
     def forget(self, step: int) -> None:
         self.pieces.pop(step, None)
@@ -123,7 +130,8 @@ class PieceStore:
         if missing:
             raise KeyError(f"step {step} generation {gen}: pieces {missing} were not delivered")
         self.forget(step)
-        return [[have[p][r] for p in range(pieces)] for r in range(self.world_size)]
+        by_rank = [self._by_rank(have[p]) for p in range(pieces)]
+        return [[by_rank[p][r] for p in range(pieces)] for r in range(self.world_size)]
 
 
 class TrajectoryQueue:
@@ -145,14 +153,15 @@ class TrajectoryQueue:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
 
     async def put_piece(self, step: int, gen: int, piece: int, refs: list,
-                        version: int = -1) -> bool:
-        """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`): one
-        ref per learner rank.  False: dropped (its step was handed out)."""
-        return self.store.put(step, gen, piece, self.io.received(refs), version)
+                        version: int = -1, share: int = 0) -> bool:
+        """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`), or
+        teacher `share`'s share of it: one ref per learner rank.  False: dropped (its step was
+        handed out)."""
+        return self.store.put(step, gen, piece, self.io.received(refs), version, share)
 
     async def take_piece(self, step: int, gen: int, piece: int, rank: int,
                          learner_version: int) -> dict | None:
-        """Learner rank `rank`'s ref of piece `piece` of a streaming step (docs/STREAMING.md),
+        """Learner rank `rank`'s refs (one per share) of piece `piece` of a streaming step (docs/STREAMING.md),
         delivered and not necessarily sealed: its latest delivery, else the sealed item's.  None
         if it is not there or not admissible at `learner_version` (strict: its own version
         only).  The step leaves the queue when every rank `take`s it after its last piece."""
@@ -165,7 +174,7 @@ class TrajectoryQueue:
         refs, version = found
         if not self.core.admissible(version, learner_version):
             return None
-        return self.io.sent({"ref": refs[rank], "depth": len(self.core.items)})
+        return self.io.sent({"refs": refs[rank], "depth": len(self.core.items)})
 
     async def seal(self, item: QueueItem, gen: int, pieces: int, timeout: float = 0.0) -> bool:
         """Make the delivered pieces of `item.step` (generation `gen`) one item; when full, wait
@@ -183,7 +192,7 @@ class TrajectoryQueue:
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
         """Learner rank `rank`'s share of the item of `step` at `learner_version`: its refs (one
-        per piece) and the batch's totals; None if no admissible item."""
+        per piece, each its shares' refs) and the batch's totals; None if no admissible item."""
         self.version = learner_version
         async with self._room:
             if step not in self.taking:

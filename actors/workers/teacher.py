@@ -1,22 +1,27 @@
 """`TeacherWorker`: the frozen teacher; scores the pieces of student rollouts, or (SeqKD)
 generates teacher rollouts with the configured engine, streamed piece by piece as the rollout
 worker's (actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
-(actors/transport/delivery.py); the driver gets reports only."""
+(actors/transport/delivery.py); the driver gets reports only.  With several teachers
+(opd/distill/teachers.py) each has its own pool, `opd/teacher/<name>/<i>`, whose workers score
+that teacher's share of a piece (routing: the rows of its classes; mixing: every row)."""
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 
-from actors.transport.delivery import PartReport, PieceReport, PieceTag, deliver, hand_out
-from actors.workers.base import Worker
+from actors.transport.delivery import (PartReport, PieceReport, PieceTag, deliver, deliver_share,
+                                       hand_out)
+from actors.ray_metrics import RoleMetrics
+from actors.workers.base import Worker, actor_name
 from actors.workers.heap import release_free_heap
 from actors.workers.rollout import job_tokens
 from opd.models import precision
 from opd.distill.batch import TrajectoryBatch
-from opd.config.schema import RunConfig
+from opd.config.schema import RunConfig, config_from_dict
 from opd.models.factory import load_role_model
 from opd.distill.steps import RolloutJob, build_engine, score
 from opd.distill.stream import PartStream
+from opd.distill.teachers import ONE, run_teachers, score_share, teacher_config
 
 
 class TeacherWorker(Worker):
@@ -24,11 +29,19 @@ class TeacherWorker(Worker):
     version of the last trajectory it handled."""
     role = "teacher"
 
-    def __init__(self, cfg: RunConfig | dict, index: int = 0):
-        super().__init__(cfg, index)
+    def __init__(self, cfg: RunConfig | dict, index: int = 0, teacher: int = 0):
+        run = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
+        self.teachers, self.teacher = run_teachers(run), teacher
+        super().__init__(teacher_config(run, teacher), index)   # its own section and model
+        if self.teachers.rule != ONE:                 # its metrics: worker "<name>/<index>"
+            self.metrics = RoleMetrics("teacher", f"{self.teachers.names[teacher]}/{index}")
         self.model = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
                                        self.cfg, "teacher", self.device)
         self.engine = build_engine(self.cfg)
+
+    @property
+    def name(self) -> str:
+        return actor_name(self.teachers.pool(self.teacher), self.index)
 
     def score(self, traj: dict, tag: PieceTag, queue) -> PieceReport:
         """Attach teacher scores (full or top-k, as `teacher.transport` says) to one piece
@@ -37,12 +50,20 @@ class TeacherWorker(Worker):
         start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
         self.version = batch.policy_version
-        out = score(self.model, batch, self.cfg)
-        seconds = float(out.rollout_stats.teacher_seconds)
-        tokens = batch.batch_size * batch.seq_len
+        if self.teachers.rule == ONE:
+            out = score(self.model, batch, self.cfg)
+            seconds = float(out.rollout_stats.teacher_seconds)
+        else:                                          # this teacher's share of the piece
+            share = score_share(self.model, batch, self.cfg, self.teacher,
+                                self.teachers.share_rows(self.teacher, batch.labels), score)
+            out, seconds = share.batch, share.seconds
+        tokens = out.batch_size * out.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        report = deliver(out, tag, queue, time.perf_counter() - start)
+        if self.teachers.rule == ONE:
+            report = deliver(out, tag, queue, time.perf_counter() - start)
+        else:
+            report = deliver_share(share, tag, queue, time.perf_counter() - start)
         self.io.put(report.nbytes)
         del batch, out
         release_free_heap()          # its freed buffers, which glibc would keep (heap.py)

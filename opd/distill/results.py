@@ -74,3 +74,5 @@ class PieceAnswer:
     result: LearnerResult | None = None
     skipped: bool = False
     lost: bool = False
+    lost_shares: tuple[int, ...] = ()    # with `lost`: which of the piece's shares (their
+    #                                      positions, in teacher order) were lost

@@ -73,6 +73,10 @@ class Teachers:
                         owner[c] = i
         return owner[labels]
 
+    def owners_of_classes(self, num_classes: int) -> list[int]:
+        """The teacher that scores each class 0..num_classes-1 (routing; 0 otherwise)."""
+        return self.owners(torch.arange(num_classes)).tolist()
+
     def share_rows(self, i: int, labels: Tensor) -> Tensor | None:
         """The rows (indices into `labels`) teacher i scores: None for every row (one teacher,
         or mixing), else the rows whose class it owns (possibly none)."""
@@ -122,6 +126,17 @@ def take_index(batch: TrajectoryBatch, rows: Tensor) -> TrajectoryBatch:
                            pick(batch.behaviour_logprobs))
 
 
+@dataclass(frozen=True)
+class ShareMeasure:
+    """What scoring one share measured: its teacher, rows, seconds and on-policy KL sum over
+    `kl_tokens` sampled tokens (module docstring)."""
+    teacher: int
+    rows: int
+    seconds: float
+    kl_sum: float
+    kl_tokens: int
+
+
 @dataclass
 class Share:
     """Teacher `teacher`'s scores of some rows of a piece: `rows` their positions in it (None:
@@ -132,6 +147,10 @@ class Share:
     seconds: float = 0.0
     kl_sum: float = 0.0            # sum over sampled suffix tokens of log p_s - log p_t
     kl_tokens: int = 0
+
+    def measure(self) -> ShareMeasure:
+        return ShareMeasure(self.teacher, self.batch.batch_size, self.seconds, self.kl_sum,
+                            self.kl_tokens)
 
 
 def onpolicy_kl_sum(batch: TrajectoryBatch, logp: Tensor) -> tuple[float, int]:
@@ -236,10 +255,10 @@ def score_piece(models: list, cfgs: list[RunConfig], teachers: Teachers,
     return merge_shares(teachers, shares), shares
 
 
-def teacher_metrics(teachers: Teachers, shares: list[Share]) -> dict:
+def teacher_metrics(teachers: Teachers, shares: list[ShareMeasure]) -> dict:
     """Per teacher (several only): its busy seconds, rows scored and on-policy KL
     (`teacher_busy_s/<name>`, `teacher_rows/<name>`, `teacher_kl/<name>`; NaN without sampled
-    tokens) over a step's shares."""
+    tokens) over the measures of a step's shares."""
     if teachers.rule == ONE:
         return {}
     out = {}
@@ -247,7 +266,7 @@ def teacher_metrics(teachers: Teachers, shares: list[Share]) -> dict:
         mine = [s for s in shares if s.teacher == i]
         tokens = sum(s.kl_tokens for s in mine)
         out[f"teacher_busy_s/{name}"] = sum(s.seconds for s in mine)
-        out[f"teacher_rows/{name}"] = sum(s.batch.batch_size for s in mine)
+        out[f"teacher_rows/{name}"] = sum(s.rows for s in mine)
         out[f"teacher_kl/{name}"] = (sum(s.kl_sum for s in mine) / tokens if tokens
                                      else float("nan"))
     return out

@@ -66,8 +66,12 @@ def test_pieces_are_sealed_by_generation_and_dropped_once_handed_out():
     assert store.put(5, 1, 0, ["new0", "new1"])                  # a re-planned generation
     with pytest.raises(KeyError, match=r"step 5 generation 1: pieces \[1\]"):
         store.seal(5, 1, pieces=2)
-    assert store.seal(5, 0, pieces=2) == [["p0r0", "p1r0"], ["p0r1", None]]
+    assert store.seal(5, 0, pieces=2) == [[["p0r0"], ["p1r0"]], [["p0r1"], [None]]]
     assert store.pieces == {}                                     # generation 1 dropped too
+    # two teachers' shares of a piece: each rank gets both, in teacher order
+    assert store.put(6, 0, 0, ["b0", "b1"], share=1) and store.put(6, 0, 0, ["a0", "a1"], share=0)
+    assert store.get(6, 0, 0)[0] == [["a0", "b0"], ["a1", "b1"]]
+    assert store.seal(6, 0, pieces=1) == [[["a0", "b0"]], [["a1", "b1"]]]
     store.handed_out_below = 6
     assert not store.put(5, 2, 0, ["late", "late"]) and store.dropped == 1
     assert not store.put(7, 0, 0, ["one rank only"])              # a piece per rank or nothing
@@ -88,7 +92,8 @@ def test_queue_actor_hands_each_rank_its_refs_and_waits_for_room(ray_session):
     assert ray.get(waiting) is True
     share0 = ray.get(q.take.remote(0, 0, 0))                     # the same item for rank 0
     assert (share0["batch_id"], share0["generated_tokens"], share1["samples"]) == (0, 6, 2)
-    assert ray.get(share0["refs"]) == [{"rank": 0}] and ray.get(share1["refs"]) == [{"rank": 1}]
+    assert [ray.get(r) for r in share0["refs"]] == [[{"rank": 0}]]
+    assert [ray.get(r) for r in share1["refs"]] == [[{"rank": 1}]]
     assert ray.get(q.take.remote(0, 0, 0)) is None               # handed out to every rank
     assert not ray.get(q.put_piece.remote(0, 1, 0, [r0, r1]))      # late piece of a trained step
     ray.kill(q)
