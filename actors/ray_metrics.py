@@ -19,6 +19,8 @@ GAUGES = {
     "opd_rollout_longest_single_run": "Longest run of one-token rounds of any image in the last rollout (a stalled image).",
     "opd_rollout_image_rounds_max": "Rounds of the slowest image of the last rollout.",
     "opd_teacher_tokens_per_s": "Scored tokens per second of the last teacher call.",
+    "opd_teacher_onpolicy_kl": "Several teachers: the last step's on-policy KL(student || teacher) on the rows the teacher scored (worker: the teacher's name; opd/distill/teachers.py).",
+    "opd_teacher_rows": "Several teachers: rows the teacher scored in the last step (worker: its name).",
     "opd_queue_depth": "Trajectory batches waiting for the learner.",
     "opd_policy_lag": "Policy-version lag of the last consumed batch (0 in strict on-policy mode).",
     "opd_learner_samples_per_s": "Sequences per second of the last learner step.",

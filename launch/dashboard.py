@@ -48,10 +48,38 @@ def build_dashboard() -> dict:
         "title": "opd: on-policy distillation", "uid": "opd-main", "schemaVersion": 39,
         "tags": ["opd", "ray"], "time": {"from": "now-30m", "to": "now"}, "refresh": "10s",
         "templating": {"list": [{"name": "datasource", "type": "datasource",
-                                 "query": "prometheus", "label": "Prometheus"}]},
+                                 "query": "prometheus", "label": "Prometheus"},
+                                _teacher_variable()]},
         "panels": [_panel(i + 1, *p) for i, p in enumerate(panels)]
-        + [_distribution(len(panels) + 1, "opd_rollout_commit_length")],
+        + [_distribution(len(panels) + 1, "opd_rollout_commit_length"),
+           _per_teacher(len(panels) + 2)],
     }
+
+
+def _teacher_variable() -> dict:
+    """The teachers of a run of several (opd/distill/teachers.py), by the names the driver
+    reports their on-policy KL under."""
+    return {"name": "teacher", "type": "query", "label": "Teacher", "multi": True,
+            "includeAll": True, "current": {"text": "All", "value": "$__all"},
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": "label_values(ray_opd_teacher_onpolicy_kl, worker)", "refresh": 2}
+
+
+def _per_teacher(pid: int) -> dict:
+    """A panel per teacher (Grafana repeats it over $teacher): its on-policy KL and rows per
+    step (the driver's gauges, worker = its name) and its workers' scored tokens per second
+    (worker = <name>/<index>)."""
+    panel = _panel(pid, "teacher $teacher", "One teacher of several: "
+                   + GAUGES["opd_teacher_onpolicy_kl"],
+                   'ray_opd_teacher_onpolicy_kl{worker="$teacher"}', "on-policy KL", "short")
+    panel["targets"] += [
+        {"expr": 'ray_opd_teacher_rows{worker="$teacher"}', "legendFormat": "rows per step",
+         "refId": "B"},
+        {"expr": 'sum(rate(ray_opd_teacher_tokens_total{worker=~"$teacher/.*"}[1m]))',
+         "legendFormat": "scored tokens/s", "refId": "C"}]
+    panel.update(repeat="teacher", repeatDirection="h", maxPerRow=3)
+    panel["gridPos"] = {"h": 8, "w": 8, "x": 0, "y": 8 * -(-(pid - 1) // 3) + 8}
+    return panel
 
 
 def _distribution(pid: int, name: str) -> dict:

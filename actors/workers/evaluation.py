@@ -23,7 +23,7 @@ from actors.workers.base import Worker
 from opd.models import precision
 from opd.config.schema import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
-from opd.models.factory import load_role_model
+from opd.distill.ensemble import load_teacher
 
 
 class EvaluationWorker(Worker):
@@ -35,8 +35,7 @@ class EvaluationWorker(Worker):
     def __init__(self, cfg: RunConfig | dict, run_dir: str):
         super().__init__(cfg, 0)
         self.run_dir = Path(run_dir)
-        teacher = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
-                                    self.cfg, "teacher", self.device)
+        teacher = load_teacher(self.cfg, progress=False, device=self.device)   # or several
         self.evaluator = Evaluator(self.cfg, teacher)
         self.model = self.evaluator.student
 

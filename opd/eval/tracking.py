@@ -126,6 +126,12 @@ def read_only():
 def teacher_identity(cfg: RunConfig) -> dict:
     """What names the teacher: its checkpoint file (path, size, mtime), else the key of the
     cached pretrained teacher."""
+    if cfg.teachers:                             # several: each, and how they combine
+        from opd.distill.teachers import run_teachers, teacher_config
+        t = run_teachers(cfg)
+        return {"rule": t.rule, "teachers": [
+            {"identity": teacher_identity(teacher_config(cfg, i)), "classes": list(e.classes),
+             "weight": e.weight, "guided": e.guided} for i, e in enumerate(t.entries)]}
     if cfg.model.teacher_ckpt:
         return {"checkpoint": dataset_digest(Path(cfg.model.teacher_ckpt)),
                 "preset": cfg.model.teacher}

@@ -113,3 +113,37 @@ def test_routed_run_scores_each_row_once_by_its_owner(tiny_overrides, tmp_path):
         assert all(math.isfinite(r[f"teacher_kl/{n}"]) or r[f"teacher_rows/{n}"] == 0
                    for n in ("low", "high"))
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides):
+    """The routed `TeacherEnsemble` (what evaluation measures a run of several teachers
+    against) gives each row its owner's log-probs; with the keyed sampler its samples of class c
+    are the owner's own samples of class c, token for token (Cached AR and HB-SJD)."""
+    from opd.distill.ensemble import load_teacher
+    from opd.distill.teachers import teacher_config
+    from opd.eval.sample import sample_tokens
+    from opd.models.factory import load_role_model
+    cfg = cfg_for(tiny_overrides, ROUTED, "rollout.decoding=sample")
+    ensemble = load_teacher(cfg, progress=False)
+    owners = [load_role_model(teacher_config(cfg, i), "teacher", progress=False) for i in (0, 1)]
+    labels = torch.tensor([7, 0, 5, 4])
+    tokens = torch.randint(0, 17, (4, 63))
+    got = ensemble(labels, tokens)
+    for r, c in enumerate(labels.tolist()):
+        want = torch.log_softmax(owners[c >= 5](labels[r:r + 1], tokens[r:r + 1]), -1)
+        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-6)
+    for engine in ("cached_ar", "hbsjd"):
+        mixed = sample_tokens(ensemble, cfg, 20, engine=engine).tokens
+        for i, model in enumerate(owners):
+            own = sample_tokens(model, cfg, 20, engine=engine).tokens
+            rows = [k for k in range(20) if (k % 10 >= 5) == bool(i)]
+            assert torch.equal(mixed[rows], own[rows]), (engine, i)
+
+
+def test_a_run_of_several_teachers_evaluates_against_their_combination(tiny_overrides, tmp_path):
+    from opd.eval.tracking import quality_log
+    cfg = cfg_for(tiny_overrides, ROUTED, "eval.track=true")
+    run_reference(cfg, tmp_path, progress=False)
+    rows = quality_log(tmp_path, resume=True, start=0).rows
+    assert [r["role"] for r in rows][:1] == ["teacher"] and len(rows) >= 2
+    assert all(math.isfinite(r["kl_data"]) for r in rows if r["role"] == "student")
