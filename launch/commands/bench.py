@@ -6,6 +6,7 @@
     opd bench step [--config RUN_PRESET] [--modes reference,ray] [--compile false,true]
                    [--out DIR] [--synthetic] [key=value ...]
     opd bench schedules --config schedules_digits8 [--out DIR] [key=value ...]
+    opd bench teachers --config digits_two_teachers [--samples N] [--out DIR] [key=value ...]
 """
 from __future__ import annotations
 
@@ -115,7 +116,24 @@ def add_schedules(which: argparse._SubParsersAction) -> None:
     r.set_defaults(bench_run=run_schedules)
 
 
-BENCHES = [add_rollout, add_paper, add_table1, add_step, add_schedules]
+def add_teachers(which: argparse._SubParsersAction) -> None:
+    from launch.commands import add_config_args
+    r = which.add_parser(
+        "teachers", help="several specialist teachers against one: class accuracy per class",
+        description="Trains a student from the config's routed teachers (each scoring the rows "
+                    "of its classes) and one from the single teacher of all classes, the same "
+                    "steps from the same start, then measures each class's accuracy of both "
+                    "students, each specialist and the single teacher; writes teachers.md and "
+                    "teachers.json. Takes a run config like `opd train` (e.g. --config "
+                    "digits_two_teachers).")
+    r.add_argument("--samples", type=int, default=1000,
+                   help="class-balanced samples per model (default 1000)")
+    r.add_argument("--out", metavar="DIR", help="output directory (default runs/bench/teachers)")
+    add_config_args(r)
+    r.set_defaults(bench_run=run_teachers)
+
+
+BENCHES = [add_rollout, add_paper, add_table1, add_step, add_schedules, add_teachers]
 """Adders of `opd bench` sub-commands; each sets `bench_run` on its parser."""
 
 
@@ -273,4 +291,18 @@ def run_schedules(args: argparse.Namespace) -> int:
     (out / "schedules.md").write_text(text)
     for path in [out / "schedules.json", out / "schedules.md", save_curves(report, out)]:
         print(f"wrote {path}")
+    return 0
+
+
+def run_teachers(args: argparse.Namespace) -> int:
+    from launch.bench.teachers import format_markdown, run_teachers_bench
+
+    out = Path(args.out or Path("runs") / "bench" / "teachers")
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_teachers_bench(args.cfg, out, args.samples)
+    text = format_markdown(report)
+    print(text)
+    (out / "teachers.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "teachers.md").write_text(text)
+    print(f"wrote {out / 'teachers.md'}, {out / 'teachers.json'}")
     return 0

@@ -228,6 +228,18 @@ def class_accuracy(images: Tensor, labels: Tensor) -> float:
     return classifier_accuracy(load_digits_cnn()[0], images.cpu(), labels.cpu())
 
 
+@torch.no_grad()
+def per_class_accuracy(images: Tensor, labels: Tensor, num_classes: int) -> list[float]:
+    """`class_accuracy` of each class's samples: [class 0, class 1, ...] (NaN for a class
+    without samples)."""
+    from opd.eval.features import load_digits_cnn
+
+    predicted = load_digits_cnn()[0].eval()(images.cpu())[1].argmax(-1)
+    right = predicted == labels.cpu()
+    return [float(right[labels.cpu() == c].float().mean()) if (labels == c).any()
+            else float("nan") for c in range(num_classes)]
+
+
 def checkpoint_info(ck: Checkpoint) -> dict:
     """What eval.json records about the evaluated checkpoint and the run that trained it."""
     info = {"checkpoint": str(ck.weights), "checkpoint_kind": ck.kind, "step": ck.step,

@@ -209,3 +209,50 @@ def test_a_stale_step_trains_once_sealed_prefetching_and_a_lost_piece_replans_it
     s.piece_trained(0, 1, 0, answer(0, 0, lost=True), ranks=2)
     assert s.piece_trained(0, 1, 1, answer(1, 0, lost=True), ranks=2) == [Replan()]
     assert s.training is None
+
+
+def routed_step() -> Step:
+    """Two teachers routing by class: rows of classes 0-4 to teacher 0, 5-9 to teacher 1; piece
+    0 holds classes (0, 1), piece 1 (2, 7), piece 2 (8, 9), piece 3 (3, 6)."""
+    from opd.config.schema import load_config
+    from opd.distill.teachers import run_teachers
+    teachers = run_teachers(load_config(None, [
+        "teachers=[{name: a, classes: [0,1,2,3,4]}, {name: b, classes: [5,6,7,8,9]}]"]))
+    jobs = [RolloutJob(7, torch.tensor(labels), torch.zeros(4, 6, dtype=torch.int64), 3,
+                       "student", 0) for labels in ([0, 1, 2, 7], [8, 9, 3, 6])]
+    return Step(3, 7, "student", 3, jobs, LAYOUT, gen=0, scored=True, phase="p",
+                teachers=teachers)
+
+
+def test_a_piece_is_scored_by_each_teacher_its_rows_need_and_delivered_with_the_last_share():
+    s = routed_step()
+    assert [p.scorers for p in s.pieces] == [(0,), (0, 1), (1,), (0, 1)]
+    s.start()
+    assert s.piece_made(0, 1, piece(1)) == [Score(1, 1, 0), Score(1, 1, 1)]
+    assert s.piece_made(1, 1, piece(2)) == [Score(2, 1, 1)]
+    s.piece_scored(1, piece(1), busy=0.5, teacher=1)
+    assert s.pieces[1].delivered is None                         # teacher 0's share missing
+    assert s.score_failed(1, teacher=0) == [Score(1, 1, 0)]     # only that pool's share again
+    assert s.score_failed(1, teacher=1) == []                    # delivered already: stands
+    s.piece_scored(1, piece(1), busy=0.25, teacher=0)
+    d = s.pieces[1].delivered
+    assert (d.rows, d.generated_tokens, d.nbytes) == (2, 6, 22)  # both shares' bytes
+    assert s.times.busy["teacher"] == 0.75
+
+
+def test_a_lost_share_is_scored_again_alone():
+    s = routed_step()
+    s.start()
+    for c, ps in ((0, (0, 1)), (1, (2, 3))):
+        for p in ps:
+            for cmd in s.piece_made(c, 1, piece(p)):
+                s.piece_scored(cmd.piece, piece(cmd.piece), busy=0.1, teacher=cmd.teacher)
+    s.seal()
+    t = s.begin_training(published=3)
+    assert [h.piece for h in s.hand_out()] == [0, 1, 2, 3] and t is not None
+    for r in (0, 1):
+        s.piece_trained(0, 1, r, answer(r, 0), ranks=2)
+    lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_shares=(1,) if r else ()),
+                            ranks=2) for r in (0, 1)]
+    assert lost == [[], [Score(1, 1, 1)]]                        # share of teacher 1 only
+    assert 0 in s.pieces[1].scored and 1 not in s.pieces[1].scored

@@ -77,7 +77,7 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     nbytes = 0
     for rank, (a, b) in enumerate(cuts):
         share = ray_session.get(queue.take.remote(0, 0, rank))
-        (ref,) = share["refs"]
+        ((ref,),) = share["refs"]                  # its one piece: one share (one teacher)
         payload = ray_session.get(ref)
         nbytes += payload_nbytes(payload)
         got = TrajectoryBatch.from_numpy_dict(payload)
