@@ -63,7 +63,17 @@ def run_overrides(args, data_dir: str, staleness: int) -> list[str]:
             f"teacher.num_workers={args.teacher_workers}", "eval.track=false",
             f"run.checkpoint_every={args.checkpoint_every}",
             f"cluster.max_restarts={4 * args.kills + 4}", "rollout.num_cpus=0.25",
-            "teacher.num_cpus=0.25", "learner.num_cpus=0.5"]
+            "teacher.num_cpus=0.25", "learner.num_cpus=0.5", *TEACHERS[args.teachers](args)]
+
+
+TEACHERS = {
+    "one": lambda args: [],
+    # two teachers routing by class, each its own pool of --teacher-workers workers
+    "routed": lambda args: [
+        f"teachers=[{{name: low, classes: [0,1,2,3,4], num_workers: {args.teacher_workers}, "
+        f"num_cpus: 0.25}}, {{name: high, classes: [5,6,7,8,9], "
+        f"num_workers: {args.teacher_workers}, num_cpus: 0.25}}]"],
+}
 
 
 def actor_pid(actor) -> int | None:
@@ -153,13 +163,13 @@ class Chaos:
         return {"rollout": pipeline.rollout, "teacher": pipeline.teacher,
                 "learner": pipeline.learners}[role]
 
-    def after_submit(self, pipeline, kind: str, step: int, worker: int, **_) -> None:
+    def after_submit(self, pipeline, kind: str, step: int, worker: int, pool: str, **_) -> None:
         import ray
         for ev in self.plan:
             if (not ev["fired"] and ev["how"] == "ray.kill" and ev["step"] == step
                     and TASK_OF.get(ev["role"]) == kind):
-                ray.kill(self._actors(pipeline, ev["role"])[worker], no_restart=False)
-                ev.update(fired=True, worker=worker)
+                ray.kill(pipeline.pools[pool].actors[worker], no_restart=False)
+                ev.update(fired=True, worker=worker, pool=pool)
                 return
 
     def after_step(self, pipeline, step: int, row: dict) -> None:
@@ -344,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-kill-roles", help="the same for runs with staleness > 0 (default: "
                    "--kill-roles)")
     p.add_argument("--rollout-workers", type=int, default=2)
-    p.add_argument("--teacher-workers", type=int, default=2)
+    p.add_argument("--teacher-workers", type=int, default=2, help="per teacher")
+    p.add_argument("--teachers", default="one", choices=sorted(TEACHERS),
+                   help="one teacher, or two routing by class (a pool each)")
     p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local Ray")
     p.add_argument("--seed", type=int, default=0)

@@ -197,7 +197,7 @@ class Pipeline:
         if worker is not None:
             index = {"part": task.part} if task.kind.generates else {"piece": task.piece}
             self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
-                       **index)
+                       pool=task.role, **index)
 
     def _generate(self, step: Step, c: Generate) -> None:
         """Run rollout call `c.part`: its pieces stream to the teacher workers (or, unscored,
@@ -489,7 +489,7 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
     run_dir/metrics.parquet), like `opd.run.reference.run_reference`.  `resume` continues from the
     run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
-    ("after_submit" (kind, step, worker, and part or piece), "after_piece" (a rollout call handed
+    ("after_submit" (kind, step, worker, its pool, and part or piece), "after_piece" (a rollout call handed
     out a piece), "after_part" (a rollout call ended), "after_scored" (a piece delivered by its
     teacher worker), "after_seal" (a step's pieces all in the queue), "after_step") to
     callables(pipeline, **info) (tests inject faults there);

@@ -66,16 +66,13 @@ def test_a_teacher_worker_killed_rescores_only_its_pools_share(ray_session, tiny
     ref = run_reference(cfg, tmp_path / "ref", progress=False)
     submitted, killed = [], []
 
-    def after_submit(pipe, kind, step, worker, **where):
+    def after_submit(pipe, kind, step, worker, pool, **where):
         if kind != "score":
             return
-        task = next(t for t in pipe.dispatch.tasks.values()
-                    if t.step == step and t.piece == where["piece"] and t.worker == worker
-                    and t.kind.value == "score")
-        submitted.append((step, where["piece"], task.role))
-        if step == 1 and task.role == "teacher/low" and not killed:
+        submitted.append((step, where["piece"], pool))
+        if step == 1 and pool == "teacher/low" and not killed:
             killed.append((where["piece"], worker))
-            ray.kill(pipe.dispatch.pools["teacher/low"].actors[worker], no_restart=False)
+            ray.kill(pipe.pools[pool].actors[worker], no_restart=False)
 
     rows = run_distributed(cfg, tmp_path / "ray", progress=False,
                            hooks={"after_submit": after_submit})
