@@ -23,7 +23,8 @@ from opd.config.schema import RunConfig
 from opd.config.files import config_hash
 from opd.data import PrefixBatcher, TokenDataset, dataset_stats
 from opd.data.splits import data_paths, open_dataset
-from opd.models import GPT, create_model, load_llamagen_checkpoint, load_state_dict_safely
+from opd.models import (GPT, CheckpointError, create_model, load_llamagen_checkpoint,
+                        load_state_dict_safely)
 from opd.models.safe_load import load_into
 
 ROLES = ("teacher", "student")
@@ -165,7 +166,15 @@ def load_role_model(cfg: RunConfig, role: str, *, progress: bool = True) -> GPT:
     ckpt = cfg.model.teacher_ckpt if role == "teacher" else cfg.model.student_ckpt
     preset = cfg.model.teacher if role == "teacher" else cfg.model.student
     if ckpt:
-        model = load_llamagen_checkpoint(ckpt, preset, **model_overrides(cfg))
+        try:
+            model = load_llamagen_checkpoint(ckpt, preset, **model_overrides(cfg))
+        except CheckpointError as e:          # whose file: a teacher of several names itself
+            if role == "teacher" and cfg.teacher.name:
+                raise CheckpointError(f"teacher {cfg.teacher.name!r} (teachers[].ckpt): {e}; "
+                                      f"every teacher needs the student's vocabulary and grid "
+                                      f"(model.vocab_size={cfg.model.vocab_size}, "
+                                      f"model.grid_size={cfg.model.grid_size})") from None
+            raise
     else:
         model, _ = pretrained_model(cfg, role, progress=progress)
     return model.eval()

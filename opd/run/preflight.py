@@ -35,6 +35,11 @@ def missing_inputs(cfg: RunConfig, *, evaluation: bool = False) -> list[str]:
                             f"{CKPT_HINTS[key]}")
         elif value is not None and not Path(value).is_file():
             problems.append(f"{key}={value} does not exist; {CKPT_HINTS[key]}")
+    for i, t in enumerate(cfg.teachers):
+        if t.ckpt is not None and not Path(t.ckpt).is_file():
+            problems.append(f"teachers[{i}].ckpt={t.ckpt} does not exist; put teacher "
+                            f"{t.name!r}'s c2i_*.pt file there, or set the key to null to "
+                            f"pretrain it on the configured data (its classes')")
     if cfg.data.dataset != "digits":
         for key in ("train",) + (("heldout",) if evaluation else ()):
             value = getattr(cfg.data, key) or str(Path(cfg.data.data_dir) / f"{key}.parquet")

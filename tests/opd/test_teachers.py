@@ -147,3 +147,20 @@ def test_a_run_of_several_teachers_evaluates_against_their_combination(tiny_over
     rows = quality_log(tmp_path, resume=True, start=0).rows
     assert [r["role"] for r in rows][:1] == ["teacher"] and len(rows) >= 2
     assert all(math.isfinite(r["kl_data"]) for r in rows if r["role"] == "student")
+
+
+def test_a_teachers_missing_or_mismatched_checkpoint_is_named(tiny_overrides, tmp_path):
+    from opd.distill.teachers import teacher_config
+    from opd.models import CheckpointError, create_model
+    from opd.models.factory import load_role_model
+    from opd.run.preflight import missing_inputs
+    cfg = cfg_for(tiny_overrides, f"teachers=[{{name: a, weight: 1.0, ckpt: {tmp_path}/no.pt}}, "
+                                  "{name: b, weight: 1.0}]")
+    (problem,) = missing_inputs(cfg)
+    assert problem.startswith(f"teachers[0].ckpt={tmp_path}/no.pt does not exist")
+    wide = create_model("GPT-digits-T", vocab_size=20, num_classes=10, grid_size=8)
+    torch.save({"model": wide.state_dict()}, tmp_path / "wide.pt")
+    cfg = cfg_for(tiny_overrides, f"teachers=[{{name: a, weight: 1.0, ckpt: {tmp_path}/wide.pt}}, "
+                                  "{name: b, weight: 1.0}]")
+    with pytest.raises(CheckpointError, match=r"teacher 'a' \(teachers\[\]\.ckpt\).*vocab_size=17"):
+        load_role_model(teacher_config(cfg, 0), "teacher", progress=False)
