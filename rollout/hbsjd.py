@@ -103,7 +103,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             idx, counts = None, full(model, st, req, plan)
         # 4. tally
         if seen is not None:
-            seen.add(counts, min(log.windows[-1], plan.W) - 1)   # drafts proposed and checked
+            seen.add(counts, plan.W, acceptance)
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
     tokens, logp = slots.collect(st)

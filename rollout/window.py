@@ -21,19 +21,37 @@ and Compact).  rows = R for Full, A for Compact (compiled: A's bucket, rollout/h
                the round's sync: a measured Full round of the engine minus its forward,
                `overhead_s` per decoding), which W = 1 pays too per committed token; each
                made non-decreasing in W (`monotone`: a shared machine's load spikes).
-    E[tokens]  1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft k of a
-               window is accepted given drafts 1..k-1 were: estimated from this rollout's counts
-               (`Acceptance`: rows that reached draft k, rows that accepted it), each shrunk
-               towards alpha_{k-1} (alpha_0 = PRIOR) with weight STRENGTH rows, so the first
-               rounds and depths never tried yet follow the shallower ones.
+    E[tokens]  the depth model's, times the window's factor (`Acceptance.expected`):
+               model: 1 + sum_{j=1}^{W-1} prod_{k<=j} alpha_k, alpha_k the chance that draft
+               k of a window is accepted given drafts 1..k-1 were, from this rollout's counts
+               (rows that reached draft k, rows that accepted it), each shrunk towards
+               alpha_{k-1} (alpha_0 = PRIOR) with weight STRENGTH rows, so the first rounds and
+               depths never tried yet follow the shallower ones.
+               factor c_W: realised over modelled accepted drafts per active row of this
+               rollout's earlier rounds at W, kept apart for rounds whose drafts the round
+               before proposed (W <= its window) and widened ones (W > its window: the new
+               depths are history fill), the kind the coming round would be; shrunk towards 1
+               with weight WINDOW_STRENGTH rounds; a window without such rounds takes the
+               factor of the nearest narrower window that has them, else of the nearest wider
+               one, at most 1.  E = 1 + c_W * (model - 1).
+
+Per window, because what the depth model predicts from counts taken at other windows is
+biased, in both directions: a wider window spends fewer rounds inside the runs that made the
+deep counts (greedy, pretrained digits, batch 16: W 16 rounds committed 2.4 tokens a row where
+the model said 4.9), coupled sampled drafts grow better with the rounds they are refined, and
+the first round after a wider window checks drafts the round before did not propose (history
+fill).  The factor measures what rounds at W commit against what the model said, in the same
+rollout, and the kind keeps a window's first round from judging its steady ones.  The counts
+stay pooled over the images: an estimate per image (each active row's own chain, averaged)
+chose the same windows in most rollouts measured and cost more per round than it saved
+(docs/WINDOW_POLICY.md).
 
 W = 1 is Cached AR's round (no draft; rollout/jacobi.py `ar_round` runs it as Cached AR's step,
 without the verification step): the policy picks a longer window only where the table says
 its expected tokens pay for its round.
 
-Pooled over the images: the counts of all the call's images together, not of the images
-furthest behind (which images lag is largely the luck of their acceptance, so their counts
-underestimate every image's; docs/WINDOW_POLICY.md has the measurement).
+Not the images furthest behind either (which images lag is largely the luck of their
+acceptance, so their counts underestimate every image's; docs/WINDOW_POLICY.md).
 
 Exploration: a W = 1 round checks no draft, so its acceptance counts never grow and a choice
 of W = 1 made on the prior would never be revisited; likewise a window of W never measures
@@ -69,6 +87,7 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from (and `opd calibrate` measures)."""
 PRIOR = 0.5                 # acceptance of draft 1 before any round
 STRENGTH = 4.0              # pseudo-rows of the prior / of the shallower depth's estimate
+WINDOW_STRENGTH = 2.0       # pseudo-rounds of factor 1 in a window's factor c_W
 PROBE = 8                   # every PROBE rounds, 2 rounds at the next wider window
 
 
@@ -140,34 +159,81 @@ class CostTable:
 
 
 class Acceptance:
-    """Per-depth acceptance counts of a rollout so far: reached[k - 1] rows whose draft k was
-    checked, accepted[k - 1] rows that accepted it (host ints, k = 1..depth); rounds: the
-    verification rounds so far."""
+    """What the policy knows of a rollout so far, on the host (module docstring, E[tokens]).
 
-    def __init__(self, depth: int, rounds: int = 0):
+    reached[k - 1] / accepted[k - 1]: rows whose draft k was checked / accepted (k =
+    1..depth); window_tallies: {(W, proposed): (rounds, sum of realised, sum of modelled
+    accepted drafts per active row)} (`windows`); previous: the last round's window (0: none
+    yet); rounds: the verification rounds so far."""
+
+    def __init__(self, depth: int, rounds: int = 0, previous: int = 0):
         self.reached = [0] * depth
         self.accepted = [0] * depth
+        self.window_tallies: dict[tuple[int, bool], tuple[int, float, float]] = {}
+        self.previous = previous
         self.rounds = rounds
 
     def add(self, reached: list[int], accepted: list[int]) -> None:
         self.reached = [a + b for a, b in zip(self.reached, reached)]
         self.accepted = [a + b for a, b in zip(self.accepted, accepted)]
 
+    def windows(self, tallies: dict[tuple[int, bool], tuple[int, float, float]]) -> None:
+        """{(W, proposed): (rounds at W after a round of window >= W (proposed) or < W, sum
+        of their realised accepted drafts per active row, sum of what `model_expected`
+        predicted for them)}."""
+        self.window_tallies = tallies
+
     def rates(self) -> list[float]:
-        """alpha_k for k = 1..depth (module docstring)."""
+        """The pooled alpha_k for k = 1..depth (module docstring)."""
         out, prev = [], PRIOR
         for n, a in zip(self.reached, self.accepted):
             prev = (a + STRENGTH * prev) / (n + STRENGTH)
             out.append(prev)
         return out
 
-    def expected_tokens(self, W: int) -> float:
-        """E[tokens committed by a row in a round of window W] (the accepted drafts and one)."""
-        total, run = 1.0, 1.0
-        for alpha in self.rates()[: W - 1]:
+    def model_expected(self) -> list[float]:
+        """The depth model's E[tokens committed per active row | W] for W = 1..depth + 1:
+        1 + sum_{j<W} prod_{k<=j} alpha_k."""
+        out, run = [1.0], 1.0
+        for alpha in self.rates():
             run *= alpha
-            total += run
-        return total
+            out.append(out[-1] + run)
+        return out
+
+    def window_factors(self) -> list[float]:
+        """c_W for W = 1..depth + 1 in a round after one of window `previous`: realised over
+        modelled accepted drafts of the earlier rounds at W of the same kind (proposed: W <=
+        previous, every draft proposed by the round before; widened: W > previous), shrunk
+        towards 1 with weight WINDOW_STRENGTH rounds.  A window without such rounds takes the
+        factor of the nearest narrower window that has them, else of the nearest wider one,
+        at most 1 (1 if none)."""
+        Ws = range(1, len(self.reached) + 2)
+        own = {}
+        for W in Ws:
+            n, realised, modelled = self.window_tallies.get((W, W <= self.previous),
+                                                            (0, 0.0, 0.0))
+            if n:
+                ratio = realised / modelled if modelled > 0 else 1.0
+                own[W] = (n * ratio + WINDOW_STRENGTH) / (n + WINDOW_STRENGTH)
+        out = []
+        for W in Ws:
+            if W in own:
+                out.append(own[W])
+                continue
+            near = [v for v in own if v < W][-1:] or [v for v in own if v > W][:1]
+            out.append(min(own[near[0]], 1.0) if near else 1.0)
+        return out
+
+    def expected(self) -> list[float]:
+        """E[tokens committed per active row | W] for W = 1..depth + 1: 1 + c_W (model - 1),
+        the depth model's accepted drafts times the window's factor, and one."""
+        return [1.0 + c * (e - 1.0)
+                for c, e in zip(self.window_factors(), self.model_expected())]
+
+    def expected_tokens(self, W: int) -> float:
+        """E[tokens committed per active row in a round of window W]."""
+        expected = self.expected()
+        return expected[min(W, len(expected)) - 1]
 
 
 @dataclass(frozen=True)
@@ -202,19 +268,16 @@ class WindowPolicy:
         `active` rows; ties go to the smaller W, then to Full.  A W = 1 choice on a round
         with r % PROBE in (0, 1), r > 1, becomes the next wider window (a probe, module
         docstring)."""
-        W, compact = self._best(active, acceptance, self.windows)
+        expected = acceptance.expected()                        # E[tokens] for W = 1, 2, ...
+        W, compact = self._best(active, expected, self.windows)
         wider = tuple(w for w in sorted(self.windows) if w > W)[:1]
         r = acceptance.rounds + 1
         if wider and r > 1 and r % PROBE in (0, 1):
-            return self._best(active, acceptance, wider)
+            return self._best(active, expected, wider)
         return W, compact
 
-    def _best(self, active: int, acceptance: Acceptance, windows) -> tuple[int, bool]:
+    def _best(self, active: int, expected: list[float], windows) -> tuple[int, bool]:
         best, choice = -1.0, (min(windows), self.modes[0] == "compact")
-        rates, expected, run = acceptance.rates(), [1.0], 1.0
-        for alpha in rates[: max(windows) - 1]:                 # E[tokens] for W = 1, 2, ...
-            run *= alpha
-            expected.append(expected[-1] + run)
         for W in sorted(windows):
             tokens = expected[min(W, len(expected)) - 1]
             for mode in self.modes:
@@ -228,32 +291,72 @@ class WindowPolicy:
 
 
 class AcceptanceCounts:
-    """Per-depth acceptance counts of a rollout on the device (rollout/window.py `Acceptance`),
-    read once per round together with the active count."""
+    """A rollout's acceptance counts (rollout/window.py `Acceptance`), kept on the host: per
+    depth, and per (window, proposed) the realised and modelled accepted drafts per active
+    row of its rounds.  A round's counts stay on the device until the next `read`, whose one
+    sync brings them with the active count."""
 
     def __init__(self, depth: int, device: torch.device):
-        self.depth = torch.arange(1, depth + 1, device=device)[:, None]     # (D, 1)
-        self.counts = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.counts = [[0] * depth, [0] * depth]                            # reached, took
+        self.tallies: dict[tuple[int, bool], tuple[int, float, float]] = {}
+        self.pending = []                 # [(counts (3, k) on the device, W, proposed, model,
+        #                                    kind)] of the rounds since the last `read`
+        self.previous = 0
         self.rounds = 0
 
-    def add(self, counts: Tensor, proposed: int) -> None:
-        """counts: a round's (3, k) committed / accepted / rejected of its rows; proposed: the
-        drafts the round before proposed (its W - 1; 0 after the prefill): only depths up to
-        it are counted (rollout/window.py, Exploration); 0: nothing to count (the round after
-        the prefill, a round of W = 1 or after one), only the round."""
+    def add(self, counts: Tensor, W: int, acceptance: Acceptance | None = None) -> None:
+        """A round of window W.  counts: its (3, k) committed / accepted / rejected of the
+        rows it ran (0 for a finished row).  Depth k counts only when the round before
+        proposed k drafts or more (k < min(previous W, W); rollout/window.py, Exploration).
+        With `acceptance` (what the round was chosen with) and W >= 2, the round's mean
+        accepted drafts per active row and the depth model's prediction for it go to the
+        tally of (W, proposed: W <= the previous window)."""
+        previous, self.previous = self.previous, W
         self.rounds += 1
-        if proposed <= 0:
-            return
-        acc, rej = counts[1], counts[2].bool()
-        took = acc >= self.depth                                            # (D, k)
-        reached = took | ((acc == self.depth - 1) & rej)
-        keep = self.depth <= proposed                                       # (D, 1)
-        self.counts += torch.stack([(reached & keep).sum(1), (took & keep).sum(1)])
+        model = None
+        if W >= 2 and acceptance is not None:
+            expected = acceptance.model_expected()
+            model = expected[min(W, len(expected)) - 1] - 1.0
+        proposed = min(previous, W) - 1
+        if proposed > 0 or model is not None:
+            self.pending.append((counts, W, proposed, model, W <= previous))
+
+    def _tally(self, counts: list, W: int, proposed: int, model, kind: bool) -> None:
+        """A pending round's counts, on the host: [committed, accepted, rejected] lists of its
+        rows (plain Python: a few dozen ints cost less so than in numpy or torch operators,
+        which a round pays on a CPU)."""
+        committed, accepted, rejected = counts
+        if proposed > 0:
+            last = [0] * (proposed + 1)          # rows whose last counted draft was depth j
+            stop = [0] * proposed                # rows that checked draft j + 1 and rejected it
+            for a, r in zip(accepted, rejected):
+                if a >= proposed:
+                    last[proposed] += 1
+                else:
+                    last[a] += 1
+                    stop[a] += r > 0
+            took = 0
+            for k in range(proposed, 0, -1):     # took draft k: rows with a >= k
+                took += last[k]
+                self.counts[0][k - 1] += took + stop[k - 1]
+                self.counts[1][k - 1] += took
+        if model is not None:
+            n, realised, modelled = self.tallies.get((W, kind), (0, 0.0, 0.0))
+            rows = max(sum(c > 0 for c in committed), 1)
+            self.tallies[W, kind] = (n + 1, realised + sum(accepted) / rows, modelled + model)
 
     def read(self, live: Tensor) -> tuple[int, Acceptance]:
-        """-> (the active count, the counts so far as an `Acceptance`), one device sync."""
-        host = torch.cat([live.sum().view(1), self.counts.view(-1)]).tolist()
-        D = self.counts.shape[1]
-        acceptance = Acceptance(D, self.rounds)
-        acceptance.add(host[1: 1 + D], host[1 + D:])
+        """live: (R,) bool the active rows -> (the active count, the counts so far as an
+        `Acceptance`), one device sync."""
+        host = torch.cat([live.sum().view(1), *(p[0].reshape(-1) for p in self.pending)])
+        host = host.tolist()
+        start = 1
+        for counts, *round_ in self.pending:
+            k = counts.shape[1]
+            self._tally([host[start + i * k: start + (i + 1) * k] for i in range(3)], *round_)
+            start += 3 * k
+        self.pending = []
+        acceptance = Acceptance(len(self.counts[0]), self.rounds, self.previous)
+        acceptance.add(*self.counts)
+        acceptance.windows(dict(self.tallies))
         return int(host[0]), acceptance
