@@ -7,6 +7,8 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
     checkpoint: null             # weights file, run or checkpoints/step_N directory (its
                                  # student.pt), "pretrained" (opd pretrain's cached digits
                                  # student) or null (random init, see random_init_std)
+    pretrain_overrides: []       # run-config overrides of checkpoint: pretrained (the 16x16
+                                 # student: [model.grid_size=16, data.data_dir=data/digits16])
     device: cpu | cuda           dtype: float32 | bfloat16 | float16 | float64
     prefix: data | random        # data: real digits prefixes (digits-shaped models only)
     prefix_ratio: 0.25           batch_sizes: [1, 4, 16]     windows: [2, 4, 8, 16]
@@ -23,9 +25,9 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
 Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up round, then
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
 rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
-images admitted into freed rows, tokens per image-round, latency mean and P95, speedup over
-Cached AR with the same decoding and batch, and (greedy, sample) whether the tokens equal
-Cached AR's.
+images admitted into freed rows, tokens per image-round, latency mean and P95, its ratio to
+Cached AR's (time/AR) and the speedup over Cached AR with the same decoding and batch, and
+(greedy, sample) whether the tokens equal Cached AR's.
 Jacobi rows also report one round's cost from one more rollout of the same images with Full
 execution (`rollout.roundcost`): the aten operators the verification step calls per round and
 its time per round, measured side by side with the verifier forward's.
@@ -73,6 +75,12 @@ class RolloutBench:
     checkpoint: str | None = None
     """Weights file, run or checkpoints/step_N directory (its student.pt), "pretrained" (opd
     pretrain's cached digits student) or null (random init, see random_init_std)."""
+    pretrain_config: str | None = None
+    """Run config whose pretraining makes the student of checkpoint: pretrained (null: the
+    default run config)."""
+    pretrain_overrides: list[str] = field(default_factory=list)
+    """Dotted overrides of that run config (checkpoint: pretrained), e.g. the 16x16 student:
+    [model.grid_size=16, data.data_dir=data/digits16]; the student is trained on first use."""
     random_init_std: float = 0.02
     """Std of the normal random init of every matrix (checkpoint: null)."""
     device: str = "cpu"
@@ -151,6 +159,13 @@ def check_bench(b: RolloutBench) -> RolloutBench:
         raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
     if b.device != "cpu" and not b.device.startswith("cuda"):
         raise _fail("device", b.device, "must be cpu or cuda[:N]")
+    if b.checkpoint == "pretrained" and b.overrides and not b.pretrain_overrides:
+        raise _fail("overrides", b.overrides, "does not reach checkpoint: pretrained (the "
+                    "run config's student); set pretrain_overrides too, e.g. "
+                    "[model.grid_size=16,data.data_dir=data/digits16]")
+    if (b.pretrain_overrides or b.pretrain_config) and b.checkpoint != "pretrained":
+        raise _fail("pretrain_overrides", b.pretrain_overrides, "applies to checkpoint: "
+                    "pretrained only")
     return b
 
 
@@ -167,7 +182,8 @@ def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
 def build_model(b: RolloutBench):
     """The preset's model on its device and dtype, in eval mode."""
     return common.build_model(b.model, b.overrides, b.checkpoint, seed=b.seed,
-                              random_init_std=b.random_init_std, device=b.device, dtype=b.dtype)
+                              random_init_std=b.random_init_std, device=b.device, dtype=b.dtype,
+                              run_config=b.pretrain_config, run_overrides=b.pretrain_overrides)
 
 
 def make_inputs(model, b: RolloutBench, B: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +265,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "mean_committed": round(res.mean_committed, 3),
                 "latency_ms": float(t.mean() * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
+                "time_ratio": float(t.mean() / base[d][0]),
                 "speedup": float(base[d][0] / t.mean()),
                 "equal_ar": (bool(torch.equal(res.tokens, base[d][1]))
                              if d != "speculative" else None),
@@ -289,7 +306,7 @@ COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "v
            ("round_ratio", "rnd/AR", "{:.3f}"), ("prefills", "prefills", "{}"),
            ("longest_single_run", "stall", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
            ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
-           ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}"),
+           ("time_ratio", "time/AR", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}"),
            ("verify_ops", "ops/rnd", "{}"), ("forward_ms", "fwd ms/rnd", "{:.2f}"),
            ("verify_ms", "verify ms/rnd", "{:.2f}"), ("windows", "windows W:rounds", "{}")]
 

@@ -142,6 +142,29 @@ def test_slots_and_sampling_rules_side_by_side(tiny_preset, tmp_path):
             assert r["round_ratio"] == r["rounds"] / 36 and r["prefills"] <= 4
     assert rows[2]["equal_ar"] is True and rows[3]["equal_ar"] is None
     assert "resample" in format_table(rows) and "speculative" in format_table(rows)
+    ar = {r["verification"]: r["latency_ms"] for r in rows if r["engine"] == "cached_ar"}
+    for r in rows:                       # rollout time against Cached AR's, same decoding
+        assert r["time_ratio"] == pytest.approx(r["latency_ms"] / ar[r["verification"]])
+        assert r["time_ratio"] == pytest.approx(1 / r["speedup"])
+    assert "time/AR" in format_table(rows).splitlines()[0]
+
+
+def test_pretrain_overrides_reach_the_pretrained_student(tiny_preset, monkeypatch):
+    """checkpoint: pretrained with pretrain_overrides (the 16x16 student) builds the run
+    config's student with them; overrides without them, or them without pretrained, are
+    named."""
+    import launch.bench.common
+    from launch.bench.rollout import build_model
+    seen = {}
+    monkeypatch.setattr(launch.bench.common, "build_model", lambda *a, **kw: seen.update(kw))
+    sixteen = ["model.grid_size=16", "data.data_dir=data/digits16"]
+    build_model(load_bench(tiny_preset, dict(checkpoint="pretrained", overrides={"grid_size": 16},
+                                             pretrain_overrides=sixteen)))
+    assert seen["run_overrides"] == sixteen and seen["run_config"] is None
+    with pytest.raises(ConfigError, match="overrides=.*set pretrain_overrides too"):
+        load_bench(tiny_preset, dict(checkpoint="pretrained", overrides={"grid_size": 16}))
+    with pytest.raises(ConfigError, match="pretrain_overrides=.*checkpoint: pretrained only"):
+        load_bench(tiny_preset, dict(pretrain_overrides=sixteen))
 
 
 def test_candidate_rows_side_by_side(tiny_preset):
