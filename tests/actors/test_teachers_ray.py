@@ -49,8 +49,14 @@ def test_several_teachers_on_ray_equal_the_reference_loop(ray_session, tiny_over
                                                          form, names):
     cfg = cfg_for(tiny_overrides, form)
     ref = run_reference(cfg, tmp_path / "ref", progress=False)
-    rows = run_distributed(cfg, tmp_path / "ray", progress=False)
+    track = ["eval.track=true", "eval.num_cpus=0.25"] if form == ROUTED else []
+    rows = run_distributed(cfg_for(tiny_overrides, form, *track), tmp_path / "ray", progress=False)
     check_equal(rows, ref, tmp_path / "ray", names)
+    if track:                      # the evaluation worker measures against the ensemble
+        import pyarrow.parquet as pq
+        quality = pq.read_table(tmp_path / "ray" / "quality.parquet").to_pylist()
+        assert [(q["role"], q["step"]) for q in quality] == [
+            ("teacher", 0), ("student", 0), ("student", 2), ("student", 3)]
     if form == MIXED:
         assert all(r["teacher_rows/a"] == r["teacher_rows/b"] == 8 for r in rows)
         assert all(r["teacher_kl/a"] != r["teacher_kl/b"] for r in rows)   # two models
