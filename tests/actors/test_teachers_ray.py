@@ -64,10 +64,14 @@ def test_several_teachers_on_ray_equal_the_reference_loop(ray_session, tiny_over
         assert all(r["teacher_rows/low"] + r["teacher_rows/high"] == 8 for r in rows)
 
 
+@pytest.mark.slow
 def test_a_teacher_worker_killed_rescores_only_its_pools_share(ray_session, tiny_overrides,
                                                                tmp_path):
     """Worker 0 of teacher `low` dies as soon as it is given a share (step 1): its share is
-    scored again by its pool; teacher `high` scores each of its shares once."""
+    scored again by its pool; teacher `high` scores each of its shares once.  Slow: the step's
+    answer to it is walked without Ray in tests/actors/test_step.py
+    (`test_a_piece_is_scored_by_each_teacher_its_rows_need_...`), and the chaos soak with two
+    teachers (tests/test_soak.py) kills teacher workers of both pools."""
     cfg = cfg_for(tiny_overrides, ROUTED, "cluster.max_restarts=4")
     ref = run_reference(cfg, tmp_path / "ref", progress=False)
     submitted, killed = [], []

@@ -106,15 +106,6 @@ def test_two_identical_teachers_mixed_are_the_one_teacher_run(tiny_overrides, tm
     assert all(r["teacher_kl/a"] == r["teacher_kl/b"] for r in twins)
 
 
-def test_routed_run_scores_each_row_once_by_its_owner(tiny_overrides, tmp_path):
-    rows = run_reference(cfg_for(tiny_overrides, ROUTED), tmp_path, progress=False)
-    for r in rows:
-        assert r["teacher_rows/low"] + r["teacher_rows/high"] == 8
-        assert all(math.isfinite(r[f"teacher_kl/{n}"]) or r[f"teacher_rows/{n}"] == 0
-                   for n in ("low", "high"))
-    assert all(math.isfinite(r["loss"]) for r in rows)
-
-
 def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides):
     """The routed `TeacherEnsemble` (what evaluation measures a run of several teachers
     against) gives each row its owner's log-probs; with the keyed sampler its samples of class c
@@ -140,10 +131,15 @@ def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides
             assert torch.equal(mixed[rows], own[rows]), (engine, i)
 
 
-def test_a_run_of_several_teachers_evaluates_against_their_combination(tiny_overrides, tmp_path):
+def test_a_routed_run_scores_each_row_once_and_evaluates_against_the_ensemble(tiny_overrides,
+                                                                             tmp_path):
     import pyarrow.parquet as pq
     cfg = cfg_for(tiny_overrides, ROUTED, "eval.track=true")
-    run_reference(cfg, tmp_path, progress=False)
+    steps = run_reference(cfg, tmp_path, progress=False)
+    for r in steps:
+        assert r["teacher_rows/low"] + r["teacher_rows/high"] == 8
+        assert all(math.isfinite(r[f"teacher_kl/{n}"]) or r[f"teacher_rows/{n}"] == 0
+                   for n in ("low", "high"))
     rows = pq.read_table(tmp_path / "quality.parquet").to_pylist()
     assert [(r["role"], r["step"]) for r in rows] == [("teacher", 0), ("student", 0),
                                                       ("student", 2)]
