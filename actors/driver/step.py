@@ -240,8 +240,11 @@ class Step:
         if len(ps.scorers) == 1:
             self._delivered(piece, report, busy)
             return
-        shares = list(ps.scored.values())
-        self._delivered(piece, PieceReport(piece, ps.made.rows, ps.made.generated_tokens,
+        shares = list(ps.scored.values())     # `made` may be gone: its part issued again
+        rows = self.layout.sizes[piece]
+        job = self.jobs[self.layout.part_of(piece)]
+        self._delivered(piece, PieceReport(piece, rows,
+                                           rows * (int(job.tokens.shape[1]) - job.prefix_len),
                                            sum(r.nbytes for r in shares),
                                            sum(r.seconds for r in shares)), busy)
 

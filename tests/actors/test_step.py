@@ -256,3 +256,20 @@ def test_a_lost_share_is_scored_again_alone():
                             ranks=2) for r in (0, 1)]
     assert lost == [[], [Score(1, 1, 1)]]                        # share of teacher 1 only
     assert 0 in s.pieces[1].scored and 1 not in s.pieces[1].scored
+
+
+def test_a_share_scored_from_a_payload_whose_part_was_issued_again_still_delivers_the_piece():
+    """A part issued again (its worker held other weights) drops its pieces' payloads; a share
+    already being scored from the old payload (the same rows) completes the piece: its rows and
+    tokens come from the layout, not from the dropped payload (found by `opd train --config
+    digits_two_teachers`)."""
+    s = routed_step()
+    s.start()
+    assert s.piece_made(0, 1, piece(1)) == [Score(1, 1, 0), Score(1, 1, 1)]
+    s.piece_scored(1, piece(1), busy=0.1, teacher=1)
+    assert s.part_failed(0, 1, published=3) == [Generate(0, 2)]
+    assert s.pieces[1].made is None and 0 in s.pieces[1].scoring
+    s.piece_scored(1, piece(1), busy=0.1, teacher=0)            # from the old payload
+    d = s.pieces[1].delivered
+    assert (d.rows, d.generated_tokens) == (2, 6)               # 2 rows of 6 - 3 tokens
+    assert s.piece_made(0, 2, piece(1)) == []                    # delivered: nothing again
