@@ -17,19 +17,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.soak
-def test_short_soak_loses_and_leaks_nothing(opd_cache, tmp_path):
+def soak(opd_cache, tmp_path, *args) -> dict:
+    """scripts/soak.py, 8 steps, in a process of its own; its JSON report."""
     out = tmp_path / "soak.json"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
            "OPD_CACHE": str(opd_cache), "TMPDIR": str(tmp_path)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "8",
-                           "--kills", "1", "--checkpoint-every", "2", "--node-scenarios", "",
+                           "--checkpoint-every", "2", "--node-scenarios", "", *args,
                            "--json", str(out)],
                           env=env, timeout=1200, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_short_soak_loses_and_leaks_nothing(opd_cache, tmp_path):
+    report = soak(opd_cache, tmp_path, "--kills", "1")
     assert report["ok"] is True and report["leaked_processes"] == []
     strict, stale = report["runs"]
     for run in (strict, stale):
@@ -49,16 +54,7 @@ def test_short_soak_with_two_teachers_loses_nothing(opd_cache, tmp_path):
     """The chaos soak with two teachers routing by class (opd/distill/teachers.py), a pool of 2
     workers each: a rollout and a teacher worker killed (`ray.kill` or SIGKILL), the learner
     killed and resumed; every batch once, the losses of the reference loop."""
-    out = tmp_path / "soak.json"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-           "OPD_CACHE": str(opd_cache), "TMPDIR": str(tmp_path)}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "8",
-                           "--kills", "2", "--checkpoint-every", "2", "--node-scenarios", "",
-                           "--staleness", "0", "--teachers", "routed", "--json", str(out)],
-                          env=env, timeout=1200, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = soak(opd_cache, tmp_path, "--kills", "2", "--staleness", "0", "--teachers", "routed")
     assert report["ok"] is True and report["leaked_processes"] == []
     (run,) = report["runs"]
     assert (run["batches_lost"], run["batches_duplicated"], run["rows"]) == (0, 0, 8)

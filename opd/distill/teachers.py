@@ -36,7 +36,7 @@ from torch import Tensor
 
 from opd.config.schema import RunConfig, TeacherConfig
 from opd.distill.batch import TrajectoryBatch
-from opd.distill.rollout_stats import RolloutStats
+from opd.distill.pieces import merge_batches
 
 ONE, ROUTE, MIX = "one", "route", "mix"
 
@@ -201,19 +201,8 @@ def merge_shares(teachers: Teachers, shares: list[Share]) -> TrajectoryBatch:
         return base.with_teacher(logprobs=mixture([s.batch.teacher_logprobs for s in shares],
                                                   [w[s.teacher] for s in shares]))
     shares = [s for s in shares if s.batch.batch_size]
-    rows = torch.cat([s.rows for s in shares])
-    order = torch.argsort(rows)
-    first = shares[0].batch
-
-    def cat(name: str):
-        values = [getattr(s.batch, name) for s in shares]
-        return None if values[0] is None else torch.cat(values)[order]
-
-    return TrajectoryBatch(first.batch_id, cat("labels"), first.prefix_len, cat("tokens"),
-                           first.policy_version, first.source,
-                           RolloutStats.merge([s.batch.rollout_stats for s in shares]),
-                           cat("teacher_logprobs"), cat("teacher_topk_values"),
-                           cat("teacher_topk_indices"), cat("behaviour_logprobs"))
+    merged = merge_batches([s.batch for s in shares])
+    return take_index(merged, torch.argsort(torch.cat([s.rows for s in shares])))
 
 
 def cut_share(share: Share, start: int, stop: int) -> Share:

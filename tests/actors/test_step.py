@@ -249,7 +249,7 @@ def test_a_lost_share_is_scored_again_alone():
                 s.piece_scored(cmd.piece, piece(cmd.piece), busy=0.1, teacher=cmd.teacher)
     s.seal()
     t = s.begin_training(published=3)
-    assert [h.piece for h in s.hand_out()] == [0, 1, 2, 3] and t is not None
+    assert t.prefetch is False and [h.piece for h in s.hand_out()] == [0, 1, 2, 3]
     for r in (0, 1):
         s.piece_trained(0, 1, r, answer(r, 0), ranks=2)
     lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_shares=(1,) if r else ()),
