@@ -5,7 +5,9 @@ with a KD warm-up phase and an on-policy GKD phase (sampled HB-SJD rollouts), ev
 At the sample steps (100, 1,000 and the last by default) it records the resident memory (RSS)
 of every role's process (each rollout and teacher worker, learner rank, the queue, the
 evaluation worker: Ray names their processes `ray::<Class>`), the driver's RSS (this
-process) and the object store's bytes in use.  Growth of any of them by more than `--bound`
+process) and the bytes of the objects some process still references (`object_store`; the
+store's own bytes in use are reported as `store_in_use`, not judged: they also count
+released objects Ray has yet to delete, scripts/ray_store.py).  Growth of any of them by more than `--bound`
 (5 %) between the last two samples fails the run (exit 1), naming the role.
 
     scripts/soak.sh --memory                         # the 2,000-step row (tens of minutes)
@@ -56,18 +58,15 @@ def rss_mb(pid: int) -> float | None:
 
 
 STORE_READS = 5
-"""The object store is read after each of the last 5 steps before a sample and judged by the
-least of them: a step's parts in flight (0.4-5 MiB here) come and go between reads (one read
-after step 2,000, with the last evaluation's weights in flight, once showed +1.8 MiB), while a
-leak raises every read."""
+"""The referenced objects are read after each of the last 5 steps before a sample and judged
+by the least of them: a step's pieces and weights in flight come and go between reads, while
+a leak raises every read."""
 
 
 def sample(pids: dict[str, int]) -> dict[str, float]:
-    """RSS (MiB) of each role process and the driver, object-store MiB in use."""
-    from scripts.ray_store import store_usage
+    """RSS (MiB) of each role process and the driver."""
     out = {name: rss_mb(pid) for name, pid in pids.items()}
     out["driver"] = rss_mb(os.getpid())
-    out["object_store"] = store_usage()["bytes"] / MB
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -75,7 +74,7 @@ def growth(before: dict[str, float], after: dict[str, float], bound: float,
            floor_mb: float = 32.0) -> list[str]:
     """The roles whose figure grew by more than `bound` (a fraction) from `before` to `after`;
     the object store is judged against `floor_mb` MiB at least: what it holds at a sample is
-    the step's parts in flight (0.4-5 MiB here), which comes and goes."""
+    the step's pieces and weights in flight (0.4-5 MiB here), which come and go."""
     bad = []
     for k, b in before.items():
         a = after.get(k)
@@ -109,15 +108,17 @@ def run(args) -> dict:
     samples: dict[int, dict] = {}
 
     store: dict[int, list[float]] = {}
+    in_use: dict[int, float] = {}
 
     def after_step(pipeline, step, row):
-        from scripts.ray_store import store_usage
-        for s in at:              # the store's floor over the last STORE_READS steps to s
+        from scripts.ray_store import referenced_bytes, store_usage
+        for s in at:              # the referenced floor over the last STORE_READS steps to s
             if s - STORE_READS < step + 1 <= s:
-                store.setdefault(s, []).append(store_usage()["bytes"] / MB)
+                store.setdefault(s, []).append(referenced_bytes() / MB)
         if step + 1 in at:
             samples[step + 1] = {**sample(role_processes()),
                                  "object_store": min(store[step + 1])}
+            in_use[step + 1] = round(store_usage()["bytes"] / MB, 2)
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
@@ -129,7 +130,7 @@ def run(args) -> dict:
     prev, last = (int(x) for x in args.compare.split(",")) if args.compare else at[-2:]
     bad = growth(samples[prev], samples[last], args.bound)
     return {"steps": len(rows), "seconds": round(time.time() - start, 1), "samples": samples,
-            "bound": args.bound, "compared": [prev, last], "grew": bad, "ok": not bad,
+            "store_in_use": in_use, "bound": args.bound, "compared": [prev, last], "grew": bad, "ok": not bad,
             "checkpoints": len(list((work / "run" / "checkpoints").glob("step_*"))),
             "evaluations": sum(1 for _ in (work / "run" / "samples").glob("student_step_*.png"))}
 

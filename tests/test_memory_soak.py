@@ -5,6 +5,7 @@ between 1,000 and 2,000 fails, naming the role.  Minutes long: marked slow (the 
 run are in docs/RELIABILITY.md)."""
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,37 @@ def test_growth_names_the_role():
     assert memory_soak.growth(before, after, 0.05) == ["teacher/0: 600.0 -> 640.0 MiB (+6.7 %)"]
     assert memory_soak.growth(before, {**after, "object_store": 4.0}, 0.05) == [
         "teacher/0: 600.0 -> 640.0 MiB (+6.7 %)", "object_store: 0.5 -> 4.0 MiB (+10.9 %)"]
+
+
+def test_a_held_object_counts_once_at_its_size_until_its_last_holder_lets_go(ray_session):
+    """What the soak judges the store by (scripts/ray_store.py): an object held by the driver
+    and by an actor counts once, at its size, until the last holder releases it."""
+    import numpy as np
+    from scripts.ray_store import referenced_objects
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Keeper:
+        def keep(self, refs):
+            self.refs = refs
+
+        def drop(self):
+            self.refs = None
+
+    ref = ray.put(np.zeros(2 ** 18, dtype=np.float32))            # 1 MiB
+    key = ref.binary()
+    keeper = Keeper.remote()
+    ray.get(keeper.keep.remote([ref]))
+    assert 2 ** 20 <= referenced_objects()[key] < 2 ** 20 + 4096
+    del ref
+    assert 2 ** 20 <= referenced_objects()[key] < 2 ** 20 + 4096   # the actor still holds it
+    ray.get(keeper.drop.remote())
+    ray.kill(keeper)
+    for _ in range(100):                                          # released asynchronously
+        if key not in referenced_objects():
+            break
+        time.sleep(0.1)
+    assert key not in referenced_objects()
 
 
 @pytest.mark.slow
