@@ -68,12 +68,18 @@ def calibration_path(options: dict) -> Path:
 
 def model_signature(model) -> str:
     """A key for 'this model on this hardware': parameter count, vocabulary, sequence
-    length, parameter dtype and device type, e.g. 'p185600-v17-t256-float32-cpu'."""
+    length, parameter dtype and device type, and on a CPU the process's torch threads, e.g.
+    'p185600-v17-t256-float32-cpu-th2'.  The threads, because what a window costs against a
+    1-token forward depends on them: a Ray worker runs as many as its CPU share
+    (actors/workers/base.py), one on this machine, while the driver and the benches run one
+    per core, and a table measured at two threads chose other windows for a one-thread rollout
+    (docs/WINDOW_POLICY.md)."""
     params = list(model.parameters()) if hasattr(model, "parameters") else []
     n = sum(p.numel() for p in params)
     dtype = str(params[0].dtype).replace("torch.", "") if params else "unknown"
     device = params[0].device.type if params else "cpu"
-    return f"p{n}-v{model.vocab_size}-t{model.block_size}-{dtype}-{device}"
+    threads = f"-th{torch.get_num_threads()}" if device == "cpu" else ""
+    return f"p{n}-v{model.vocab_size}-t{model.block_size}-{dtype}-{device}{threads}"
 
 
 def _device(model) -> torch.device:

@@ -70,7 +70,21 @@ def test_calibration_file_round_trip_and_gamma_auto(tiny, batch, tmp_path):
 def test_signature_separates_models(tiny):
     assert model_signature(tiny(0)) == model_signature(tiny(1))      # same shape and dtype
     assert model_signature(tiny(0)) != model_signature(tiny(0, vocab_size=5))
-    assert model_signature(tiny(0)).endswith("float64-cpu")
+    assert model_signature(tiny(0)).endswith(f"float64-cpu-th{torch.get_num_threads()}")
+
+
+def test_signature_separates_thread_counts(tiny):
+    """A CPU table is measured at the process's torch threads: a one-thread Ray worker does
+    not read the table of a two-thread driver."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = model_signature(tiny(0))
+        torch.set_num_threads(2)
+        two = model_signature(tiny(0))
+    finally:
+        torch.set_num_threads(threads)
+    assert one.endswith("-cpu-th1") and two.endswith("-cpu-th2")
 
 
 def test_auto_gamma_calibrates_a_missing_entry_once(tiny, tmp_path):
