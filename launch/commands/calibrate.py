@@ -52,10 +52,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    help="model dtype (default model.dtype)")
     p.add_argument("--repeats", type=_positive, default=5, help="timed forwards per point")
-    p.add_argument("--threads", type=_positive, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=_positive, help="torch intra-op threads (CPU; a table "
+                   "is kept per thread count; default: a ray run's rollout workers', else this "
+                   "process's)")
     p.add_argument("--out", metavar="FILE", help="another JSON file to add the entries to "
                    "(default, and the only file runs read: $OPD_CACHE/calibration.json)")
     return p
+
+
+def run_threads(cfg) -> int | None:
+    """The torch threads the run's rollouts use on a CPU, which a CPU table is keyed by
+    (rollout/calibrate.py `model_signature`): a ray run's rollout workers run their CPU share
+    (actors/workers/base.py `cpu_threads`); None for the reference loop (this process's own)
+    and for rollouts on a GPU."""
+    from actors.workers.base import cpu_threads
+    if cfg.run.mode != "ray" or cfg.rollout.num_gpus > 0:
+        return None
+    return cpu_threads(cfg.rollout.num_cpus)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from rollout.window import WINDOWS
 
     cfg = args.cfg
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or run_threads(cfg)
+    if threads:
+        torch.set_num_threads(threads)
     if args.model:
         preset, overrides = args.model, ({"grid_size": args.grid_size} if args.grid_size else {})
         default_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
             for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
                 print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
             print(f"opd calibrate: {preset} batch {batch} W {W} cfg {scale != 1.0} on "
-                  f"{device}: gamma = {entry['gamma']} (Compact below {entry['gamma']} active "
+                  f"{device} ({torch.get_num_threads()} threads): gamma = {entry['gamma']} (Compact below {entry['gamma']} active "
                   f"images) -> {out}")
     return 0

@@ -72,3 +72,23 @@ def test_opd_calibrate_writes_what_training_and_evaluation_read(
     assert samples.stats["options"]["gamma"] == "auto"
     assert measured == [4, 8]                                        # nothing measured again
     assert read_calibration(path) == written                         # nor written
+
+
+@pytest.mark.parametrize("mode, threads", [("ray", 1), ("reference", 2)])
+def test_opd_calibrate_measures_at_the_threads_the_runs_rollouts_use(
+        tiny_overrides, fresh_calibration, mode, threads):
+    """A CPU table is kept per thread count: for a ray run, the rollout workers' (their CPU
+    share, rollout.num_cpus 0.5: one thread), whatever this process runs; for the reference
+    loop, this process's own (two here)."""
+    import torch
+    from launch.cli import main
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["calibrate", "--config", "tiny", *tiny_overrides, f"run.mode={mode}",
+                     "rollout.num_cpus=0.5", "--repeats", "1", "--batch", "4",
+                     "--window", "4"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    [entry] = read_calibration(fresh_calibration / "calibration.json")
+    assert entry["model"].endswith(f"-cpu-th{threads}")
