@@ -6,9 +6,9 @@ At the sample steps (100, 1,000 and the last by default) it records the resident
 of every role's process (each rollout and teacher worker, learner rank, the queue, the
 evaluation worker: Ray names their processes `ray::<Class>`), the driver's RSS (this
 process) and the bytes of the objects some process still references (`object_store`; the
-store's own bytes in use are reported as `store_in_use`, not judged: they also count
-released objects Ray has yet to delete, scripts/ray_store.py).  Growth of any of them by more than `--bound`
-(5 %) between the last two samples fails the run (exit 1), naming the role.
+store's own bytes in use are reported as `store_in_use`, not judged: they also count released
+objects Ray has yet to delete, scripts/ray_store.py).  Growth of any of them by more than
+`--bound` (5 %) between the last two samples fails the run (exit 1), naming the role.
 
     scripts/soak.sh --memory                         # the 2,000-step row (tens of minutes)
     python scripts/memory_soak.py --steps 300 --samples 50,150,300   # tests/test_memory_soak.py
@@ -130,7 +130,8 @@ def run(args) -> dict:
     prev, last = (int(x) for x in args.compare.split(",")) if args.compare else at[-2:]
     bad = growth(samples[prev], samples[last], args.bound)
     return {"steps": len(rows), "seconds": round(time.time() - start, 1), "samples": samples,
-            "store_in_use": in_use, "bound": args.bound, "compared": [prev, last], "grew": bad, "ok": not bad,
+            "store_in_use": in_use, "bound": args.bound, "compared": [prev, last], "grew": bad,
+            "ok": not bad,
             "checkpoints": len(list((work / "run" / "checkpoints").glob("step_*"))),
             "evaluations": sum(1 for _ in (work / "run" / "samples").glob("student_step_*.png"))}
 

@@ -17,7 +17,10 @@ def referenced_objects() -> dict[bytes, int]:
 
     The store's bytes in use (`store_usage`) also count objects already released, which Ray
     deletes a while later, and buffers a worker still maps after `ray.get`; those come and go
-    with timing (0.4 to 10 MiB in the memory soak, in any order between two samples)."""
+    with timing (0.4 to 10 MiB in the memory soak, in any order between two samples).
+
+    Read from the raylet's node stats, not Ray's state API (`ray.util.state.list_objects`),
+    which asks the dashboard's API server: the soaks run their Ray without a dashboard."""
     import ray
     from ray._private.internal_api import node_stats
     node = next(n for n in ray.nodes() if n["Alive"])

@@ -111,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
             for a, f, c in zip(entry["active"], entry["full_s"], entry["compact_s"]):
                 print(f"{a:>6}  {f * 1e3:>8.3f}  {c * 1e3:>10.3f}")
             print(f"opd calibrate: {preset} batch {batch} W {W} cfg {scale != 1.0} on "
-                  f"{device} ({torch.get_num_threads()} threads): gamma = {entry['gamma']} (Compact below {entry['gamma']} active "
-                  f"images) -> {out}")
+                  f"{device} ({torch.get_num_threads()} threads): gamma = {entry['gamma']} "
+                  f"(Compact below {entry['gamma']} active images) -> {out}")
     return 0
