@@ -1,7 +1,10 @@
 """`Dispatcher`: the driver's tasks in flight on the workers, and what happened to them.
 
 It hands a task to the least busy worker of its pool that is up (or keeps it waiting until one
-is), probes failed workers when they are due, and waits for answers.  A rollout call is a Ray
+is), probes failed workers when they are due, and waits for answers.  A teacher worker takes
+one scoring at a time, and the waiting ones go out lowest (step, piece) first: a step's pieces
+complete in any order, but its learner ranks train them in piece order, so a piece 0 queued
+behind the others on a teacher worker would hold the step back.  A rollout call is a Ray
 streaming generator (`num_returns="streaming"`): it answers once per piece it hands out, then
 once with its `PartReport`, and counts against its worker until then.  Each answer comes back
 as an `Answer`: done (with its small value), or the error that ended it — the worker held
@@ -46,7 +49,7 @@ class Dispatcher:
     def __init__(self, groups, max_restarts: int):
         self.max_restarts = max_restarts
         self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
-                      **{name: WorkerPool(name, actors)
+                      **{name: WorkerPool(name, actors, depth=1)      # one scoring each
                          for name, actors in groups.teacher_pools.items()}}
         self.tasks: dict[ray.ObjectRef | ray.ObjectRefGenerator, Task] = {}
         self.backlog: list[tuple[Task, object]] = []   # (task, command) waiting for a worker
@@ -79,12 +82,14 @@ class Dispatcher:
         self.backlog = [w for w in self.backlog if w[0].step != step]
 
     def waiting(self) -> list[tuple[Task, object]]:
-        """Probe the failed workers that are due; return (and clear) the commands waiting."""
+        """Probe the failed workers that are due; return (and clear) the commands waiting,
+        lowest (step, piece) first (a rollout call, which has no piece, before its step's
+        scorings)."""
         for role, pool in self.pools.items():
             for i in pool.due():
                 self.track(pool.actors[i].info.remote(), Task(TaskKind.PROBE, role, worker=i))
         waiting, self.backlog = self.backlog, []
-        return waiting
+        return sorted(waiting, key=lambda w: (w[0].step, -1 if w[0].piece is None else w[0].piece))
 
     def idle_for(self) -> float | None:
         """Seconds until the next probe is due (None: none)."""

@@ -253,8 +253,8 @@ class Pipeline:
                 continue
             if isinstance(c, Generate) and c.issue == step.issues[c.part]:
                 self._generate(step, c)
-            elif isinstance(c, Score) and step.pieces[c.piece].scoring.get(c.teacher) == c.issue:
-                self._score(step, c)
+            elif isinstance(c, Score):
+                self._execute(step, step.score_due(c.piece, c.issue, c.teacher))
         if self.elastic is not None:
             self.elastic.tick()
 

@@ -9,6 +9,10 @@ whose probes keep failing with `ActorDiedError` (its restarts used up) is "dead"
 An elastic pool also has workers being added ("starting": placed and constructing, given their
 weights before any job, up when the load answers) and workers taken out for good while idle
 ("retired").
+
+A pool with a `depth` gives a worker at most that many tasks at once; the driver keeps the
+rest and hands them out as workers free up (dispatch.py: a teacher worker takes one scoring at
+a time, so the piece the learner needs next is scored next).
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ UP, DOWN, DEAD, STARTING, RETIRED = "up", "down", "dead", "starting", "retired"
 
 
 class WorkerPool:
-    def __init__(self, role: str, actors: list, *, backoff_s: float = 0.5, died_probes: int = 3):
-        self.role, self.actors = role, actors
+    def __init__(self, role: str, actors: list, *, backoff_s: float = 0.5, died_probes: int = 3,
+                 depth: int | None = None):
+        self.role, self.actors, self.depth = role, actors, depth
         self.state = [UP] * len(actors)
         self.busy: Counter[int] = Counter()          # tasks in flight per worker
         self.probe_at: dict[int, float] = {}
@@ -69,8 +74,9 @@ class WorkerPool:
         return not self.alive()
 
     def pick(self) -> int | None:
-        """The up worker with the fewest tasks in flight (taking turns on ties), or None."""
-        up = self.up()
+        """The up worker with the fewest tasks in flight (taking turns on ties), or None; with
+        a `depth`, only a worker with fewer than `depth` tasks in flight."""
+        up = [i for i in self.up() if self.depth is None or self.busy[i] < self.depth]
         if not up:
             return None
         self._turn += 1

@@ -256,6 +256,18 @@ class Step:
         if self.scored and self.complete:
             self.times.end("teacher", time.perf_counter())
 
+    def score_due(self, piece: int, issue: int, teacher: int = 0) -> list[Command]:
+        """A scoring that waited for a free worker of `teacher`'s pool (issued for the payload
+        of issue `issue`) is due: score the piece's latest payload, or nothing when the share is
+        in, or the piece's call was issued again since (its new payload is scored when made)."""
+        ps = self.pieces[piece]
+        if ps.scoring.get(teacher) != issue:
+            return []
+        del ps.scoring[teacher]
+        if ps.delivered is not None or teacher in ps.scored or ps.made is None:
+            return []
+        return [self._score(piece, teacher)]
+
     def score_failed(self, piece: int, teacher: int = 0) -> list[Command]:
         """The worker of `teacher`'s pool scoring `piece` failed: score that share again (its
         payload lives on); the other teachers' shares stand."""

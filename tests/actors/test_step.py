@@ -120,6 +120,24 @@ def test_a_scoring_whose_payload_died_makes_the_call_again_once():
     assert t.score_lost(0, 1) == [Score(0, 2)]
 
 
+def test_a_scoring_that_waited_for_a_worker_scores_the_latest_payload_or_the_new_call_does():
+    """A teacher worker takes one scoring at a time (the others wait in the pipeline's backlog);
+    when a waiting one is due, its piece may have a newer payload, be delivered, or have lost
+    its payload to a call issued again (then the new call's piece is scored when made, not
+    dropped: before score_due, it waited for a scoring that never ran)."""
+    s = step_of()
+    s.start()
+    assert s.piece_made(0, 1, piece(0)) == [Score(0, 1)]
+    assert s.score_due(0, 1) == [Score(0, 1)]                    # due: score it
+    assert s.score_due(0, 0) == []                               # not the one pending
+    assert s.part_failed(0, 1, published=3) == [Generate(0, 2)]  # payload of issue 1 gone
+    assert s.score_due(0, 1) == []                               # nothing to score yet
+    assert s.piece_made(0, 2, piece(0, "new")) == [Score(0, 2)]  # the new call's piece is
+    s.piece_scored(0, piece(0, "new"), busy=0.1)
+    assert s.score_due(0, 2) == []                               # delivered meanwhile
+    assert s.pieces[0].delivered == piece(0, "new")
+
+
 def delivered_step(**kw) -> Step:
     s = step_of(**kw)
     s.start()

@@ -1,0 +1,38 @@
+"""The dispatcher's worker pools (actors/driver/dispatch.py, pool.py) on made-up actors: no Ray.
+
+A teacher worker takes one scoring at a time, and the scorings that wait are handed out lowest
+(step, piece) first: a step's pieces complete in any order, but its learner ranks train them
+in piece order, so piece 0 scored last would hold the whole step back."""
+from types import SimpleNamespace
+
+from actors.driver.dispatch import Dispatcher
+from actors.driver.pool import WorkerPool
+from actors.driver.step import Score
+from actors.driver.tasks import Task, TaskKind
+
+
+def test_a_pool_with_a_depth_gives_a_worker_no_more_tasks_than_that():
+    pool = WorkerPool("teacher", ["a", "b"], depth=1)
+    pool.busy[0] = 1
+    assert pool.pick() == 1
+    pool.busy[1] = 1
+    assert pool.pick() is None
+    deep = WorkerPool("rollout", ["a"])                         # no depth: always a worker
+    deep.busy[0] = 5
+    assert deep.pick() == 0
+
+
+def scoring(step: int, piece: int) -> tuple[Task, Score]:
+    return Task(TaskKind.SCORE, step=step, piece=piece, issue=1), Score(piece, 1)
+
+
+def test_waiting_scorings_go_out_lowest_step_and_piece_first():
+    groups = SimpleNamespace(rollout=[], teacher_pools={"teacher": ["t0"]})
+    d = Dispatcher(groups, max_restarts=1)
+    calls = []
+    for step, piece in ((4, 2), (4, 0), (4, 3), (3, 1), (4, 1)):   # the order pieces came out
+        task, c = scoring(step, piece)
+        d.submit(task, c, lambda actor, p=(step, piece): calls.append((actor, p)) or p)
+    assert calls == [("t0", (4, 2))]                            # the worker took the first
+    assert [(t.step, t.piece) for t, _ in d.waiting()] == [(3, 1), (4, 0), (4, 1), (4, 3)]
+    assert d.waiting() == []                                    # given back once
