@@ -285,19 +285,25 @@ class Pipeline:
         self._execute(step, step.hand_out())
 
     def _step_done(self, step: Step, results: list[LearnerResult]) -> None:
-        """The step's last piece is trained: record it, checkpoint and publish when due."""
+        """The step's last piece is trained: checkpoint and publish when due, start the steps
+        that waited for the new weights, then write the step's row (metrics.parquet and the
+        trackers take milliseconds that a strict step would otherwise wait for)."""
         done = core.step_trained(self.state, step, results, time.perf_counter(), self.cfg)
         self.planner.finish(step.step, self.state.version)
         row = self._row(step, done)
-        self.steps.record(row)
         self.nodes.stepped(step.step)
         self._hook("after_step", step=step.step, row=row)
         if self.elastic is not None:
             self.elastic.after_step(step.step, row)
-        if done.checkpoint:
-            self._save_checkpoint()
-        if done.publish:
-            self.publisher.publish(self.state.version)
+        try:
+            if done.checkpoint:
+                self._save_checkpoint()
+            if done.publish:
+                self.publisher.publish(self.state.version)
+                if not self.interrupt.pending():   # Ctrl-C: the run ends at this step
+                    self._issue()
+        finally:                                   # a learner that failed: its row is kept
+            self.steps.record(row)
         self._evaluate()
 
     def _row(self, step: Step, done: core.StepDone) -> dict:
