@@ -1,10 +1,11 @@
 """`Dispatcher`: the driver's tasks in flight on the workers, and what happened to them.
 
 It hands a task to the least busy worker of its pool that is up (or keeps it waiting until one
-is), probes failed workers when they are due, and waits for answers.  A teacher worker takes
-one scoring at a time, and the waiting ones go out lowest (step, piece) first: a step's pieces
-complete in any order, but its learner ranks train them in piece order, so a piece 0 queued
-behind the others on a teacher worker would hold the step back.  A rollout call is a Ray
+is), probes failed workers when they are due, and waits for answers.  A teacher worker holds
+at most two scorings (the one it runs and the next, so it never waits for the driver between
+two), and the waiting ones go out lowest (step, piece) first: a step's pieces complete in any
+order, but its learner ranks train them in piece order, so a piece 0 queued behind the others
+on a teacher worker would hold the step back.  A rollout call is a Ray
 streaming generator (`num_returns="streaming"`): it answers once per piece it hands out, then
 once with its `PartReport`, and counts against its worker until then.  Each answer comes back
 as an `Answer`: done (with its small value), or the error that ended it — the worker held
@@ -49,7 +50,7 @@ class Dispatcher:
     def __init__(self, groups, max_restarts: int):
         self.max_restarts = max_restarts
         self.pools = {"rollout": WorkerPool("rollout", groups.rollout),
-                      **{name: WorkerPool(name, actors, depth=1)      # one scoring each
+                      **{name: WorkerPool(name, actors, depth=2)   # running + next
                          for name, actors in groups.teacher_pools.items()}}
         self.tasks: dict[ray.ObjectRef | ray.ObjectRefGenerator, Task] = {}
         self.backlog: list[tuple[Task, object]] = []   # (task, command) waiting for a worker

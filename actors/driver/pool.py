@@ -11,8 +11,8 @@ weights before any job, up when the load answers) and workers taken out for good
 ("retired").
 
 A pool with a `depth` gives a worker at most that many tasks at once; the driver keeps the
-rest and hands them out as workers free up (dispatch.py: a teacher worker takes one scoring at
-a time, so the piece the learner needs next is scored next).
+rest and hands them out as workers free up (dispatch.py: a teacher worker holds two scorings,
+so the pieces the learner needs first are scored first).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The dispatcher's worker pools (actors/driver/dispatch.py, pool.py) on made-up actors: no Ray.
 
-A teacher worker takes one scoring at a time, and the scorings that wait are handed out lowest
-(step, piece) first: a step's pieces complete in any order, but its learner ranks train them
-in piece order, so piece 0 scored last would hold the whole step back."""
+A teacher worker holds two scorings (the one it runs and the next), and the scorings that
+wait are handed out lowest (step, piece) first: a step's pieces complete in any order, but its
+learner ranks train them in piece order, so piece 0 scored last would hold the whole step
+back."""
 from types import SimpleNamespace
 
 from actors.driver.dispatch import Dispatcher
@@ -33,6 +34,6 @@ def test_waiting_scorings_go_out_lowest_step_and_piece_first():
     for step, piece in ((4, 2), (4, 0), (4, 3), (3, 1), (4, 1)):   # the order pieces came out
         task, c = scoring(step, piece)
         d.submit(task, c, lambda actor, p=(step, piece): calls.append((actor, p)) or p)
-    assert calls == [("t0", (4, 2))]                            # the worker took the first
-    assert [(t.step, t.piece) for t, _ in d.waiting()] == [(3, 1), (4, 0), (4, 1), (4, 3)]
+    assert calls == [("t0", (4, 2)), ("t0", (4, 0))]             # the worker took two
+    assert [(t.step, t.piece) for t, _ in d.waiting()] == [(3, 1), (4, 1), (4, 3)]
     assert d.waiting() == []                                    # given back once
