@@ -11,6 +11,7 @@ worker dies, what it owns is lost; the driver makes those pieces again.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -101,15 +102,36 @@ def deliver_share(share: Share, tag: PieceTag, queue, seconds: float) -> PieceRe
                        measure=share.measure())
 
 
+KEPT_CALLS = 4
+"""How many of its last rollout calls' payloads a worker holds (`kept_payloads`)."""
+
+
+def kept_payloads() -> deque[list]:
+    """A worker's hold on the payloads its last `KEPT_CALLS` rollout calls put, one list of refs
+    per call (`hand_out(..., kept=)`).  Ray can free an object that a worker put and yielded
+    inside a streaming generator's item as soon as the worker drops its own reference, before
+    the driver that got the item has registered as a borrower (ray-project/ray#58080): the
+    scoring then fails with ReferenceCountingAssertionError and the call is made again (1-3
+    times in 40 default on-policy steps here, with no worker failing).  Held by the worker that
+    put them, they live until the calls after them, long after their scorings fetched them."""
+    return deque(maxlen=KEPT_CALLS)
+
+
 def hand_out(stream: PartStream, tags: list[PieceTag], queue, scored: bool,
-             io) -> Iterator[PieceReport | PartReport]:
+             io, kept: deque[list] | None = None) -> Iterator[PieceReport | PartReport]:
     """Run a rollout call and hand out each of its pieces as it completes (`tags`: the part's
     pieces, in order): put whole for a teacher to score (`scored`), else delivered into `queue`;
-    then the call's `PartReport`.  Bytes put are counted by `io` (IOCounter)."""
+    then the call's `PartReport`.  Bytes put are counted by `io` (IOCounter); the payloads put
+    are held in `kept` (`kept_payloads`) by a worker that yields them."""
     rows = tokens = 0
+    refs: list = []
+    if kept is not None:
+        kept.append(refs)
     for piece in stream:
         tag = tags[piece.index]
         made = put_payload(piece.batch, tag.piece) if scored else deliver(piece.batch, tag, queue)
+        if made.payload is not None:
+            refs.append(made.payload)
         io.put(made.nbytes)
         rows, tokens = rows + made.rows, tokens + made.generated_tokens
         yield made

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from actors.transport.delivery import PartReport, PieceReport, PieceTag, hand_out
+from actors.transport.delivery import PartReport, PieceReport, PieceTag, hand_out, kept_payloads
 from actors.transport.weights import BroadcastGroup, Bucket
 from actors.workers.base import Worker
 from opd.models import precision
@@ -43,6 +43,7 @@ class RolloutWorker(Worker):
         self.model = precision.to_role(create_model(self.cfg.model.student, **model_overrides(self.cfg)),
                                        self.cfg, "rollout", self.device)
         self.engine = build_engine(self.cfg)
+        self.kept = kept_payloads()           # what its calls put, held: delivery.py
         self.broadcast: tuple[BroadcastGroup, list[Bucket]] | None = None
         # gamma=auto: every sub-batch size of the run, measured once by the first worker
         prepare_calibration(self.model, self.cfg, rollout_batch_sizes(self.cfg))
@@ -76,7 +77,7 @@ class RolloutWorker(Worker):
         self.io.received(job)
         stream = PartStream(self.model, self.engine, job, self.cfg, version,
                             [t.rows for t in tags])
-        for made in hand_out(stream, tags, queue, scored, self.io):
+        for made in hand_out(stream, tags, queue, scored, self.io, self.kept):
             if isinstance(made, PartReport):
                 self._report(made, job_tokens(job))
             yield made

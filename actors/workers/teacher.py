@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 
 from actors.transport.delivery import (PartReport, PieceReport, PieceTag, deliver, deliver_share,
-                                       hand_out)
+                                       hand_out, kept_payloads)
 from actors.ray_metrics import RoleMetrics
 from actors.workers.base import Worker, actor_name
 from actors.workers.heap import release_free_heap
@@ -38,6 +38,7 @@ class TeacherWorker(Worker):
         self.model = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
                                        self.cfg, "teacher", self.device)
         self.engine = build_engine(self.cfg)
+        self.kept = kept_payloads()           # what its rollout calls put: delivery.py
 
     @property
     def name(self) -> str:
@@ -76,7 +77,7 @@ class TeacherWorker(Worker):
         self.version = version
         self.io.received(job)
         stream = PartStream(self.model, self.engine, job, self.cfg, version, [t.rows for t in tags])
-        for made in hand_out(stream, tags, queue, scored, self.io):
+        for made in hand_out(stream, tags, queue, scored, self.io, self.kept):
             if isinstance(made, PartReport):
                 seconds, tokens = made.seconds, job_tokens(job)
                 self.metrics.report(rollout_seconds=seconds, rollout_tokens=tokens,

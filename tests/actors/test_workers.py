@@ -58,6 +58,23 @@ def test_rollout_worker_generates_only_the_version_it_holds(setup, ray_session):
         next(worker.generate(job, 4, tags, None, True))
 
 
+def test_a_rollout_worker_holds_what_its_last_calls_put(setup):
+    """The payloads a call yields stay referenced by the worker that put them for its next
+    KEPT_CALLS - 1 calls (Ray can free an object yielded inside a streaming generator's item
+    before the driver has registered as its borrower: actors/transport/delivery.py)."""
+    from actors.transport.delivery import KEPT_CALLS, PieceTag
+    cfg, job, student = setup
+    worker = RolloutWorker(cfg, 0)
+    worker.load_weights(3, tag_weights(state_dict_to_numpy(student), 3))
+    tags = [PieceTag(0, 0, p, ((0, 2),), 3) for p in (0, 1)]
+    calls = []
+    for _ in range(KEPT_CALLS + 1):
+        *pieces, _end = worker.generate(job, 3, tags, None, True)
+        calls.append([p.payload for p in pieces])
+    assert [len(c) for c in calls] == [2] * (KEPT_CALLS + 1)
+    assert list(worker.kept) == calls[1:]                      # the oldest call's let go
+
+
 def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     """A piece of 4 rows over 2 learner ranks: scored and cut, rank 0 gets its rows 0-1, rank 1
     rows 2-3, each exactly what opd.distill.steps.score gives for those rows, and the report's
