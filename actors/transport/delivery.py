@@ -111,8 +111,8 @@ def kept_payloads() -> deque[list]:
     per call (`hand_out(..., kept=)`).  Ray can free an object that a worker put and yielded
     inside a streaming generator's item as soon as the worker drops its own reference, before
     the driver that got the item has registered as a borrower (ray-project/ray#58080): the
-    scoring then fails with ReferenceCountingAssertionError and the call is made again (1-3
-    times in 40 default on-policy steps here, with no worker failing).  Held by the worker that
+    scoring then fails with ReferenceCountingAssertionError and the call is made again (in 7
+    of 24 runs of 40 on-policy steps here, with no worker failing; docs/RELIABILITY.md).  Held by the worker that
     put them, they live until the calls after them, long after their scorings fetched them."""
     return deque(maxlen=KEPT_CALLS)
 
