@@ -5,9 +5,9 @@ is), probes failed workers when they are due, and waits for answers.  A teacher 
 at most two scorings (the one it runs and the next, so it never waits for the driver between
 two), and the waiting ones go out lowest (step, piece) first: a step's pieces complete in any
 order, but its learner ranks train them in piece order, so a piece 0 queued behind the others
-on a teacher worker would hold the step back.  A rollout call is a Ray
-streaming generator (`num_returns="streaming"`): it answers once per piece it hands out, then
-once with its `PartReport`, and counts against its worker until then.  Each answer comes back
+on a teacher worker would hold the step back.  A rollout call is a Ray streaming generator
+(`num_returns="streaming"`): it answers once per piece it hands out, then once with its
+`PartReport`, and counts against its worker until then.  Each answer comes back
 as an `Answer`: done (with its small value), or the error that ended it — the worker held
 other weights (`StaleWeightsError`), the worker failed (`RayActorError`: Ray restarts it; the
 pool takes it out until a probe answers), or a payload its task needed was lost with the worker

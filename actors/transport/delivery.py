@@ -112,8 +112,9 @@ def kept_payloads() -> deque[list]:
     inside a streaming generator's item as soon as the worker drops its own reference, before
     the driver that got the item has registered as a borrower (ray-project/ray#58080): the
     scoring then fails with ReferenceCountingAssertionError and the call is made again (in 7
-    of 24 runs of 40 on-policy steps here, with no worker failing; docs/RELIABILITY.md).  Held by the worker that
-    put them, they live until the calls after them, long after their scorings fetched them."""
+    of 24 runs of 40 on-policy steps here, with no worker failing; docs/RELIABILITY.md).  Held
+    by the worker that put them, they live until the calls after them, long after their
+    scorings fetched them."""
     return deque(maxlen=KEPT_CALLS)
 
 

@@ -121,7 +121,7 @@ def test_a_scoring_whose_payload_died_makes_the_call_again_once():
 
 
 def test_a_scoring_that_waited_for_a_worker_scores_the_latest_payload_or_the_new_call_does():
-    """A teacher worker takes one scoring at a time (the others wait in the pipeline's backlog);
+    """A teacher worker holds at most two scorings (the others wait in the pipeline's backlog);
     when a waiting one is due, its piece may have a newer payload, be delivered, or have lost
     its payload to a call issued again (then the new call's piece is scored when made, not
     dropped: before score_due, it waited for a scoring that never ran)."""
