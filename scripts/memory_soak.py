@@ -96,12 +96,17 @@ def overrides(args, data_dir: str) -> list[str]:
 
 
 def run(args) -> dict:
+    """The soak in a temporary directory (data and run), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="opd-memory-soak-") as work:
+        return soak(args, Path(work))
+
+
+def soak(args, work: Path) -> dict:
     import ray
     from actors.driver.pipeline import run_distributed
     from opd.config.schema import load_config
     from opd.data import prepare_digits
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    work = Path(tempfile.mkdtemp(prefix="opd-memory-soak-"))
     prepare_digits(work / "digits")
     cfg = load_config("tiny", overrides(args, str(work / "digits")))
     at = sorted(int(s) for s in args.samples.split(","))
