@@ -193,12 +193,16 @@ class StudentLearner(Worker):
         if not last:
             a.busy += time.perf_counter() - fetched
             return PieceAnswer(self.rank, piece)
-        if not prefetch and ray.get(self.queue.take.remote(step, version, self.rank)) is None:
-            raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
-                               f"not sealed in the queue after its last piece")
+        # the step leaves the queue; asked before the update and read after it, so the queue's
+        # answer (a round trip, 4 ms here) is not on a strict step's critical path.  A step
+        # that is not there fails this call, which ends the run (the update is never published).
+        taken = None if prefetch else self.queue.take.remote(step, version, self.rank)
         norm = optimizer_step(self.ds_engine, self.ds_engine.optimizer,    # clips, ZeRO 0-3
                               grad_clip=self.cfg.learner.grad_clip,
                               lr=learning_rate(self.cfg, self.steps))
+        if taken is not None and ray.get(taken) is None:
+            raise RuntimeError(f"learner rank {self.rank}: step {step} at version {version} is "
+                               f"not sealed in the queue after its last piece")
         self.steps += 1
         self.accum = None
         now = time.perf_counter()
