@@ -194,7 +194,7 @@ class StudentLearner(Worker):
             a.busy += time.perf_counter() - fetched
             return PieceAnswer(self.rank, piece)
         # the step leaves the queue; asked before the update and read after it, so the queue's
-        # answer (a round trip, 4 ms here) is not on a strict step's critical path.  A step
+        # answer (a round trip, 3-4 ms here) is not on a strict step's critical path.  A step
         # that is not there fails this call, which ends the run (the update is never published).
         taken = None if prefetch else self.queue.take.remote(step, version, self.rank)
         norm = optimizer_step(self.ds_engine, self.ds_engine.optimizer,    # clips, ZeRO 0-3
