@@ -257,13 +257,22 @@ def job(address: str, submission_id: str) -> dict:
 
 
 def submit(address: str, env: dict, submission_id: str, *argv: str, cache: str) -> None:
+    """`ray job submit --no-wait`.  The job server answers 500 "No available agent to submit job,
+    please try again later" while the head node's dashboard agent has not registered (it waits
+    10 s for it; a loaded machine takes longer): that answer is retried, as it asks, for 3 min."""
     runtime_env = {"env_vars": {"OPD_CACHE": cache, "OMP_NUM_THREADS": "1"}}
-    proc = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--no-wait",
-                           "--submission-id", submission_id, "--working-dir", str(ROOT),
-                           "--runtime-env-json", json.dumps(runtime_env), "--", *argv],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        raise RuntimeError(f"ray job submit failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    deadline = time.time() + 180
+    while True:
+        proc = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address,
+                               "--no-wait", "--submission-id", submission_id,
+                               "--working-dir", str(ROOT),
+                               "--runtime-env-json", json.dumps(runtime_env), "--", *argv],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if not proc.returncode:
+            return
+        if "No available agent" not in proc.stdout + proc.stderr or time.time() > deadline:
+            raise RuntimeError(f"ray job submit failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        time.sleep(2)
 
 
 def rows_done(run_dir: Path) -> int:

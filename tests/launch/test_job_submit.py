@@ -97,8 +97,13 @@ def submit(head, env: dict, *entrypoint: str, runtime_env: dict | None = None,
             "--working-dir", str(ROOT), *options]
     if runtime_env:
         argv += ["--runtime-env-json", json.dumps(runtime_env)]
-    return subprocess.run([*argv, "--", *entrypoint], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    deadline = time.time() + 180
+    while True:   # "No available agent ... try again later": the head's agent not registered yet
+        proc = subprocess.run([*argv, "--", *entrypoint], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        if "No available agent" not in proc.stdout + proc.stderr or time.time() > deadline:
+            return proc
+        time.sleep(2)
 
 
 @pytest.mark.slow   # a job that trains on the cluster: test_ray_job_stop_with_sigint_...; to the end on
