@@ -256,23 +256,29 @@ def job(address: str, submission_id: str) -> dict:
         return json.loads(r.read())
 
 
-def submit(address: str, env: dict, submission_id: str, *argv: str, cache: str) -> None:
-    """`ray job submit --no-wait`.  The job server answers 500 "No available agent to submit job,
-    please try again later" while the head node's dashboard agent has not registered (it waits
-    10 s for it; a loaded machine takes longer): that answer is retried, as it asks, for 3 min."""
-    runtime_env = {"env_vars": {"OPD_CACHE": cache, "OMP_NUM_THREADS": "1"}}
+def ray_job_submit(argv: list[str], **run) -> subprocess.CompletedProcess:
+    """`ray job submit ARGV` (subprocess.run(..., **run), text output captured).  The job server
+    answers 500 "No available agent to submit job, please try again later" while the head node's
+    dashboard agent has not registered (it waits 10 s for it; a loaded machine takes longer):
+    that answer is retried, as it asks, for 3 min.  Other answers are returned as they are."""
     deadline = time.time() + 180
     while True:
-        proc = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address,
-                               "--no-wait", "--submission-id", submission_id,
-                               "--working-dir", str(ROOT),
-                               "--runtime-env-json", json.dumps(runtime_env), "--", *argv],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        if not proc.returncode:
-            return
-        if "No available agent" not in proc.stdout + proc.stderr or time.time() > deadline:
-            raise RuntimeError(f"ray job submit failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        proc = subprocess.run([str(BIN / "ray"), "job", "submit", *argv], capture_output=True,
+                              text=True, **run)
+        if (not proc.returncode or "No available agent" not in proc.stdout + proc.stderr
+                or time.time() > deadline):
+            return proc
         time.sleep(2)
+
+
+def submit(address: str, env: dict, submission_id: str, *argv: str, cache: str) -> None:
+    runtime_env = {"env_vars": {"OPD_CACHE": cache, "OMP_NUM_THREADS": "1"}}
+    proc = ray_job_submit(["--address", address, "--no-wait", "--submission-id", submission_id,
+                           "--working-dir", str(ROOT), "--runtime-env-json",
+                           json.dumps(runtime_env), "--", *argv],
+                          cwd=ROOT, env=env, timeout=300)
+    if proc.returncode:
+        raise RuntimeError(f"ray job submit failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
 def rows_done(run_dir: Path) -> int:

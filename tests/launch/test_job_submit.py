@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from opd.run.metrics_log import read_metrics
+from scripts.node_loss import ray_job_submit
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -93,17 +94,10 @@ def head():
 
 def submit(head, env: dict, *entrypoint: str, runtime_env: dict | None = None,
            options: tuple[str, ...] = ()):
-    argv = [str(BIN / "ray"), "job", "submit", "--address", head["address"],
-            "--working-dir", str(ROOT), *options]
+    argv = ["--address", head["address"], "--working-dir", str(ROOT), *options]
     if runtime_env:
         argv += ["--runtime-env-json", json.dumps(runtime_env)]
-    deadline = time.time() + 180
-    while True:   # "No available agent ... try again later": the head's agent not registered yet
-        proc = subprocess.run([*argv, "--", *entrypoint], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=600)
-        if "No available agent" not in proc.stdout + proc.stderr or time.time() > deadline:
-            return proc
-        time.sleep(2)
+    return ray_job_submit([*argv, "--", *entrypoint], cwd=ROOT, env=env, timeout=600)
 
 
 @pytest.mark.slow   # a job that trains on the cluster: test_ray_job_stop_with_sigint_...; to the end on
