@@ -36,7 +36,7 @@ from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_upda
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
 from rollout.stats import RoundLog
-from rollout.window import WINDOWS, Acceptance, AcceptanceCounts, CostTable, WindowPolicy
+from rollout.window import WINDOWS, WindowPolicy
 
 
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
@@ -46,9 +46,10 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     plan: the call's constants (`JacobiEngine.plan`).  gamma: Compact execution when fewer than gamma rows are active
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
-    eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py): each
-    round's window and execution are `policy.choose`'s, gamma unused; plan_for(W) -> the call's
-    Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
+    eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py, started for
+    this call): each round's window and execution are `policy.choose`'s, gamma unused, and each
+    round's committed tokens and wall seconds go back to `policy.observe`; plan_for(W) -> the
+    call's Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
     round, after its one device sync (the active count, with the policy's acceptance counts):
@@ -71,12 +72,16 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     compiled = full is not None
     if compiled:
         st = hold(st)
-    seen = None if policy is None else AcceptanceCounts(policy.largest - 1, dev)
     full, compact = full or full_round, compact or compact_round
     handed, n_handed = torch.zeros(R, dtype=torch.bool, device=dev), 0   # rows handed out
+    counts = started = None              # the last round's counts and start (policy only)
     while True:
         live = st.cur < T
-        A, acceptance = (int(live.sum()), None) if seen is None else seen.read(live)  # sync
+        if started is None:
+            A = int(live.sum())                                                    # sync
+        else:       # the round's committed tokens ride the same sync, then its seconds
+            A, tokens = torch.stack([live.sum(), counts[0].sum()]).tolist()
+            policy.observe(tokens, time.perf_counter() - started)
         # 0. hand out the images the last round completed
         if R - A > n_handed:
             paused = time.perf_counter()
@@ -93,8 +98,10 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if A == 0:
             break
         # 2. Full or Compact, and the window
-        is_compact, st, plan = execution(A, gamma, acceptance, policy, st, plan,
-                                         plan_for, hold if compiled else None)
+        if policy is not None:
+            started = time.perf_counter()
+        is_compact, st, plan = execution(A, gamma, policy, st, plan, plan_for,
+                                         hold if compiled else None)
         # 3. the round
         if is_compact:
             idx = compact_rows(live, A, R, compiled)
@@ -102,24 +109,20 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         else:
             idx, counts = None, full(model, st, req, plan)
         # 4. tally
-        if seen is not None:
-            seen.add(counts, plan.W, acceptance)
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 
 
-def execution(active: int, gamma: int, acceptance: Acceptance | None,
-              policy: WindowPolicy | None, st: JacobiState, plan: Plan, plan_for,
-              hold) -> tuple[bool, JacobiState, Plan]:
+def execution(active: int, gamma: int, policy: WindowPolicy | None, st: JacobiState,
+              plan: Plan, plan_for, hold) -> tuple[bool, JacobiState, Plan]:
     """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
-    (W "auto") `policy.choose`'s window and mode for the active count and this rollout's
-    acceptance counts, `st` re-windowed to it (and held again when hold is given: compiled
-    rounds)."""
+    (W "auto") `policy.choose`'s window and mode for the active count, `st` re-windowed to it
+    (and held again when hold is given: compiled rounds)."""
     if policy is None:
         return active < gamma, st, plan
-    W, compact = policy.choose(active, acceptance)
+    W, compact = policy.choose(active)
     if W != plan.W:
         st = rewindow(st, plan, plan_for(W))
         plan = plan_for(W)
@@ -319,48 +322,29 @@ class HBSJD(JacobiEngine):
     def __init__(self, **options):
         super().__init__(**options)
         self._auto: dict[tuple, int] = {}
-        self._tables: dict[tuple, CostTable] = {}
+        self._policies: dict[tuple, WindowPolicy] = {}
 
     def policy(self, model, req: Request) -> WindowPolicy:
-        """window "auto" (rollout/window.py): the windows of `WINDOWS` a call of N new tokens can
-        use, the modes option execution allows (hybrid: both, chosen per round; gamma is not
-        used), candidate drafting's extra columns, and the cost table (`cost_table`)."""
+        """window "auto" (rollout/window.py): this engine's policy for (this model, req.rows,
+        CFG, decoding), kept across calls so that it learns from every rollout, started with
+        the windows of `WINDOWS` a call of N new tokens can use; its modes are what option
+        execution allows (hybrid: both, chosen per round; gamma is not used)."""
+        from rollout.calibrate import model_signature
         o, R = self.options, req.rows
-        windows = tuple(sorted({max(1, min(W, req.num_new - 1)) for W in WINDOWS}))
-        modes = {"full": ("full",), "compact": ("compact",)}.get(o["execution"],
-                                                                 ("full", "compact"))
-        K = min(o.get("candidates", 0), model.vocab_size)
-        extra = (K - 1) * (o.get("branch") or 1) if K >= 2 else 0
-        return WindowPolicy(self.cost_table(model, req), windows, modes, extra,
-                            (lambda a: bucket(a, R)) if self.compiles else None)
-
-    def cost_table(self, model, req: Request) -> CostTable:
-        """Option costs (a `CostTable`: fixture tables in tests), else the calibration file's
-        entries of (this model, req.rows, each W of `WINDOWS`, CFG) -- the ones gamma is
-        chosen from, with their round overheads of req's decoding; with calibrate_missing=True
-        the missing ones are measured here, once, under the file's lock, else ValueError saying
-        how to make them."""
-        if self.options["costs"] is not None:
-            return self.options["costs"]
-        from rollout.calibrate import ensure_calibrations, find_entry, model_signature
-        key = (model_signature(model), req.rows, req.cfg, req.decoding)
-        if key not in self._tables:
-            path = calibration_path(self.options)
-            found = {W: find_entry(path, model, req.rows, W, req.cfg) for W in WINDOWS}
-            missing = [W for W, e in found.items()
-                       if e is None or req.decoding not in e.get("overhead_s", {})]
-            if missing:
-                if not self.options["calibrate_missing"]:
-                    raise ValueError(
-                        f"window='auto': calibration file {path} has no round costs for model "
-                        f"{key[0]} at batch={req.rows} W={missing} cfg={req.cfg}; run `opd "
-                        f"calibrate --model PRESET --batch {req.rows} --window auto"
-                        f"{' --cfg-scale 2.0' if req.cfg else ''}`")
-                found = {W: e for (_, W), e in ensure_calibrations(       # interleaved
-                    model, [req.rows], WINDOWS, cfg=req.cfg, path=path,
-                    need=("overhead_s",)).items()}
-            self._tables[key] = CostTable.from_entries(found, req.decoding)
-        return self._tables[key]
+        key = (model_signature(model), R, req.cfg, req.decoding)
+        if key not in self._policies:
+            modes = {"full": ("full",), "compact": ("compact",)}.get(o["execution"],
+                                                                     ("full", "compact"))
+            self._policies[key] = WindowPolicy(modes, R,
+                                               (lambda a: bucket(a, R)) if self.compiles else None)
+        policy = self._policies[key]
+        windows = sorted({max(1, min(W, req.num_new - 1)) for W in WINDOWS})
+        if req.speculative and len(windows) > 1:
+            # W 1 rounds between wider ones break speculative sampling's distribution
+            # (tests/rollout/test_window.py, the strict xfail): no W 1 with that decoding.
+            windows = windows[1:]
+        policy.start(windows)
+        return policy
 
     def gamma(self, model, req: Request) -> int:
         execution, g = self.options["execution"], self.options["gamma"]

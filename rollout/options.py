@@ -28,7 +28,7 @@ _JACOBI = dict(window=16, history_offset=None, decoding="greedy", refresh="coupl
 
 ENGINE_OPTIONS: dict[str, dict] = {
     "hbsjd": dict(_JACOBI, execution="hybrid", gamma=None, calibration=None,
-                  calibrate_missing=False, candidates=0, branch=None, costs=None),
+                  calibrate_missing=False, candidates=0, branch=None),
     "cached_ar": dict(decoding="greedy"),
     "sjd_sync": dict(_JACOBI),
     "sjd_independent": dict(_JACOBI, candidates=0, branch=None),

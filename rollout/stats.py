@@ -94,7 +94,7 @@ class RolloutResult:
     def summary(self) -> dict:
         """Plain-Python statistics (JSON-serialisable)."""
         return {
-            "engine": self.engine, **{k: v for k, v in self.options.items() if k != "costs"},
+            "engine": self.engine, **self.options,
             "batch": int(self.tokens.shape[0]), "prefix_len": self.prefix_len,
             "new_tokens": self.num_new_tokens, "rounds": self.rounds,
             "image_rounds": self.image_rounds.tolist(),

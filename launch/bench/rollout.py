@@ -25,8 +25,9 @@ A preset (configs/bench/*.yaml) names a model and the grid to sweep:
 Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up round, then
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
 rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
-images admitted into freed rows, tokens per image-round, latency mean and P95, its ratio to
-Cached AR's (time/AR) and the speedup over Cached AR with the same decoding and batch, and
+images admitted into freed rows, tokens per image-round, latency mean, median and P95, the
+median's ratio to Cached AR's (time/AR) and the speedup over Cached AR with the same decoding
+and batch (medians: a W "auto" engine learns over its calls, the first ones explore), and
 (greedy, sample) whether the tokens equal Cached AR's.
 Jacobi rows also report one round's cost from one more rollout of the same images with Full
 execution (`rollout.roundcost`): the aten operators the verification step calls per round and
@@ -48,7 +49,7 @@ from launch.bench import common
 from launch.bench.common import DTYPES
 from opd.config.loader import ConfigError, bounded, strict_schema
 from rollout import make_engine
-from rollout.calibrate import ensure_calibration, ensure_calibrations
+from rollout.calibrate import ensure_calibration
 from rollout.options import DECODINGS
 from rollout.roundcost import round_costs
 from rollout.window import WINDOWS
@@ -221,9 +222,6 @@ def run_bench(b: RolloutBench, log=print) -> dict:
     for B in b.batch_sizes:
         gammas = {}
         R = B if b.slots is None else min(b.slots, B)             # physical rows
-        if "auto" in b.windows:                 # the policy's cost table, every W it chooses
-            ensure_calibrations(model, [R], WINDOWS, cfg=cfg_on, preset=b.model,
-                                repeats=b.calibration_repeats, need=("overhead_s",))
         for W in (W for W in b.windows if W != "auto"):
             e = ensure_calibration(model, [R], W, cfg=cfg_on, preset=b.model,
                                    repeats=b.calibration_repeats)[R]
@@ -244,7 +242,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                                     b.repeats, b.warmup)
         times = [[t for t, _ in s] for s in samples]
         last = [s[-1][1] for s in samples]
-        base = {d: (np.mean(times[i]), last[i].tokens, last[i].rounds) for i, (lab, d, _, _) in
+        base = {d: (np.median(times[i]), last[i].tokens, last[i].rounds) for i, (lab, d, _, _) in
                 enumerate(configs) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = last[i], np.asarray(times[i])
@@ -264,9 +262,10 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "longest_single_run": int(res.longest_single_run.max()),
                 "mean_committed": round(res.mean_committed, 3),
                 "latency_ms": float(t.mean() * 1e3),
+                "median_ms": float(np.median(t) * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
-                "time_ratio": float(t.mean() / base[d][0]),
-                "speedup": float(base[d][0] / t.mean()),
+                "time_ratio": float(np.median(t) / base[d][0]),
+                "speedup": float(base[d][0] / np.median(t)),
                 "equal_ar": (bool(torch.equal(res.tokens, base[d][1]))
                              if d != "speculative" else None),
                 "compact_rounds": sum(m == "compact" for m in res.modes),
@@ -305,7 +304,8 @@ COLUMNS = [("batch", "B", "{}"), ("engine", "engine", "{}"), ("verification", "v
            ("gamma", "γ", "{}"), ("slots", "slots", "{}"), ("rounds", "rounds", "{}"),
            ("round_ratio", "rnd/AR", "{:.3f}"), ("prefills", "prefills", "{}"),
            ("longest_single_run", "stall", "{}"), ("mean_committed", "tok/rnd", "{:.2f}"),
-           ("latency_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
+           ("latency_ms", "mean ms", "{:.1f}"), ("median_ms", "median ms", "{:.1f}"),
+           ("p95_ms", "P95 ms", "{:.1f}"),
            ("time_ratio", "time/AR", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"), ("equal_ar", "=AR", "{}"),
            ("verify_ops", "ops/rnd", "{}"), ("forward_ms", "fwd ms/rnd", "{:.2f}"),
            ("verify_ms", "verify ms/rnd", "{:.2f}"), ("windows", "windows W:rounds", "{}")]

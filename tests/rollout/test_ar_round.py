@@ -83,10 +83,10 @@ def test_a_fixed_window_of_one_gives_cached_ar_tokens(tiny, batch, cfg):
         assert res.accepted.sum() == 0 and res.rejected.sum() == 0
 
 
-def one_three(policy, active, acceptance, *rest):
+def one_three(policy, active):
     """A schedule of the round index only (lossless): W 1, 3, 1, 3, ... in Compact rounds,
     so every window of 3 follows ar_round's rounds."""
-    return (1 if acceptance.rounds % 2 == 0 else 3), True
+    return (1 if policy.round % 2 == 1 else 3), True
 
 
 def stale_proposals(st, old, new):

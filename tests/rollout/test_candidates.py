@@ -6,7 +6,7 @@ import torch
 
 from rollout import make_engine
 from rollout.candidates import candidates, choose_path, make_tree, moves
-from tests.rollout.tables import cost_table
+from tests.rollout.schedules import graded, steer, switching
 
 T = 16  # GPT-tiny: grid 4, vocab 11
 
@@ -107,15 +107,12 @@ def test_candidates_under_the_window_policy_return_cached_ar_tokens(tiny, batch,
     model = tiny(2)
     labels, prefix = batch(model, 8, 0, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T, cfg_scale=cfg)
-    R = slots or 8
-    tables = (cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W),
-              cost_table(R, lambda c, rows, W: rows / R * (1 + 0.1 * W) if c
-                                      else 1.0 + 0.1 * W))
     narrower = set()
-    for table in tables:
+    for schedule in (switching, graded):
         for K, L in ((3, 2), (5, 3)):
-            res = make_engine("hbsjd", window="auto", costs=table, candidates=K, branch=L).generate(
-                model, labels, prefix, T, cfg_scale=cfg, slots=slots)
+            with steer(schedule):
+                res = make_engine("hbsjd", window="auto", candidates=K, branch=L).generate(
+                    model, labels, prefix, T, cfg_scale=cfg, slots=slots)
             assert torch.equal(res.tokens, ref.tokens), (K, L)
             assert res.committed.sum(0).tolist() == [T] * 8
             narrower |= {W for W in res.windows[1:] if 2 <= W < T - 1}

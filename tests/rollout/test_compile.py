@@ -48,16 +48,6 @@ def test_compiled_rounds_give_the_eager_tokens(tiny, batch, name, opts, decoding
     assert not any(layer.attention.static for layer in model.layers)
 
 
-def bucket_blind_table(R: int):
-    """Costs that grow with W; Compact costs half of Full below 3 active rows, twice from 3
-    on.  Compiled Compact rounds are costed at their bucket (`hbsjd.bucket`: 3 of 4 rows ->
-    4), eager ones at the active count; at every count this table chooses the same either
-    way, so eager and compiled runs take the same windows and modes."""
-    from tests.rollout.tables import cost_table
-    return cost_table(R, lambda compact, rows, W: (1.0 + 0.1 * W) * (
-        (0.5 if rows < 3 else 2.0) if compact else 1.0))
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_compiled_window_policy_gives_the_eager_tokens(tiny, batch, decoding, backend):
@@ -65,18 +55,21 @@ def test_compiled_window_policy_gives_the_eager_tokens(tiny, batch, decoding, ba
     through 4 slots with CFG: the window changes between rounds and each window's state lives
     in its own held buffers (re-windowing leaves the old window's as they were,
     `jacobi.rewindow`); tokens, log-probs, round statistics and windows equal the eager
-    W "auto" run's, in two calls; greedy and sample: Cached AR's."""
+    W "auto" run's under the same schedule (tests/rollout/schedules.py), in two calls; greedy
+    and sample: Cached AR's."""
+    from tests.rollout.schedules import graded, steer
     model = tiny(4, vocab_size=5, grid_size=4)
     labels, prefix = batch(model, 7, 2, seed=5)
     kw = dict(cfg_scale=2.0, seed=3, slots=4)
-    opts = dict(window="auto", costs=bucket_blind_table(4), decoding=decoding)
-    eager = make_engine("hbsjd", **opts).generate(model, labels, prefix, 14, **kw)
-    assert len(set(eager.windows[1:])) >= 2 and set(eager.modes[1:]) == {"full", "compact"}
-    engine = make_engine("hbsjd", compile=backend, **opts)
-    for _ in range(2):            # the second call reuses the graphs and the state buffers
-        res = engine.generate(model, labels, prefix, 14, **kw)
-        _same(res, eager)
-        assert res.windows == eager.windows
+    opts = dict(window="auto", decoding=decoding)
+    with steer(graded):
+        eager = make_engine("hbsjd", **opts).generate(model, labels, prefix, 14, **kw)
+        assert len(set(eager.windows[1:])) >= 2 and set(eager.modes[1:]) == {"full", "compact"}
+        engine = make_engine("hbsjd", compile=backend, **opts)
+        for _ in range(2):        # the second call reuses the graphs and the state buffers
+            res = engine.generate(model, labels, prefix, 14, **kw)
+            _same(res, eager)
+            assert res.windows == eager.windows
     if decoding != "speculative":            # one token per key: Cached AR's
         ar = make_engine("cached_ar", decoding=decoding).generate(model, labels, prefix, 14, **kw)
         assert torch.equal(eager.tokens, ar.tokens)

@@ -1,5 +1,7 @@
 """Invariant 1: greedy SJD is lossless — every engine, execution mode, gamma, W and H returns
 exactly Cached AR's greedy tokens, for any batch size, prefix length and CFG scale."""
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -90,17 +92,17 @@ def test_model_in_train_mode_is_rolled_out_without_label_dropout(tiny, batch):
 @pytest.mark.parametrize("P", [0, 5, T - 1])
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_the_window_policy_returns_cached_ar_tokens(tiny, batch, B, P, cfg):
-    """W="auto" (rollout/window.py) with fixture cost tables under which W and Full / Compact
-    change between rounds (tests/rollout/test_window.py has the policy's own tests)."""
-    from tests.rollout.tables import cost_table
+    """W="auto" (rollout/window.py): the measured policy, and two schedules under which W and
+    Full / Compact change between rounds (tests/rollout/schedules.py; tests/rollout/
+    test_window.py has the policy's own tests)."""
+    from tests.rollout.schedules import graded, steer, switching
     model = tiny(2)
     labels, prefix = batch(model, B, P, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T - P, cfg_scale=cfg)
-    tables = [cost_table(B, lambda c, rows, W: rows * W / B if c else 1.0),
-              cost_table(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
-    for costs in tables:
+    for schedule in (None, switching, graded):
         for execution in ("full", "compact", "hybrid"):
-            res = make_engine("hbsjd", window="auto", costs=costs, execution=execution).generate(
-                model, labels, prefix, T - P, cfg_scale=cfg)
-            assert torch.equal(res.tokens, ref.tokens), (costs, execution)
+            with steer(schedule) if schedule else nullcontext():
+                res = make_engine("hbsjd", window="auto", execution=execution).generate(
+                    model, labels, prefix, T - P, cfg_scale=cfg)
+            assert torch.equal(res.tokens, ref.tokens), (schedule, execution)
             assert res.committed.sum(0).tolist() == [T - P] * B

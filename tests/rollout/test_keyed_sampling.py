@@ -1,8 +1,8 @@
 """Invariant 3, one seed one sample: with decoding "sample" (the keyed Gumbel-max rule,
 rollout/sampling.py `perturb`) a token is a function of its position's distribution and the
 noise of (seed, image id, position), so every engine commits Cached AR's tokens: SJD (batch
-minimum), Independent and HB-SJD at windows 1, 2, 4, 8 and 16 and W "auto" under two cost
-tables, Full, Compact and Hybrid execution, batches and slot counts, candidate drafting,
+minimum), Independent and HB-SJD at windows 1, 2, 4, 8 and 16 and W "auto" (measured, and
+under two schedules that switch W and the mode between rounds), Full, Compact and Hybrid execution, batches and slot counts, candidate drafting,
 CFG, temperature, top-k and top-p, compiled and eager.  Equality, not statistics; the
 statistics (exact enumeration, as in tests/rollout/test_distribution.py) show that those
 tokens follow the model's distribution.  Noise keyed by the round, or by the column of the
@@ -16,8 +16,7 @@ import rollout.jacobi
 import rollout.sampling
 from rollout import make_engine
 from rollout.sampling import splitmix64
-from rollout.window import CostTable
-from tests.rollout.tables import cost_table
+from tests.rollout.schedules import graded, steer, switching
 from tests.rollout.test_distribution import (GRID, SAMPLES, chi2_pvalue, exact_distribution,
                                              peaked_model, sample_counts)
 
@@ -29,21 +28,15 @@ SAMPLING = [dict(cfg_scale=None), dict(cfg_scale=2.0, temperature=0.8, top_k=4),
             dict(cfg_scale=1.5, temperature=1.3, top_p=0.8)]
 
 
-def tables(B: int) -> list[CostTable]:
-    """Two cost tables under which W and Full / Compact change between rounds differently
-    (two machines' calibrations)."""
-    return [cost_table(B, lambda c, rows, W: rows * W / B if c else 1.0),
-            cost_table(B, lambda c, rows, W: (rows if c else B) * (1 + 0.1 * W))]
-
-
 def same(res, ref, what) -> None:
     assert torch.equal(res.tokens, ref.tokens), what
     assert torch.allclose(res.logprobs, ref.logprobs, rtol=0, atol=1e-6), what
 
 
 def check_engines(model, labels, prefix, sampling: dict, slots=None, seed=7) -> None:
-    """Every engine and window of ENGINES x WINDOWS, and W "auto" under both `tables`, commit
+    """Every engine and window of ENGINES x WINDOWS, and W "auto" (measured, and under two schedules), commit
     Cached AR's tokens and log-probs (AssertionError naming the first that does not)."""
+    from contextlib import nullcontext
     kw = dict(sampling, seed=seed, slots=slots)
     N = T - prefix.shape[1]
     ref = make_engine("cached_ar", decoding="sample").generate(model, labels, prefix, N, **kw)
@@ -52,11 +45,12 @@ def check_engines(model, labels, prefix, sampling: dict, slots=None, seed=7) -> 
             res = make_engine(name, window=W, decoding="sample", **opts).generate(
                 model, labels, prefix, N, **kw)
             same(res, ref, (name, opts, W))
-    for costs in tables(labels.shape[0] if slots is None else min(slots, labels.shape[0])):
+    for schedule in (None, switching, graded):
         for execution in ("full", "compact", "hybrid"):
-            res = make_engine("hbsjd", window="auto", costs=costs, execution=execution,
-                              decoding="sample").generate(model, labels, prefix, N, **kw)
-            same(res, ref, ("auto", costs, execution))
+            with steer(schedule) if schedule else nullcontext():
+                res = make_engine("hbsjd", window="auto", execution=execution,
+                                  decoding="sample").generate(model, labels, prefix, N, **kw)
+            same(res, ref, ("auto", schedule, execution))
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
@@ -105,9 +99,9 @@ def test_candidate_drafting_commits_cached_ar_samples(tiny, batch, sampling, K, 
                 if W == "auto":
                     if name != "hbsjd":
                         continue
-                    opts = dict(opts, costs=tables(min(slots or 7, 7))[1])
-                res = make_engine(name, window=W, candidates=K, branch=L, decoding="sample",
-                                  **opts).generate(model, labels, prefix, N, **kw)
+                with steer(graded):
+                    res = make_engine(name, window=W, candidates=K, branch=L, decoding="sample",
+                                      **opts).generate(model, labels, prefix, N, **kw)
                 same(res, ref, (name, opts, W, slots))
                 won += int(res.accepted.sum())
         assert won > 0
@@ -122,9 +116,10 @@ def test_compiled_rounds_commit_cached_ar_samples(tiny, batch):
     kw = dict(cfg_scale=2.0, seed=3, slots=4, temperature=0.9, top_k=4)
     ref = make_engine("cached_ar", decoding="sample").generate(model, labels, prefix, 14, **kw)
     for opts in (dict(window=4, execution="hybrid", gamma=3), dict(window=16),
-                 dict(window="auto", costs=tables(4)[0])):
-        res = make_engine("hbsjd", decoding="sample", compile=backend, **opts).generate(
-            model, labels, prefix, 14, **kw)
+                 dict(window="auto")):
+        with steer(switching):
+            res = make_engine("hbsjd", decoding="sample", compile=backend, **opts).generate(
+                model, labels, prefix, 14, **kw)
         same(res, ref, opts)
     res = make_engine("cached_ar", decoding="sample", compile=backend).generate(
         model, labels, prefix, 14, **kw)

@@ -1,10 +1,13 @@
-"""The window policy (W="auto", rollout/window.py): its rule in numbers, greedy tokens equal to
-Cached AR's while W and Full / Compact change between rounds, execution-mode invariance for a
-given policy, determinism, and a policy that peeks at the round it chooses for (the round's
-own acceptance) caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
+"""The window policy (W="auto", rollout/window.py): its bandit rule on given seconds (a fake
+clock), greedy tokens equal to Cached AR's while W and Full / Compact change between rounds,
+execution-mode invariance for a given schedule, and a policy that peeks at the round it chooses
+for (the round's own acceptance) caught by the exact-enumeration statistics of
+tests/rollout/test_distribution.py.
 
-Every test uses a fixture cost table (tests/rollout/tables.py `cost_table`), never a timed one,
-so the choices are the same on every machine."""
+The rule's tests feed the policy seconds and tokens from functions, never from a timing; the
+engine tests steer the windows by schedules (tests/rollout/schedules.py) where they need them
+to change, so their choices are the same on every machine."""
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -14,73 +17,143 @@ import rollout.hbsjd
 from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
-from rollout.window import PRIOR, STRENGTH, Acceptance, CostTable, WindowPolicy
-from tests.rollout.tables import cost_table
+from rollout.window import BUDGET, WINDOWS, WindowPolicy
+from tests.rollout.schedules import graded, steer, switching, widest
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
 
 T = 16
 
 
-def switching_table(R: int) -> CostTable:
-    """Full costs the same at every W; Compact costs its rows times W: all rows active -> Full
-    at the largest W; once few enough rows are active -> Compact at W = 1 (or 2 when drafts are
-    likely accepted); in between the windows change with the acceptance seen."""
-    return cost_table(R, lambda compact, rows, W: rows * W / R if compact else 1.0)
+# ---- the rule on a fake clock ------------------------------------------------------------------
+
+def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, finish=None):
+    """`calls` rollouts of `rows` rows through `policy`, a round's seconds and its tokens per
+    active row given by seconds(W, compact, rows run) and tokens(W) (no timing): each active
+    row commits tokens(W) (at most what it has left).  finish(active, round) -> rows that stop
+    early.  -> [(W, compact, active)] of every round, in order."""
+    rounds = []
+    for _ in range(calls):
+        policy.start(windows)
+        left = [N] * rows
+        while any(left):
+            active = sum(x > 0 for x in left)
+            W, compact = policy.choose(active)
+            got = 0
+            for i, x in enumerate(left):
+                if x:
+                    k = min(x, tokens(W))
+                    left[i], got = x - k, got + k
+            policy.observe(got, seconds(W, compact, active if compact else rows))
+            rounds.append((W, compact, active))
+    return rounds
 
 
-def test_cost_table_interpolates_over_rows_and_width():
-    t = cost_table(8, lambda compact, rows, W: (rows if compact else 8) * (1 + W))
-    assert t.cost(False, 8, 4) == 8 * 5 and t.cost(True, 3, 2) == 3 * 3
-    assert t.cost(True, 3, 3) == pytest.approx(3 * 4)            # between W 2 and 4
-    assert t.cost(True, 3, 6) == pytest.approx(3 * 7)            # between W 4 and 8
-    assert t.cost(False, 8, 20) == pytest.approx(8 * 21)         # past W 16: the last segment
+def cheapest_at_8(W, compact, rows):
+    """A round costs 1 ms plus 0.1 ms per token of its forward."""
+    return 1e-3 + 1e-4 * rows * W
 
 
-def test_acceptance_rates_and_expected_tokens_by_hand():
-    a = Acceptance(3)
-    assert a.rates() == [PRIOR] * 3 and a.expected_tokens(1) == 1.0
-    assert a.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25)
-    a.add([10, 6, 0], [6, 3, 0])            # depth 1: 6 of 10, depth 2: 3 of 6, depth 3: none
-    r1 = (6 + STRENGTH * PRIOR) / (10 + STRENGTH)
-    r2 = (3 + STRENGTH * r1) / (6 + STRENGTH)
-    assert a.rates() == pytest.approx([r1, r2, r2])               # untried depth: the last
-    assert a.expected_tokens(4) == pytest.approx(1 + r1 + r1 * r2 + r1 * r2 * r2)
+def drafts(W):
+    """Tokens per row: 1 + 0.8 (W - 1) up to W 8, nothing more beyond (5.4 at W 8 and 16)."""
+    return round(1 + 0.8 * (min(W, 8) - 1), 1)
 
 
-def test_the_policy_maximises_expected_tokens_per_second():
-    flat = cost_table(8, lambda c, rows, W: 1.0)
-    linear = cost_table(8, lambda c, rows, W: float(W))
-    windows = (1, 2, 4, 8, 16)
-    a = Acceptance(15)
-    assert WindowPolicy(flat, windows).choose(8, a) == (16, False)      # free drafts: longest
-    assert WindowPolicy(linear, windows).choose(8, a) == (1, False)     # W costs W: Cached AR
-    # Full costs 1 at every W, Compact rows * W / 8: with 2 rows active Compact W 1 costs 0.25,
-    # W 2 costs 0.5: (1 + 0.5) / 0.5 = 3 < 1 / 0.25 = 4 -> W 1; Full W 16 gives < 2 / 1
-    t = switching_table(8)
-    assert WindowPolicy(t, windows).choose(8, a) == (16, False)
-    assert WindowPolicy(t, windows).choose(2, a) == (1, True)
-    assert WindowPolicy(t, windows, modes=("full",)).choose(2, a) == (16, False)
-    sure = Acceptance(15)
-    sure.add([1000] * 15, [1000] * 15)
-    # every draft accepted: Full W 16 gives ~16 / 1, more than Compact W 1's 1 / 0.25
-    assert WindowPolicy(t, windows).choose(2, sure) == (16, False)
+def test_on_a_clock_where_w8_is_cheapest_the_policy_settles_on_w8():
+    """8 rows, Full: a round of W costs 1.8, 2.6, 4.2, 7.4, 13.8 ms and commits 1, 1.8, 3.4,
+    6.6, 6.6 tokens a row: 4.4, 5.5, 6.5, 7.1, 3.8 tokens / ms.  Every window is tried (two
+    rounds each, the first a warm-up) and W 8 holds from the tenth round on but for
+    exploration, whose seconds stay within the budget."""
+    rates = {W: 8 * drafts(W) / cheapest_at_8(W, False, 8) for W in WINDOWS}
+    assert max(rates, key=rates.get) == 8, rates
+    policy = WindowPolicy(("full",), 8)
+    rounds = simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
+    assert [W for W, *_ in rounds[:10]] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    # measured, so a call's last round (4.6 tokens a row, 64 = 9 * 6.6 + 4.6) counts too
+    assert policy.rate(8, False, 8) == pytest.approx(rates[8], rel=0.05)
+    later = rounds[10:]
+    spent = sum(cheapest_at_8(W, c, 8) for W, c, _ in later if W != 8)
+    assert spent <= 2 * BUDGET * sum(cheapest_at_8(W, c, 8) for W, c, _ in later)
+    assert sum(W == 8 for W, *_ in later) >= 0.9 * len(later)
 
 
-def graded_table(R: int) -> CostTable:
-    """Full and Compact both dearer at larger W (Compact in proportion to its rows): the
-    windows step between several sizes >= 2 as rows finish and acceptance is measured."""
-    return cost_table(R, lambda compact, rows, W: rows / R * (1 + 0.1 * W)
-                                   if compact else 1.0 + 0.1 * W)
+def compute_bound(W, compact, rows):
+    """A round costs 0.1 ms per token of its forward: W 1 now gives 10 tokens / ms, W 2 9,
+    W 4 8.5, W 8 8.25, W 16 4.1."""
+    return 1e-4 * rows * W
 
 
-def engines(R: int):
-    table = switching_table(R)
-    yield dict(window="auto", costs=table)
-    yield dict(window="auto", costs=table, execution="full")
-    yield dict(window="auto", costs=table, execution="compact")
-    yield dict(window="auto", costs=table, candidates=3)
-    yield dict(window="auto", costs=cost_table(R, lambda c, rows, W: 1.0 + 0.2 * W))
+def test_on_a_clock_whose_costs_change_the_policy_follows_them():
+    """The machine changes under a settled policy (W 8's clock, then a compute-bound one):
+    within 200 rounds it runs W 1, and keeps to it."""
+    policy = WindowPolicy(("full",), 8)
+    simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
+    rounds = simulate(policy, compute_bound, drafts, calls=30, rows=8)
+    assert len(rounds) > 600
+    settled = [W for W, *_ in rounds[200:]]
+    assert settled.count(1) >= 0.9 * len(settled), settled
+
+
+def test_compact_arms_are_measured_per_rows_band_and_full_ones_reused():
+    """Rows finish one by one (the active count falls 8 -> 1 within each call): Full's
+    seconds, measured with every row active, serve every count; Compact's are kept per band
+    of active rows (1, 2-3, 4-7).  Compact costs its rows, Full all 8: below the full count
+    Compact W 8 wins and is what the policy runs once measured."""
+    policy = WindowPolicy(("full", "compact"), 8)
+
+    def staggered(W, compact, rows):
+        return 1e-3 + 1e-4 * rows * W
+
+    rounds = []
+    for _ in range(20):
+        policy.start(WINDOWS)
+        left = [8 * (i + 1) for i in range(8)]          # row i has 8 (i + 1) tokens to go
+        while any(left):
+            active = sum(x > 0 for x in left)
+            W, compact = policy.choose(active)
+            k = drafts(W)
+            got = sum(min(x, k) for x in left if x)
+            left = [max(0.0, x - k) for x in left]
+            policy.observe(got, staggered(W, compact, active if compact else 8))
+            rounds.append((W, compact, active))
+    assert {key[2] for key in policy.seconds if key[1]} == {1, 2, 3}
+    assert {key[2] for key in policy.seconds if not key[1]} == {0}
+    late = [(W, c) for W, c, a in rounds[-100:] if a < 8]
+    assert late.count((8, True)) >= 0.8 * len(late), late
+
+
+def test_a_first_round_that_compiles_is_not_held_against_its_window():
+    """The first round of every arm costs 1000 times more (a compile, an allocation): it is a
+    warm-up, so the policy still settles on W 8."""
+    seen = set()
+
+    def compiling(W, compact, rows):
+        first = (W, compact) not in seen
+        seen.add((W, compact))
+        return cheapest_at_8(W, compact, rows) * (1000 if first else 1)
+
+    policy = WindowPolicy(("full",), 8)
+    rounds = simulate(policy, compiling, drafts, calls=12, rows=8)
+    assert sum(W == 8 for W, *_ in rounds[10:]) >= 0.9 * len(rounds[10:])
+
+
+def test_the_bookkeeping_is_a_few_floats_a_round():
+    """What a round of the policy does on the host, without torch (the committed count rides
+    the round loop's own sync, rollout/hbsjd.py): no tensor is kept or made."""
+    policy = WindowPolicy(("full", "compact"), 32)
+    simulate(policy, cheapest_at_8, drafts, calls=3, rows=32)
+    assert not any(isinstance(v, torch.Tensor) for v in vars(policy).values())
+
+
+def engines():
+    """(options, schedule) pairs: the measured policy, and schedules that switch W and the mode
+    between rounds (tests/rollout/schedules.py)."""
+    yield dict(window="auto"), None
+    yield dict(window="auto"), switching
+    yield dict(window="auto", execution="full"), switching
+    yield dict(window="auto", execution="compact"), switching
+    yield dict(window="auto", candidates=3), switching
+    yield dict(window="auto"), graded
 
 
 @pytest.mark.parametrize("cfg", [None, 2.0])
@@ -90,10 +163,11 @@ def test_policy_returns_cached_ar_tokens(tiny, batch, cfg, P, B, slots):
     labels, prefix = batch(model, B, P, 1)
     ref = make_engine("cached_ar").generate(model, labels, prefix, T - P, cfg_scale=cfg)
     seen = set()
-    for opts in engines(min(B, slots or B)):
-        res = make_engine("hbsjd", **opts).generate(model, labels, prefix, T - P,
-                                                    cfg_scale=cfg, slots=slots)
-        assert torch.equal(res.tokens, ref.tokens), opts
+    for opts, schedule in engines():
+        with steer(schedule) if schedule else nullcontext():
+            res = make_engine("hbsjd", **opts).generate(model, labels, prefix, T - P,
+                                                        cfg_scale=cfg, slots=slots)
+        assert torch.equal(res.tokens, ref.tokens), (opts, schedule)
         assert res.committed.sum(0).tolist() == [T - P] * B
         assert len(res.windows) == res.rounds and res.windows[0] == 0
         seen |= set(res.windows[1:])
@@ -103,8 +177,8 @@ def test_policy_returns_cached_ar_tokens(tiny, batch, cfg, P, B, slots):
 def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
     model = tiny(2)
     labels, prefix = batch(model, 8, 0, 1)
-    res = make_engine("hbsjd", window="auto", costs=switching_table(8)).generate(model, labels,
-                                                                            prefix, T)
+    with steer(switching):
+        res = make_engine("hbsjd", window="auto").generate(model, labels, prefix, T)
     pairs = set(zip(res.windows[1:], res.modes[1:]))
     assert (15, "full") in pairs and any(m == "compact" for _, m in pairs), pairs
     assert len({w for w, _ in pairs}) >= 2, pairs
@@ -113,16 +187,17 @@ def test_greedy_windows_and_modes_switch_within_one_rollout(tiny, batch):
 
 @pytest.mark.parametrize("decoding", ["greedy", "sample", "speculative"])
 def test_execution_mode_and_repeated_calls_do_not_change_the_tokens(tiny, batch, decoding):
-    """Costs that depend on W only: Full, Compact and Hybrid choose the same windows, so their
-    tokens are the same (invariant 3 for a given policy); a second call repeats the first."""
+    """A schedule of the round only: Full, Compact and Hybrid run the same windows, so their
+    tokens are the same (invariant 3 for given windows); a second call repeats the first."""
     model = tiny(1)
     labels, prefix = batch(model, 6, 2, 1)
-    table = cost_table(6, lambda c, rows, W: 1.0 + 0.1 * W)
     out = {}
     for execution in ("full", "compact", "hybrid", "hybrid"):
-        out.setdefault(execution, []).append(make_engine(
-            "hbsjd", window="auto", costs=table, execution=execution, decoding=decoding).generate(
-                model, labels, prefix, T - 2, cfg_scale=2.0, seed=3, temperature=0.9, top_k=8))
+        with steer(lambda policy, active: (policy.windows[policy.round % 3], False)):
+            out.setdefault(execution, []).append(make_engine(
+                "hbsjd", window="auto", execution=execution, decoding=decoding).generate(
+                    model, labels, prefix, T - 2, cfg_scale=2.0, seed=3, temperature=0.9,
+                    top_k=8))
     full = out["full"][0]
     assert len(set(full.windows[1:])) >= 2, full.windows
     for res in (out["compact"][0], *out["hybrid"]):
@@ -139,34 +214,18 @@ def test_a_fixed_window_is_unchanged(tiny, batch):
     assert res.window_histogram(16)[3] == res.rounds - 1
 
 
-def test_w_auto_without_a_calibration_names_the_command(tiny, batch, tmp_path):
+def test_w_auto_needs_no_calibration_and_writes_none(tiny, batch, tmp_path):
+    """The policy measures its own rounds: no calibration file is read or written."""
     model = tiny(0)
     labels, prefix = batch(model, 2, 0)
-    engine = make_engine("hbsjd", window="auto", calibration=str(tmp_path / "none.json"))
-    with pytest.raises(ValueError, match=r"--window auto"):
-        engine.generate(model, labels, prefix, T)
+    path = tmp_path / "none.json"
+    res = make_engine("hbsjd", window="auto", calibration=str(path)).generate(model, labels,
+                                                                             prefix, T)
+    assert res.committed.sum(0).tolist() == [T] * 2 and not path.exists()
     with pytest.raises(ValueError, match=r"'auto' \(HB-SJD"):
         make_engine("hbsjd", window="automatic")
     with pytest.raises(ValueError, match=r"must be an int >= 1, got 'auto'"):
         make_engine("sjd_independent", window="auto")
-
-
-def test_missing_costs_are_measured_once_and_saved(tiny, batch, tmp_path, monkeypatch):
-    import rollout.calibrate as rc
-    from rollout.window import WINDOWS
-    measured = []
-    real = rc.measure_verifier_latencies
-    monkeypatch.setattr(rc, "measure_verifier_latencies", lambda model, batch, windows, **kw:
-                        measured.append((batch, list(windows))) or real(
-                            model, batch, windows, repeats=1, warmup=0, active=[1, batch]))
-    model = tiny(0)
-    labels, prefix = batch(model, 3, 0)
-    path = tmp_path / "cal.json"
-    for _ in range(2):
-        engine = make_engine("hbsjd", window="auto", calibration=str(path), calibrate_missing=True)
-        engine.generate(model, labels, prefix, T)
-    assert measured == [(3, list(WINDOWS))]                  # one interleaved measurement
-    assert {(e["batch"], e["W"]) for e in rc.read_calibration(path)} == {(3, W) for W in WINDOWS}
 
 
 # ---- sampled decoding: exact distribution with W changing, and a policy that peeks -----------
@@ -205,7 +264,7 @@ VARYING = [  # model (seed, V, grid), P, options, cfg, warps
 @pytest.mark.parametrize("spec,P,opts,cfg,warps", VARYING)
 def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P, opts, cfg,
                                                                        warps):
-    """The policy switches W and Full / Compact between rounds (both fixture tables), with
+    """The windows switch W and Full / Compact between rounds (both schedules), with
     both refresh rules, CFG, warps and candidate drafting; decoding "speculative" unless the
     case says "sample" (whose tokens are Cached AR's, tests/rollout/test_keyed_sampling.py)."""
     seed, V, grid = spec
@@ -213,13 +272,35 @@ def test_samples_follow_the_exact_distribution_while_the_window_changes(spec, P,
     prefix = torch.tensor([[1, 0, 1, 1]])[:, :P]
     probs = exact_distribution(model, 1, prefix, model.block_size - P, cfg, **warps)
     seen = set()
-    for table in (switching_table(SAMPLES), graded_table(SAMPLES)):
-        counts, windows = sampled_counts(model, dict(window="auto", costs=table, **opts), prefix,
-                                         cfg, **warps)
+    for schedule in (switching, graded):
+        with steer(schedule):
+            counts, windows = sampled_counts(model, dict(window="auto", **opts), prefix, cfg,
+                                             **warps)
         assert chi2_pvalue(counts, probs) > 1e-3
         assert {m for _, m in windows} == {"full", "compact"}
         seen |= {w for w, _ in windows}
     assert len(seen) >= 2, seen
+
+
+@pytest.mark.xfail(strict=True, reason="a known bug: with speculative decoding, a W 1 round "
+                   "(`jacobi.ar_round`) between wider ones skews the distribution; HB-SJD's policy "
+                   "leaves W 1 out with that decoding (`HBSJD.policy`)")
+def test_w1_rounds_between_wider_ones_keep_the_speculative_distribution():
+    """Full rounds of W 1, 2, 4, 8 in turn: images of 9 binary tokens, 4000 samples
+    for each of three seeds; the statistics reject (p 4e-4, 1e-2, 2e-3: the bug)."""
+    model = peaked_model(3, 2, 3, 0.5)
+    prefix = torch.zeros(1, 0, dtype=torch.long)
+    probs = exact_distribution(model, 1, prefix, model.block_size, None)
+
+    def cycle(policy, active):
+        return policy.windows[policy.round % len(policy.windows)], False
+    pvalues = []
+    for seed in (11, 13, 14):
+        with steer(cycle, also=(1,)):
+            counts, windows = sampled_counts(model, dict(window="auto"), prefix, seed=seed)
+        assert {w for w, _ in windows} == {1, 2, 4, 8}
+        pvalues.append(chi2_pvalue(counts, probs))
+    assert min(pvalues) > 1e-3 / 3, pvalues
 
 
 def unshifted(st, old, new):
@@ -234,10 +315,10 @@ def unshifted(st, old, new):
     return st
 
 
-def stepped(policy, active, acceptance, *rest):
+def stepped(policy, active):
     """A schedule of the round index only (a function of the past, so lossless): Full W 3,
     then Compact W 2, then Compact W 3."""
-    r = acceptance.rounds + 1
+    r = policy.round
     return (2 if r == 2 else 3), r >= 2
 
 
@@ -247,14 +328,14 @@ def exact_then_mutated(monkeypatch, model, schedule, mutation, windows: set) -> 
     and with `mutation` in place of `rewindow` they do not."""
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, model.block_size, None)
-    opts = dict(window="auto", costs=graded_table(SAMPLES))
+    opts = dict(window="auto")
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 4 * SAMPLES)
-    monkeypatch.setattr(WindowPolicy, "choose", schedule)
-    counts, seen = sampled_counts(model, opts, prefix)
-    assert windows <= set(seen)
-    assert chi2_pvalue(counts, probs) > 1e-3
-    monkeypatch.setattr(rollout.hbsjd, "rewindow", mutation)
-    counts, _ = sampled_counts(model, opts, prefix)
+    with steer(schedule, also=(1,)):           # W 1 too (`HBSJD.policy` leaves it out)
+        counts, seen = sampled_counts(model, opts, prefix)
+        assert windows <= set(seen)
+        assert chi2_pvalue(counts, probs) > 1e-3
+        monkeypatch.setattr(rollout.hbsjd, "rewindow", mutation)
+        counts, _ = sampled_counts(model, opts, prefix)
     assert chi2_pvalue(counts, probs) < 1e-8
 
 
@@ -276,13 +357,13 @@ def peeking(monkeypatch, model) -> None:
         call["req"] = req
         return real_run(model, req, *args, **kw)
 
-    def execution(active, gamma, acceptance, policy, st, plan, plan_for, hold):
+    def execution(active, gamma, policy, st, plan, plan_for, hold):
         big = plan_for(policy.largest)
         trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
         counts = full_round(model, trial, call["req"], big)
         W = 1 if bool(((counts[1] == 0) & (counts[2] == 1)).any()) else policy.largest
         chosen = SimpleNamespace(choose=lambda *_: (W, False), largest=policy.largest)
-        return real_execution(active, gamma, acceptance, chosen, st, plan, plan_for, hold)
+        return real_execution(active, gamma, chosen, st, plan, plan_for, hold)
     monkeypatch.setattr(rollout.hbsjd, "run_jacobi", run_jacobi)
     monkeypatch.setattr(rollout.hbsjd, "execution", execution)
 
@@ -293,9 +374,10 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     model = peaked_model(7, 3, 2, 0.6)
     prefix = torch.zeros(1, 0, dtype=torch.long)
     probs = exact_distribution(model, 1, prefix, 4, None)
-    opts = dict(window="auto", costs=cost_table(1, lambda c, rows, W: 1.0))
+    opts = dict(window="auto")
     monkeypatch.setattr("tests.rollout.test_window.SAMPLES", 1000)
-    counts, windows = sampled_counts(model, opts, prefix, batch=1)
+    with steer(widest):
+        counts, windows = sampled_counts(model, opts, prefix, batch=1)
     assert {w for w, _ in windows} == {3}
     assert chi2_pvalue(counts, probs) > 1e-3
     peeking(monkeypatch, model)
@@ -304,80 +386,3 @@ def test_a_policy_that_peeks_at_its_round_is_detected(monkeypatch):
     assert chi2_pvalue(counts, probs) < 1e-8
 
 
-# ---- the round's fixed cost and the probe rounds (hand-made tables) ---------------------------
-
-def test_a_rounds_fixed_cost_makes_longer_windows_pay():
-    """Forward W * 1 ms at every row count; prior acceptance 0.5 -> E[tokens] 1, 1.5, 1.875,
-    ~2, ~2.  Without a fixed cost W 1 wins (1 / 1 against 1.5 / 2); with 3 ms per round W 2
-    wins (1.5 / 5 = 0.3 against 1 / 4 = 0.25 and 1.875 / 7 = 0.27); with 20 ms W 4 (1.875 /
-    24 against 1.5 / 22 and 1.99 / 28)."""
-    fwd = lambda compact, rows, W: 1e-3 * W                                       # noqa: E731
-    windows, a = (1, 2, 4, 8, 16), Acceptance(15)
-    for fixed, W in ((None, 1), (3e-3, 2), (20e-3, 4)):
-        t = cost_table(8, fwd, fixed=None if fixed is None else lambda W: fixed)
-        assert WindowPolicy(t, windows, modes=("full",)).choose(8, a) == (W, False), fixed
-    t = cost_table(8, fwd, fixed=lambda W: 1e-3 * (2 + W))  # fixed part grows too
-    assert t.cost(False, 8, 4) == pytest.approx(4e-3 + 6e-3)
-    assert t.cost(True, 3, 3) == pytest.approx(3e-3 + 5e-3)              # interpolated over W
-
-
-def test_calibration_entries_carry_the_decodings_fixed_cost():
-    entry = lambda W, g, s: dict(batch=4, active=[1, 4], full_s=[W, W, W],       # noqa: E731
-                                 compact_s=[W / 4, W], overhead_s=dict(greedy=g, sample=s))
-    entries = {1: entry(1.0, 0.5, 2.0), 2: entry(2.0, 0.5, 2.5)}
-    greedy, sample = (CostTable.from_entries(entries, d) for d in ("greedy", "sample"))
-    assert greedy.cost(False, 4, 1) == 1.5 and sample.cost(False, 4, 2) == 4.5
-    assert sample.cost(True, 1, 1) == 0.25 + 2.0
-
-
-def test_a_probe_replaces_w1_every_probe_th_round_and_learns_acceptance():
-    from rollout.window import PROBE
-    # a round costs W + 0.5: on the prior W 1's 1 / 1.5 beats W 2's 1.5 / 2.5 and W 4's
-    # 1.875 / 4.5
-    linear = cost_table(8, lambda c, rows, W: W + 0.5)
-    policy = WindowPolicy(linear, (1, 2, 4, 8, 16))
-    chosen = [policy.choose(8, Acceptance(15, rounds=r - 1))[0] for r in range(1, 3 * PROBE + 1)]
-    # rounds 8, 9, 16, 17, 24: the probes, the next wider window (W 2)
-    assert chosen == [1] * 7 + [2, 2] + [1] * 6 + [2, 2] + [1] * 6 + [2]
-    assert PROBE == 8
-    # depth 1 measured at ~0.9 (902 / 1004 with the prior), deeper depths extrapolated from
-    # it: W 4's 3.43 / 4.5 = 0.762 beats W 2's 1.90 / 2.5 = 0.759 and W 8's 5.66 / 8.5; on a
-    # probe round (16) the next wider window, W 8
-    for rounds, W in ((14, 4), (15, 8), (16, 8), (17, 4)):
-        some = Acceptance(15, rounds=rounds)
-        some.add([1000] + [0] * 14, [900] + [0] * 14)
-        assert policy.choose(8, some) == (W, False), rounds
-    sure = Acceptance(15, rounds=2)                          # a probe saw every draft accepted:
-    sure.add([50] * 15, [50] * 15)                           # W 16's ~15 / 16.5 beats 1 / 1.5
-    assert policy.choose(8, sure) == (16, False)
-    only = WindowPolicy(linear, (1,))                        # nothing to probe with: W 1
-    assert only.choose(8, Acceptance(0, rounds=PROBE - 1)) == (1, False)
-
-
-def test_rollouts_on_a_w1_table_probe_and_keep_cached_ar_tokens(tiny, batch):
-    """A table on which W 1 wins on the prior: the rollout still runs a W >= 2 round every
-    PROBE-th round (greedy tokens unchanged), and its windows are the same on a second call."""
-    from rollout.window import PROBE
-    model = tiny(2)
-    labels, prefix = batch(model, 4, 0, 1)
-    ref = make_engine("cached_ar").generate(model, labels, prefix, T)
-    table = cost_table(4, lambda c, rows, W: float(W) ** 2)
-    runs = [make_engine("hbsjd", window="auto", costs=table, execution="full").generate(
-        model, labels, prefix, T) for _ in range(2)]
-    res = runs[0]
-    assert torch.equal(res.tokens, ref.tokens) and runs[1].windows == res.windows
-    assert set(res.windows[1:PROBE]) == {1}, res.windows
-    assert min(res.windows[PROBE: PROBE + 2]) >= 2, res.windows
-
-
-def test_the_table_is_made_non_decreasing_in_w():
-    from rollout.window import monotone
-    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
-    assert monotone([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0] and monotone([1.0, 2.0]) == [1.0, 2.0]
-    entry = lambda f, c, o: dict(batch=2, active=[1, 2], full_s=[f], compact_s=c,  # noqa: E731
-                                 overhead_s=dict(greedy=o, sample=o))
-    # a load spike made W 1's Full forward dearer than W 2's, and W 2's Compact-at-1 cheaper
-    t = CostTable.from_entries({1: entry(3.0, [1.0, 2.0], 0.5), 2: entry(1.0, [0.5, 3.0], 0.3),
-                                4: entry(4.0, [2.0, 4.0], 1.0)})
-    assert t.full == {1: 2.0, 2: 2.0, 4: 4.0} and t.fixed == {1: 0.4, 2: 0.4, 4: 1.0}
-    assert t.compact[1] == ([1, 2], [0.75, 2.0]) and t.compact[2] == ([1, 2], [0.75, 3.0])
