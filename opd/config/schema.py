@@ -115,8 +115,8 @@ between them (e.g. candidates cannot be compiled).  The run defaults below are t
 but for `window`, `decoding` and `gamma`, the digits run's own choices (RUN_CHOICES)."""
 
 RUN_CHOICES = dict(window="auto", decoding="sample", gamma="auto")
-"""The run defaults that differ from the engines': each round's window chosen from this
-machine's calibrated costs ("auto", rollout/window.py; the engines' fixed 16 is the paper's),
+"""The run defaults that differ from the engines': each round's window chosen from the rates
+this process measures ("auto", rollout/window.py; the engines' fixed 16 is the paper's),
 sampled rollouts for on-policy distillation (greedy ones
 collapse onto the background; "sample" commits the same tokens in every engine), and Hybrid's threshold calibrated on this machine (the engines'
 None is the uncalibrated half-batch fallback)."""
@@ -131,13 +131,15 @@ class RolloutConfig:
     num_workers: int | tuple[int, int] = bounded(1, ge=1, span=True)
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
     window: int | Literal["auto"] = bounded(RUN_CHOICES["window"], ge=1)
-    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) from this machine's calibrated verifier costs and the acceptance seen so far (docs/WINDOW_POLICY.md)."""
+    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) by a bandit rule on the tokens per second it measures in this process (docs/WINDOW_POLICY.md); greedy and sample tokens do not depend on it."""
     history_offset: int | None = bounded(ENGINE_DEFAULTS["history_offset"], ge=1)
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Decoding = RUN_CHOICES["decoding"]
     """greedy: Cached AR's argmax tokens; sample: the keyed Gumbel-max rule, one token per (seed, image, position), so every engine and window commits Cached AR's sampled tokens; speculative: speculative sampling (the model's distribution too, but the tokens depend on the windows run). rollout/options.py DECODINGS."""
     refresh: Refresh = ENGINE_DEFAULTS["refresh"]
     """Decoding speculative: the drafts after the commit point kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
+    compare_every: int = bounded(25, ge=0)
+    """Every this many prefix batches (batch id divisible by it), a student rollout call is run again by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); 0 = never."""
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = ENGINE_DEFAULTS["compile"]

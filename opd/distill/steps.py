@@ -102,12 +102,21 @@ def engine_call(model, job: RolloutJob, cfg: RunConfig) -> tuple[tuple, dict]:
                  image_ids=job.image_ids, slots=r.slots or None))
 
 
-def rollout_stats(result, job: RolloutJob, cfg: RunConfig) -> RolloutStats:
+def rollout_stats(result, job: RolloutJob, cfg: RunConfig, model=None) -> RolloutStats:
     """The statistics of `job`'s rollout call (a `RolloutResult`), against Cached AR's rounds:
-    one per token and row batch."""
+    one per token and row batch; with `model` (the one that rolled out), on a batch due for it
+    (`rollout.compare_every`), against Cached AR's seconds too: the same call run again by
+    Cached AR and timed (greedy and sample decoding commit the same tokens in every engine, so
+    only time differs)."""
     B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
     slots = cfg.rollout.slots or B
-    return RolloutStats.of(result, N * -(-B // slots))
+    stats = RolloutStats.of(result, N * -(-B // slots))
+    r = cfg.rollout
+    if (model is not None and r.compare_every and job.batch_id % r.compare_every == 0
+            and r.engine != "cached_ar" and r.decoding != "speculative"):
+        args, kwargs = engine_call(model, job, cfg)
+        stats.ar_seconds = build_engine(cfg, "cached_ar").generate(*args, **kwargs).wall_time
+    return stats
 
 
 def trajectory(job: RolloutJob, rows: Tensor | None, tokens: Tensor, logprobs: Tensor | None,
@@ -132,7 +141,7 @@ def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int
     args, kwargs = engine_call(model, job, cfg)
     result = engine.generate(*args, **kwargs)
     return trajectory(job, None, result.tokens, result.logprobs, policy_version,
-                      rollout_stats(result, job, cfg))
+                      rollout_stats(result, job, cfg, model))
 
 
 @torch.no_grad()

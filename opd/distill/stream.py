@@ -80,4 +80,4 @@ class PartStream:
                 rows = self.rows[k]
                 yield Piece(k, rows, trajectory(job, rows, tokens[rows], logprobs[rows],
                                                 self.version, RolloutStats()))
-        self.stats = rollout_stats(stream.result, job, self.cfg)
+        self.stats = rollout_stats(stream.result, job, self.cfg, self.model)

@@ -12,7 +12,9 @@ import numpy as np
 def summarize(rows: list[dict]) -> dict:
     """Aggregate per-step rows: first/last loss, mean step time split and, for runs with
     student rollouts, the share of steps on them, their speed and the rounds they took against
-    the rounds Cached AR needs for the same tokens (`rounds_vs_ar`)."""
+    the rounds Cached AR needs for the same tokens (`rounds_vs_ar`) and, over the calls Cached
+    AR ran again (`rollout.compare_every`), their seconds against Cached AR's (`rollout_vs_ar`,
+    measured: below 1, the engine rolled out faster)."""
     if not rows:
         return {}
     col = lambda k: np.array([r.get(k) or 0.0 for r in rows], dtype=float)  # noqa: E731
@@ -35,6 +37,11 @@ def summarize(rows: list[dict]) -> dict:
             "mean_committed": float(col("mean_committed")[student].mean()),
             "rounds_vs_ar": float(col("rounds")[student].sum() / ar) if ar > 0 else float("nan"),
         })
+        timed = student & (col("ar_rollout_s") > 0)
+        if timed.any():
+            out["rollout_vs_ar"] = float(col("engine_rollout_s")[timed].sum()
+                                         / col("ar_rollout_s")[timed].sum())
+            out["rollout_vs_ar_calls"] = int(timed.sum())
     return out
 
 

@@ -1,5 +1,6 @@
 """The closing quality table of `opd train`: teacher, student before / after, gap closed."""
 import pytest
+import torch
 
 from opd.run.summary import gap_share, gap_table, write_quality_summary
 
@@ -87,6 +88,44 @@ def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_pa
                 "rounds_vs_ar"} & set(summarize(kd))
     assert plot_training(kd + on, tmp_path / "a.png") == tmp_path / "a.png"
     assert plot_training(kd, tmp_path / "b.png") == tmp_path / "b.png"
+
+
+def test_summary_gives_the_measured_seconds_against_cached_ar_of_the_timed_calls():
+    """rollout_vs_ar: the engine's seconds over Cached AR's, summed over the student calls
+    Cached AR ran again (ar_rollout_s > 0) only."""
+    from opd.run.summary import summarize
+    rows = [dict(_row(1, "on", "student", 20, 64, 256, 0.5), ar_rollout_s=0.8,
+                 engine_rollout_s=0.4),
+            dict(_row(2, "on", "student", 20, 64, 256, 0.7), ar_rollout_s=0.0,
+                 engine_rollout_s=0.0),
+            dict(_row(3, "on", "student", 20, 64, 256, 0.5), ar_rollout_s=1.2,
+                 engine_rollout_s=0.6)]
+    s = summarize(rows)
+    assert s["rollout_vs_ar"] == pytest.approx(1.0 / 2.0) and s["rollout_vs_ar_calls"] == 2
+    assert "rollout_vs_ar" not in summarize(rows[1:2])
+
+
+def test_a_timed_call_runs_cached_ar_again_on_the_same_tokens(tiny_overrides):
+    """`rollout.compare_every`: a due batch's stats carry Cached AR's seconds for the same call,
+    others none; a Cached AR run times nothing."""
+    from opd.config.schema import load_config
+    from opd.distill.steps import RolloutJob, build_engine, generate
+    from opd.models.factory import load_role_model
+    cfg = load_config("tiny", [*tiny_overrides, "rollout.compare_every=2",
+                               "rollout.decoding=sample"])
+    model = load_role_model(cfg, "student", progress=False)
+    labels = torch.tensor([0, 1, 2])
+    T = model.block_size
+
+    def job(batch_id):
+        return RolloutJob(batch_id, labels, torch.zeros(3, T, dtype=torch.long), 0, "student",
+                          cfg.run.seed)
+    engine = build_engine(cfg)
+    assert generate(model, engine, job(4), cfg, 0).rollout_stats.ar_seconds > 0
+    assert generate(model, engine, job(3), cfg, 0).rollout_stats.ar_seconds == 0
+    ar = load_config("tiny", [*tiny_overrides, "rollout.compare_every=2",
+                              "rollout.engine=cached_ar"])
+    assert generate(model, build_engine(ar), job(4), ar, 0).rollout_stats.ar_seconds == 0
 
 
 def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
