@@ -24,7 +24,8 @@ rule:
              so far.  An arm never measured is tried first (narrowest W first).  Choosing an arm
              other than the best estimate (exploring) is allowed while the seconds spent
              exploring are at most BUDGET of all rounds' seconds (discounted), so what
-             exploration costs is bounded.
+             exploration costs is bounded.  A Compact arm new to a rows band starts from Full's
+             seconds at its W, a prior of weight PRIOR: explored by the rule, not first.
     warm-up  an arm is run for two rounds when it is new or wider than the round before: the
              first round of a shape may compile or allocate (its seconds are not counted), and
              the first round of a wider window checks drafts the round before never proposed
@@ -51,13 +52,19 @@ WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from."""
 DISCOUNT = 0.98         # per round: an observation's weight halves in about 34 rounds
 HORIZON = 1 / (1 - DISCOUNT)    # the discounted rounds an arm played every round reaches
+CLIP = 1.5              # a round's seconds count at most 1.5 times its arm's mean so far
+PRIOR = 0.5             # the weight, in rounds, of a Compact arm's prior (Full's seconds)
 EXPLORE = 0.3           # UCB's width, relative to the arm's rate
 BUDGET = 0.05           # most of the seconds (discounted) spent exploring measured arms
 
 
 class Mean:
     """A discounted mean: each observation's weight decays by DISCOUNT per round of the
-    policy's clock.  The first observation is a warm-up: it is dropped."""
+    policy's clock.  The first observation is a warm-up: it is dropped.  With `clip`, an
+    observation counts at most `clip` times the mean so far: another process's burst on a
+    shared machine slows a round two- or threefold, once, and would otherwise weigh on its
+    arm for tens of rounds (a lasting change still moves the mean, by up to that factor a
+    round)."""
     __slots__ = ("weight", "total", "last", "warm")
 
     def __init__(self, warm: bool = False):
@@ -65,10 +72,12 @@ class Mean:
         self.last = 0                 # the clock at the last observation
         self.warm = warm              # True: no warm-up to drop
 
-    def add(self, x: float, now: int) -> None:
+    def add(self, x: float, now: int, clip: float | None = None) -> None:
         if not self.warm:
             self.warm = True
             return
+        if clip is not None and self.weight:
+            x = min(x, clip * self.total / self.weight)
         decay = DISCOUNT ** (now - self.last)
         self.weight = self.weight * decay + 1.0
         self.total = self.total * decay + x
@@ -122,12 +131,29 @@ class WindowPolicy:
                    and (not c or active < self.rows or self.modes == ("compact",))]
         return [(W, c) for W in self.windows for c in compact]
 
+    def estimate(self, W: int, compact: bool, active: int) -> tuple[float, float] | None:
+        """(estimated tokens per second of arm (W, compact) at `active` rows, its discounted
+        observations), None while unmeasured.  A Compact arm not yet measured in this rows band
+        takes Full's seconds at W as a prior of weight PRIOR (a round of fewer rows costs at
+        most about what one of all rows does), so each band's Compact arms are explored by the
+        rule, within its budget, instead of first."""
+        tok = self.tokens.get(W)
+        if tok is None or not tok.weight:
+            return None
+        sec = self.seconds.get((W, compact, self._band(compact, active)))
+        if sec is not None and sec.weight:
+            seconds, n = sec.mean, min(tok.count(self.clock), sec.count(self.clock))
+        else:
+            full = self.seconds.get((W, False, 0)) if compact and "full" in self.modes else None
+            if full is None or not full.weight:
+                return None
+            seconds, n = full.mean, PRIOR
+        return active * tok.mean / seconds, n
+
     def rate(self, W: int, compact: bool, active: int) -> float | None:
         """Estimated tokens per second of arm (W, compact) at `active` rows (None: unmeasured)."""
-        tok, sec = self.tokens.get(W), self.seconds.get((W, compact, self._band(compact, active)))
-        if tok is None or sec is None or not tok.weight or not sec.weight:
-            return None
-        return active * tok.mean / sec.mean
+        e = self.estimate(W, compact, active)
+        return None if e is None else e[0]
 
     def choose(self, active: int) -> tuple[int, bool]:
         """-> (W, compact) for the next round with `active` rows (module docstring, choice)."""
@@ -141,12 +167,11 @@ class WindowPolicy:
             best_rate = top_index = -1.0
             log_t = math.log(min(self.clock, HORIZON) + 2)
             for W, c in arms:
-                r = self.rate(W, c, active)
-                if r is None:                       # never measured: try it first
+                e = self.estimate(W, c, active)
+                if e is None:                       # never measured: try it first
                     best, top, explore = None, (W, c), True
                     break
-                n = min(self.tokens[W].count(self.clock),
-                        self.seconds[W, c, self._band(c, active)].count(self.clock))
+                r, n = e
                 index = r * (1.0 + EXPLORE * math.sqrt(log_t / max(n, 1e-9)))
                 if r > best_rate:
                     best, best_rate = (W, c), r
@@ -175,6 +200,6 @@ class WindowPolicy:
         tok = self.tokens.setdefault(W, Mean(warm=True))
         if steady:
             tok.add(tokens / active, self.clock)
-        self.seconds.setdefault(key, Mean()).add(seconds, self.clock)
+        self.seconds.setdefault(key, Mean()).add(seconds, self.clock, clip=CLIP)
         self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),
                       self.spent[1] * DISCOUNT + seconds]
