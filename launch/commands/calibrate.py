@@ -7,9 +7,10 @@
 
 It writes the one calibration file, $OPD_CACHE/calibration.json (`rollout.calibrate.calibration_file`),
 which training (reference loop and Ray rollout workers), evaluation and the benches read with
-`gamma="auto"` and the window policy's cost table with `window="auto"` (rollout/window.py: `--window
-auto`, the default config's, measures W = 1, 2, 4, 8, 16) (key: model shape + dtype + device,
-batch, W, CFG on/off).  Latency does not
+`gamma="auto"` at a fixed window (`--window auto`, the default config's, measures gamma at
+W = 1, 2, 4, 8, 16 for a fixed window chosen later; `window: auto` itself measures its rounds
+as it runs and reads no file, rollout/window.py) (key: model shape + dtype + device, batch, W,
+CFG on/off).  Latency does not
 depend on the weights, so no checkpoint is loaded.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch", type=_positive, help="images per batch (default: every batch size "
                    "the run config's rollouts and evaluation use)")
     p.add_argument("--window", type=_window, help="window W, or auto: every window the "
-                   "policy chooses from, 1 2 4 8 16 (its cost table; default rollout.window)")
+                   "policy chooses from, 1 2 4 8 16 (gamma for each, for a fixed window chosen later; default rollout.window)")
     p.add_argument("--cfg-scale", type=float, metavar="SCALE",
                    help="CFG scale; only on/off matters (default rollout.cfg_scale)")
     p.add_argument("--device", help="cpu or cuda (default: with --model cuda if available, else "

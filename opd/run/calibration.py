@@ -1,8 +1,7 @@
 """Which γ calibration entries a run needs, and preparing them.
 
-With `rollout.window: auto` (the default: the window policy's cost table, rollout/window.py;
-one entry per W of `rollout.window.WINDOWS`), or `rollout.gamma=auto` and Hybrid HB-SJD at a
-fixed window, every batch size an engine is called with needs entries in the calibration file
+With `rollout.gamma=auto` and Hybrid HB-SJD at a fixed window (`rollout.window: auto`, the
+default, measures its rounds as it runs and reads no file: rollout/window.py), every batch size an engine is called with needs entries in the calibration file
 (`rollout.calibrate.calibration_file()`, i.e. `$OPD_CACHE/calibration.json`), keyed by the model's
 signature, the batch, W and CFG on/off:
 
@@ -25,7 +24,6 @@ from opd.config.schema import RunConfig
 from opd.distill.pieces import step_layout
 from rollout.calibrate import ensure_calibrations
 from rollout.sampling import uses_cfg
-from rollout.window import WINDOWS
 
 
 def chunk_sizes(total: int, batch: int) -> set[int]:
@@ -64,17 +62,16 @@ def run_batch_sizes(cfg: RunConfig) -> list[int]:
 
 def uses_calibration(cfg: RunConfig, engine: str | None = None) -> bool:
     """Whether `engine` (default rollout.engine) reads the calibration file in this config:
-    HB-SJD with `rollout.window: auto` (the cost table, rollout/window.py) or Hybrid
-    execution with `gamma: auto`."""
+    HB-SJD at a fixed window with Hybrid execution and `gamma: auto` (`window: auto` chooses
+    Full or Compact by what it measures, rollout/window.py)."""
     r = cfg.rollout
-    return (engine or r.engine) == "hbsjd" and (
-        r.window == "auto" or (r.execution == "hybrid" and r.gamma == "auto"))
+    return ((engine or r.engine) == "hbsjd" and r.window != "auto"
+            and r.execution == "hybrid" and r.gamma == "auto")
 
 
 def calibration_windows(cfg: RunConfig) -> list[int]:
-    """The windows a run's entries are measured at: every W the policy chooses from
-    (`rollout.window.WINDOWS`) with `rollout.window: auto`, else rollout.window."""
-    return list(WINDOWS) if cfg.rollout.window == "auto" else [cfg.rollout.window]
+    """The windows a run's entries are measured at: rollout.window (`uses_calibration`)."""
+    return [cfg.rollout.window]
 
 
 def prepare_calibration(model, cfg: RunConfig, batches, **measure_kw) -> dict[tuple, dict]:

@@ -41,6 +41,7 @@ def test_fixed_gamma_needs_no_calibration(tiny_overrides, fresh_calibration):
     assert uses_calibration(load_config("tiny", tiny_overrides))
     assert not uses_calibration(cfg)
     assert not uses_calibration(load_config("tiny", [*tiny_overrides, "rollout.engine=cached_ar"]))
+    assert not uses_calibration(load_config("tiny", [*tiny_overrides, "rollout.window=auto"]))
     assert prepare_calibration(load_role_model(cfg, "student", progress=False), cfg, [4]) == {}
     assert not (fresh_calibration / "calibration.json").exists()
 
