@@ -11,14 +11,9 @@ synchronised) and choose
 so Hybrid runs Compact exactly where Compact measured faster (active < gamma).  gamma = B + 1
 means Compact was faster even with every image active; gamma = 1 means never Compact.
 
-Each entry also holds `overhead_s` {decoding: seconds}: the rest of a round at (B, W) -- the
-verification step, the loop's Python, the round's sync -- measured as the median round of a
-Full-execution HB-SJD rollout at W minus the Full forward at B (`measure_round_overhead`), the
-window policy's fixed cost per round (rollout/window.py).  The window policy compares the
-entries of different W, so `calibrate_windows` measures a batch's windows interleaved (each
-active count and repeat runs every W in turn, `measure_verifier_latencies`; the overhead
-rollouts likewise): measured one W after another, a load change on a shared CPU once made a
-(32, 1) forward cost twice a (32, 4) one in the table, and W auto ran W 1 where W 4 paid.
+A batch's windows are measured interleaved (`calibrate_windows`: each active count and repeat
+runs every W in turn, `measure_verifier_latencies`), so a load change on a shared CPU hits them
+alike.
 
 The JSON file holds a list of entries keyed by (model signature, batch, W, cfg); writing an
 entry replaces the one with the same key.  `load_gamma` is what `gamma="auto"` uses.
@@ -44,7 +39,6 @@ from pathlib import Path
 import torch
 
 from rollout.engine import model_device, synchronize
-from rollout.options import DECODINGS
 
 FORMAT = 1
 CACHE_ENV = "OPD_CACHE"
@@ -175,54 +169,19 @@ def choose_gamma(active: list[int], full_s: list[float], compact_s: list[float])
     return gamma
 
 
-def measure_round_overhead(model, batch: int, W: int, forward_s: float, *, cfg: bool = False,
-                           seed: int = 0) -> dict:
-    """{decoding: seconds} of `measure_round_overheads` at one window."""
-    return measure_round_overheads(model, batch, {W: forward_s}, cfg=cfg, seed=seed)[W]
-
-
-def measure_round_overheads(model, batch: int, forward_s: dict, *, cfg: bool = False,
-                            seed: int = 0, rollouts: int = 1) -> dict[int, dict]:
-    """{W: {decoding: seconds}} for each W of forward_s {W: the Full forward at that batch,
-    the cost table's}: the median round of eager Full-execution HB-SJD rollouts of `batch`
-    whole images at window W (`rollouts` of them after a warm-up, the windows interleaved per
-    rollout) minus forward_s[W], at least 0."""
-    from rollout.engine import make_engine        # rollout.hbsjd imports this module
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, model.num_classes, (batch,), generator=g).to(_device(model))
-    out = {W: {} for W in forward_s}
-    for decoding in DECODINGS:
-        engines = {W: make_engine("hbsjd", window=W, decoding=decoding, execution="full")
-                   for W in forward_s}
-        rounds = {W: [] for W in forward_s}
-        for rep in range(1 + rollouts):                       # the first is a warm-up
-            for W, engine in engines.items():
-                res = engine.generate(model, labels, None, model.block_size,
-                                      cfg_scale=2.0 if cfg else None, seed=seed + rep)
-                if rep:
-                    rounds[W] += res.round_times[1:]          # [0] is the prefill
-        for W, times in rounds.items():
-            out[W][decoding] = max(statistics.median(times) - forward_s[W], 0.0) if times else 0.0
-    return out
-
-
 def calibrate(model, batch: int, W: int, *, cfg: bool = False, preset: str | None = None,
               **measure_kw) -> dict:
-    """Measure and choose gamma, and the round's fixed cost -> one calibration entry
-    (JSON-serialisable)."""
+    """Measure and choose gamma -> one calibration entry (JSON-serialisable)."""
     return calibrate_windows(model, batch, [W], cfg=cfg, preset=preset, **measure_kw)[W]
 
 
 def calibrate_windows(model, batch: int, windows, *, cfg: bool = False,
                       preset: str | None = None, **measure_kw) -> dict[int, dict]:
-    """`calibrate` at every W of windows, measured interleaved (`measure_verifier_latencies`,
-    `measure_round_overheads`) -> {W: entry}."""
+    """`calibrate` at every W of windows, measured interleaved (`measure_verifier_latencies`)
+    -> {W: entry}."""
     curves = measure_verifier_latencies(model, batch, windows, cfg=cfg, **measure_kw)
-    # a Full forward's cost does not depend on the active count: the median over all of them
-    overheads = measure_round_overheads(
-        model, batch, {W: statistics.median(c["full_s"]) for W, c in curves.items()}, cfg=cfg)
     return {W: {"model": model_signature(model), "preset": preset, "batch": batch, "W": W,
-                "cfg": bool(cfg), "gamma": choose_gamma(**c), **c, "overhead_s": overheads[W],
+                "cfg": bool(cfg), "gamma": choose_gamma(**c), **c,
                 "device": str(_device(model)), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
             for W, c in curves.items()}
 
@@ -287,29 +246,27 @@ def find_entry(path: str | Path, model, batch: int, W: int, cfg: bool) -> dict |
 
 def ensure_calibration(model, batches, W: int, *, cfg: bool = False,
                        path: str | Path | None = None, preset: str | None = None,
-                       repeats: int = 3, need: tuple = (), **measure_kw) -> dict[int, dict]:
+                       repeats: int = 3, **measure_kw) -> dict[int, dict]:
     """{batch: entry} for (this model, each batch, W, cfg) (`ensure_calibrations`)."""
     found = ensure_calibrations(model, batches, [W], cfg=cfg, path=path, preset=preset,
-                                repeats=repeats, need=need, **measure_kw)
+                                repeats=repeats, **measure_kw)
     return {b: e for (b, _), e in found.items()}
 
 
 def ensure_calibrations(model, batches, windows, *, cfg: bool = False,
                         path: str | Path | None = None, preset: str | None = None,
-                        repeats: int = 3, need: tuple = (), **measure_kw) -> dict[tuple, dict]:
+                        repeats: int = 3, **measure_kw) -> dict[tuple, dict]:
     """{(batch, W): entry} for (this model, each batch, each W of windows, cfg) from the
     calibration file (default `calibration_file()`), measuring and saving only the entries it
-    lacks (or whose entry lacks a key of `need`, e.g. an older file's entry without
-    "overhead_s"), a batch's missing windows together (`calibrate_windows`: interleaved).  The
+    lacks, a batch's missing windows together (`calibrate_windows`: interleaved).  The
     measuring happens under `file_lock(path)` after reading the file again, so of several
     processes that need the same entry one measures it and the others read it."""
     path = Path(path or calibration_file())
     batches = sorted(set(int(b) for b in batches))
     windows = sorted(set(int(W) for W in windows))
 
-    def complete(e):        # an "overhead_s" entry holds every decoding's
-        return (e is not None and all(k in e for k in need)
-                and ("overhead_s" not in need or set(DECODINGS) <= set(e["overhead_s"])))
+    def complete(e):
+        return e is not None
     found = {(b, W): find_entry(path, model, b, W, cfg) for b in batches for W in windows}
     if all(complete(e) for e in found.values()):
         return found
