@@ -88,20 +88,14 @@ def default_active_counts(batch: int, points: int = 24) -> list[int]:
     return sorted({1 + round(i * step) for i in range(points)})
 
 
-def measure_verifier_latency(model, batch: int, W: int, **kw) -> dict:
-    """Median seconds of Full and Compact verifier forwards of width W over active counts:
-    {"active": [A...], "full_s": [...], "compact_s": [...]} (`measure_verifier_latencies`)."""
-    return measure_verifier_latencies(model, batch, [W], **kw)[W]
-
-
 def measure_verifier_latencies(model, batch: int, windows, *, cfg: bool = False,
                                active: list[int] | None = None, repeats: int = 5,
                                warmup: int = 2, context: int | None = None,
                                seed: int = 0) -> dict[int, dict]:
-    """{W: curves} of `measure_verifier_latency` for every W of windows, measured interleaved
-    (for each active count and repeat, every W's Full and Compact forward in turn), so a shared
-    machine's load drift hits every window alike: the window policy compares them
-    (rollout/window.py).  The cache is filled to `context` positions (default half the
+    """{W: {"active": [A...], "full_s": [...], "compact_s": [...]}}: median seconds of Full and
+    Compact verifier forwards of width W over active counts, for every W of windows, measured
+    interleaved (for each active count and repeat, every W's Full and Compact forward in turn),
+    so a shared machine's load drift hits every window alike.  The cache is filled to `context` positions (default half the
     sequence, at most T - the largest W) by a prefill of random tokens, so attention spans a
     realistic length."""
     windows = sorted({int(W) for W in windows})

@@ -6,7 +6,7 @@ import torch
 
 from rollout import make_engine
 from rollout.calibrate import (calibrate, choose_gamma, default_active_counts, load_gamma,
-                               measure_verifier_latency, model_signature, save_calibration)
+                               measure_verifier_latencies, model_signature, save_calibration)
 
 
 @pytest.mark.parametrize("full,compact,gamma", [
@@ -32,11 +32,11 @@ def test_default_active_counts():
 
 @pytest.mark.parametrize("cfg", [False, True])
 def test_measure_gives_positive_curves(tiny, cfg):
-    curves = measure_verifier_latency(tiny(0), 4, 3, cfg=cfg, repeats=2, warmup=1)
+    curves = measure_verifier_latencies(tiny(0), 4, [3], cfg=cfg, repeats=2, warmup=1)[3]
     assert curves["active"] == [1, 2, 3, 4]
     assert all(t > 0 for t in curves["full_s"] + curves["compact_s"])
     with pytest.raises(ValueError, match="active counts"):
-        measure_verifier_latency(tiny(0), 4, 3, active=[5])
+        measure_verifier_latencies(tiny(0), 4, [3], active=[5])
 
 
 def test_calibration_file_round_trip_and_gamma_auto(tiny, batch, tmp_path):
