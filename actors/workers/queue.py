@@ -88,7 +88,7 @@ class QueueCore:
 
 class PieceStore:
     """Delivered pieces of steps not sealed yet: {step: {gen: {piece: {share: refs by rank}}}}
-    (a share: one teacher's scores of the piece, opd/distill/teachers.py; one teacher or none:
+    (a share: one teacher's scores of the piece, opd/distill/teachers.py; an unscored piece:
     share 0), and the policy version of each (step, gen).  A rank's refs of a piece are its
     shares' refs, in share order."""
 

@@ -87,7 +87,7 @@ def step_pieces(cfg: RunConfig) -> int:
     B, R = cfg.data.batch_size, cfg.learner.world_size
     if cfg.distill.pieces:
         return cfg.distill.pieces
-    workers = max(worker_count(cfg.rollout.num_workers), cfg.teacher.num_workers)
+    workers = max(worker_count(cfg.rollout.num_workers), cfg.teachers[0].num_workers)
     return auto_pieces(B, R, workers)              # the same in both run modes
 
 
@@ -97,7 +97,7 @@ def step_parts(cfg: RunConfig) -> int:
     many rows costs about as much as one of few (a round's fixed cost dominates on a CPU, and a
     GPU's batch is nearly free), so the rollout is not cut into more calls: each call streams
     its pieces as their rows complete."""
-    workers = max(worker_count(cfg.rollout.num_workers), cfg.teacher.num_workers)
+    workers = max(worker_count(cfg.rollout.num_workers), cfg.teachers[0].num_workers)
     return max(1, min(workers, step_pieces(cfg)))
 
 

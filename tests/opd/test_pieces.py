@@ -63,8 +63,10 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
 def test_scored_parts_merge_to_the_scores_of_the_whole(setup):
     cfg, student, job = setup
     engine = build_engine(cfg)
-    whole = score(student, generate(student, engine, job, cfg, 0), cfg)
-    parts = [score(student, take_rows(whole, a, b), cfg) for a, b in row_ranges(5, 2)]
+    whole = score(student, generate(student, engine, job, cfg, 0), cfg.teachers[0],
+                  cfg.rollout.cfg_scale)
+    parts = [score(student, take_rows(whole, a, b), cfg.teachers[0],
+                  cfg.rollout.cfg_scale) for a, b in row_ranges(5, 2)]
     merged = merge_batches(parts)
     assert torch.equal(merged.teacher_topk_indices, whole.teacher_topk_indices)
     torch.testing.assert_close(merged.teacher_topk_values, whole.teacher_topk_values,
@@ -107,7 +109,8 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
     torch.manual_seed(5)
     teacher = create_model("GPT-digits-S", grid_size=4).eval()
     objective = build_objective(load_config("tiny", ["distill.objective=gkd", "distill.beta=0.3"]))
-    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, 0), cfg)
+    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, 0), cfg.teachers[0],
+                  cfg.rollout.cfg_scale)
 
     def grads(batches):
         model = copy.deepcopy(student)
