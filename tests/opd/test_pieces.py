@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opd.distill.pieces import (auto_pieces, merge_batches, piece_sizes, rank_cuts, row_ranges,
-                                split_job, step_layout, step_pieces, take_rows)
+                                split_job, step_layout, step_parts, step_pieces, take_rows)
 from opd.distill.stream import PartStream
 from opd.distill.results import combine_metrics
 from opd.config.schema import load_config
@@ -99,6 +99,17 @@ def test_auto_pieces_are_about_eight_rows_a_rank_and_one_per_worker_at_least():
     assert auto_pieces(4, 2, 3) == 2                   # but a row per rank at least
     cfg = load_config("tiny", ["data.batch_size=32", "rollout.num_workers=2..6"])
     assert step_pieces(cfg) == 6 and step_pieces(load_config("tiny", ["distill.pieces=3"])) == 3
+
+
+def test_every_teachers_pool_counts_in_the_pieces_and_calls():
+    """Auto pieces give every worker of the largest pool work: a teacher's pool of several
+    (`teachers[i].num_workers`) as well as the one teacher's."""
+    one = load_config("tiny", ["data.batch_size=32", "teacher.num_workers=6"])
+    two = load_config("tiny", ["data.batch_size=32", "teachers=[{name: a, weight: 1.0}, "
+                               "{name: b, weight: 1.0, num_workers: 6}]"])
+    for cfg in (one, two):
+        assert (step_pieces(cfg), step_parts(cfg)) == (6, 6)
+    assert step_pieces(load_config("tiny", ["data.batch_size=32"])) == 4
 
 
 @pytest.mark.parametrize("pieces", [2, 3])
