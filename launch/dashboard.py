@@ -57,7 +57,7 @@ def build_dashboard() -> dict:
 
 
 def _teacher_variable() -> dict:
-    """The teachers of a run of several (opd/distill/teachers.py), by the names the driver
+    """The run's teachers (opd/distill/teachers.py; one: "default"), by the names the driver
     reports their on-policy KL under."""
     return {"name": "teacher", "type": "query", "label": "Teacher", "multi": True,
             "includeAll": True, "current": {"text": "All", "value": "$__all"},
@@ -69,7 +69,7 @@ def _per_teacher(pid: int) -> dict:
     """A panel per teacher (Grafana repeats it over $teacher): its on-policy KL and rows per
     step (the driver's gauges, worker = its name) and its workers' scored tokens per second
     (worker = <name>/<index>)."""
-    panel = _panel(pid, "teacher $teacher", "One teacher of several: "
+    panel = _panel(pid, "teacher $teacher", "One of the run's teachers: "
                    + GAUGES["opd_teacher_onpolicy_kl"],
                    'ray_opd_teacher_onpolicy_kl{worker="$teacher"}', "on-policy KL", "short")
     panel["targets"] += [

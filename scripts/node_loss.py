@@ -122,7 +122,7 @@ class NodeFaults:
     def after_scored(self, pipeline, step: int, piece: int, worker: int) -> None:
         node = self.teacher_nodes[0]
         if ("teacher" not in self.removed and step >= self.lose_teacher
-                and self._on(pipeline, "teacher", worker, node)):
+                and self._on(pipeline, "teacher/default", worker, node)):   # its one pool
             self._remove("teacher", node, step)
 
     def after_step(self, pipeline, step: int, row: dict) -> None:

@@ -5,9 +5,10 @@
     ...
     groups.shutdown()
 
-Every actor is named by role and index — `opd/learner/0`, `opd/rollout/1`, `opd/teacher/0`,
-`opd/queue`, `opd/eval` (`actor_name`) — in a namespace of the run's own (`run_namespace`:
-`opd-<run dir name>-<8 random hex digits>`), so the Ray dashboard's Actors page reads by role,
+Every actor is named by role and index — `opd/learner/0`, `opd/rollout/1`,
+`opd/teacher/default/0` (a teacher's pool by its name), `opd/queue`, `opd/eval` (`actor_name`) —
+in a namespace of the run's own (`run_namespace`: `opd-<run dir name>-<8 random hex digits>`),
+so the Ray dashboard's Actors page reads by role,
 two runs on one cluster (or a run resumed while the old one's actors are still dying) never
 collide, and `ray.get_actor("opd/rollout/0", namespace=groups.namespace)` finds a worker.  A
 worker that Ray restarts after a fault keeps its name; a worker added later (elastic pools)
@@ -37,7 +38,7 @@ from opd.config.schema import RunConfig
 from opd.config.loader import ConfigError
 from opd.config.files import config_to_dict
 from opd.distill.phases import rolls_out
-from opd.distill.teachers import run_teachers, teacher_config
+from opd.distill.teachers import run_teachers
 from opd.models.factory import load_role_model
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -139,21 +140,16 @@ def bundle(num_cpus: float, num_gpus: float, custom: str | None = None) -> dict:
 
 
 def role_bundle(cfg: RunConfig, role: str, sec=None) -> dict:
-    """The resources of one worker of `role` (learner | rollout | teacher; a teacher of several:
-    its own section `sec`)."""
-    sec = sec or {"learner": cfg.learner, "rollout": cfg.rollout, "teacher": cfg.teacher}[role]
+    """The resources of one worker of `role` (learner | rollout; a teacher: its entry of
+    cfg.teachers, `sec`)."""
+    sec = sec or {"learner": cfg.learner, "rollout": cfg.rollout}[role]
     return bundle(sec.num_cpus, sec.num_gpus, f"opd_{role}" if cfg.cluster.role_resources else None)
-
-
-def teacher_sections(cfg: RunConfig) -> list:
-    """Each teacher's section (the one `teacher:`, or the entries of `teachers:`)."""
-    return list(run_teachers(cfg).entries)
 
 
 def run_bundles(cfg: RunConfig, rollout_workers: int) -> list[dict]:
     """Every worker's bundle with `rollout_workers` rollout workers (an autoscaler request)."""
     return ([role_bundle(cfg, "learner")] * cfg.learner.world_size
-            + [role_bundle(cfg, "teacher", t) for t in teacher_sections(cfg)
+            + [role_bundle(cfg, "teacher", t) for t in cfg.teachers
                for _ in range(t.num_workers)]
             + [role_bundle(cfg, "rollout")] * rollout_workers)
 
@@ -191,10 +187,9 @@ class ActorGroups:
         With eval.track and a `run_dir`, an evaluation worker too (it writes the run's sample
         grids).  On a local Ray (no cluster.address) resources that cannot fit are refused at
         once."""
-        teachers = run_teachers(cfg)
-        for c in [teacher_config(cfg, i) for i in range(len(teachers))]:
-            if not c.model.teacher_ckpt:        # train or find the cached pretrained models once
-                load_role_model(c, "teacher", progress=progress)
+        for t in cfg.teachers:
+            if not (t.ckpt or cfg.model.teacher_ckpt):   # train or find the cached pretrained
+                load_role_model(cfg, "teacher", teacher=t, progress=progress)   # models once
         if not cfg.model.student_ckpt:
             load_role_model(cfg, "student", progress=progress)
         groups = cls(namespace=run_namespace(run_dir))
@@ -240,7 +235,7 @@ class ActorGroups:
                                   f"{name}.num_gpus and the worker counts); it has "
                                   f"{ray.cluster_resources()}", f"{name}.num_cpus")
         for name, cls_, count, sec, restarts in roles:
-            extra = (teachers.names.index(sec.name),) if cls_ is TeacherWorker and cfg.teachers else ()
+            extra = (teachers.names.index(sec.name),) if cls_ is TeacherWorker else ()
             actors = [_spawn(cls_, c, i, sec, restarts, pgs.get(name), i,
                              actor_name(name, i), self.namespace, extra) for i in range(count)]
             if cls_ is TeacherWorker:

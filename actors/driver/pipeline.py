@@ -89,7 +89,7 @@ class Pipeline:
         self.dispatch = Dispatcher(groups, cfg.cluster.max_restarts)
         self.metrics = RoleMetrics("driver", 0)
         self.idle = {r: RoleMetrics(r, "all") for r in ("rollout", "teacher", "learner")}
-        self.teacher_metrics: dict[str, RoleMetrics] = {}    # several teachers: one per name
+        self.teacher_metrics: dict[str, RoleMetrics] = {}    # one per teacher name
         self.records = RunRecords(cfg, self.run_dir, groups.learners)
         self.nodes = NodeWatch(log=lambda line: tqdm.write(f"opd: {line}"))
         for role, infos in groups.infos.items():
@@ -210,10 +210,11 @@ class Pipeline:
             for made in hand_out(stream, tags, queue, scored, IOCounter()):
                 self._made(step, task, made, 0.0)
             return
-        if step.source == "teacher":
-            task.kind = TaskKind.TEACHER_ROLLOUT
+        pool = None
+        if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
+            task.kind, pool = TaskKind.TEACHER_ROLLOUT, self.planner.teachers.pool(0)
         self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
-            job, version, tags, queue, scored))
+            job, version, tags, queue, scored), pool)
 
     def _score(self, step: Step, c: Score) -> None:
         """One teacher's share of a piece, scored from the payload its rollout call handed out
@@ -317,7 +318,7 @@ class Pipeline:
         per_teacher = teacher_metrics(teachers, [r.measure for p in step.pieces
                                                  for r in p.scored.values() if r.measure])
         row.update(per_teacher)
-        for name in teachers.names if per_teacher else ():
+        for name in teachers.names:
             self.teacher_metrics.setdefault(name, RoleMetrics("teacher", name)).report(
                 teacher_onpolicy_kl=per_teacher[f"teacher_kl/{name}"],
                 teacher_rows=per_teacher[f"teacher_rows/{name}"])

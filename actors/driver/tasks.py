@@ -24,8 +24,8 @@ class TaskKind(enum.Enum):
         return self in (TaskKind.ROLLOUT, TaskKind.TEACHER_ROLLOUT)
 
 
-ROLE_OF = {TaskKind.ROLLOUT: "rollout", TaskKind.TEACHER_ROLLOUT: "teacher",
-           TaskKind.SCORE: "teacher"}
+ROLE_OF = {TaskKind.ROLLOUT: "rollout"}
+"""The pool of a task kind; a teacher's tasks name their teacher's pool, `teacher/<name>`."""
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Task:
     or a learner rank's training names its `piece` (a scoring also the issue of the part that
     made the piece's payload; a training its hand-out in `issue`)."""
     kind: TaskKind
-    role: str = ""   # the pool of the worker (rollout | teacher | learner)
+    role: str = ""   # the pool of the worker (rollout | teacher/<name> | learner)
     step: int = -1
     part: int | None = None
     piece: int | None = None

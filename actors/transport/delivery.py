@@ -85,7 +85,7 @@ def deliver(batch: TrajectoryBatch, tag: PieceTag, queue, seconds: float = 0.0) 
 
 
 def deliver_share(share: Share, tag: PieceTag, queue, seconds: float) -> PieceReport:
-    """Deliver one teacher's share of a piece (several teachers, opd/distill/teachers.py): each
+    """Deliver one teacher's share of a piece (opd/distill/teachers.py): each
     learner rank's rows of it, with their positions in the rank's cut, as one object per rank,
     handed to `queue` as that teacher's share of the piece."""
     refs, nbytes = [], 0

@@ -34,7 +34,7 @@ SECTIONS = {"evaluation": "eval"}           # the config section of a role, wher
 def actor_name(role: str, index: int | None = None) -> str:
     """The Ray name of a run's actor: `opd/<role>/<index>`, or `opd/<role>` for a single one
     (role: learner | rollout | teacher | queue | evaluation, which is named `opd/eval`; or a
-    teacher's pool of several, `teacher/<name>`)."""
+    teacher's pool, `teacher/<name>`)."""
     name = f"opd/{ROLE_NAMES.get(role, role)}"
     return name if index is None else f"{name}/{index}"
 
@@ -58,12 +58,16 @@ class Worker:
     def __init__(self, cfg: RunConfig | dict, index: int):
         self.cfg = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
         self.index = index
-        section = getattr(self.cfg, SECTIONS.get(self.role, self.role))   # cfg.rollout, cfg.eval, ...
+        section = self.section()
         self.device = role_device(section.num_gpus)
         torch.set_num_threads(cpu_threads(section.num_cpus))   # its Ray CPU share, no more
         self.metrics = RoleMetrics(self.role, index)
         self.io = IOCounter()
         self.model: torch.nn.Module | None = None
+
+    def section(self):
+        """Its config section, which sets its resources: cfg.rollout, cfg.eval, ..."""
+        return getattr(self.cfg, SECTIONS.get(self.role, self.role))
 
     @property
     def name(self) -> str:

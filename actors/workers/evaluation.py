@@ -35,7 +35,7 @@ class EvaluationWorker(Worker):
     def __init__(self, cfg: RunConfig | dict, run_dir: str):
         super().__init__(cfg, 0)
         self.run_dir = Path(run_dir)
-        teacher = load_teacher(self.cfg, progress=False, device=self.device)   # or several
+        teacher = load_teacher(self.cfg, progress=False, device=self.device)   # as one model
         self.evaluator = Evaluator(self.cfg, teacher)
         self.model = self.evaluator.student
 

@@ -87,10 +87,10 @@ class QueueCore:
 
 
 class PieceStore:
-    """Delivered pieces of steps not sealed yet: {step: {gen: {piece: {share: refs by rank}}}}
-    (a share: one teacher's scores of the piece, opd/distill/teachers.py; one teacher or none:
-    share 0), and the policy version of each (step, gen).  A rank's refs of a piece are its
-    shares' refs, in share order."""
+    """Delivered pieces of steps not sealed yet: {step: {gen: {piece: {teacher: refs by rank}}}}
+    (each teacher's share of the piece, its scores of its rows, opd/distill/teachers.py; an
+    unscored piece: teacher 0), and the policy version of each (step, gen).  A rank's refs of a
+    piece are its shares' refs, in teacher order."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -100,11 +100,11 @@ class PieceStore:
         self.dropped = 0
 
     def put(self, step: int, gen: int, piece: int, refs: list, version: int = -1,
-            share: int = 0) -> bool:
+            teacher: int = 0) -> bool:
         if step < self.handed_out_below or len(refs) != self.world_size:
             self.dropped += 1
             return False
-        self.pieces.setdefault(step, {}).setdefault(gen, {}).setdefault(piece, {})[share] = list(refs)
+        self.pieces.setdefault(step, {}).setdefault(gen, {}).setdefault(piece, {})[teacher] = list(refs)
         self.versions[step, gen] = version
         return True
 
@@ -115,7 +115,7 @@ class PieceStore:
         return None if shares is None else (self._by_rank(shares), self.versions[step, gen])
 
     def _by_rank(self, shares: dict[int, list]) -> list[list]:
-        return [[shares[s][r] for s in sorted(shares)] for r in range(self.world_size)]
+        return [[shares[t][r] for t in sorted(shares)] for r in range(self.world_size)]
 
     def forget(self, step: int) -> None:
         self.pieces.pop(step, None)
@@ -153,11 +153,11 @@ class TrajectoryQueue:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
 
     async def put_piece(self, step: int, gen: int, piece: int, refs: list,
-                        version: int = -1, share: int = 0) -> bool:
+                        version: int = -1, teacher: int = 0) -> bool:
         """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`), or
-        teacher `share`'s share of it: one ref per learner rank.  False: dropped (its step was
+        teacher `teacher`'s share of it: one ref per learner rank.  False: dropped (its step was
         handed out)."""
-        return self.store.put(step, gen, piece, self.io.received(refs), version, share)
+        return self.store.put(step, gen, piece, self.io.received(refs), version, teacher)
 
     async def take_piece(self, step: int, gen: int, piece: int, rank: int,
                          learner_version: int) -> dict | None:
@@ -191,7 +191,7 @@ class TrajectoryQueue:
             return self.core.put(item)
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
-        """Learner rank `rank`'s share of the item of `step` at `learner_version`: its refs (one
+        """Learner rank `rank`'s rows of the item of `step` at `learner_version`: its refs (one
         per piece, each its shares' refs) and the batch's totals; None if no admissible item."""
         self.version = learner_version
         async with self._room:

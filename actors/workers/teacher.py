@@ -1,27 +1,28 @@
 """`TeacherWorker`: the frozen teacher; scores the pieces of student rollouts, or (SeqKD)
 generates teacher rollouts with the configured engine, streamed piece by piece as the rollout
 worker's (actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
-(actors/transport/delivery.py); the driver gets reports only.  With several teachers
-(opd/distill/teachers.py) each has its own pool, `opd/teacher/<name>/<i>`, whose workers score
-that teacher's share of a piece (routing: the rows of its classes; mixing: every row)."""
+(actors/transport/delivery.py); the driver gets reports only.  Each of the run's teachers
+(opd/distill/teachers.py) has its own pool, `opd/teacher/<name>/<i>`, whose workers score that
+teacher's share of a piece (routing: the rows of its classes; mixing, or one teacher: every
+row)."""
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 
-from actors.transport.delivery import (PartReport, PieceReport, PieceTag, deliver, deliver_share,
-                                       hand_out, kept_payloads)
+from actors.transport.delivery import (PartReport, PieceReport, PieceTag, deliver_share, hand_out,
+                                       kept_payloads)
 from actors.ray_metrics import RoleMetrics
 from actors.workers.base import Worker, actor_name
 from actors.workers.heap import release_free_heap
 from actors.workers.rollout import job_tokens
 from opd.models import precision
 from opd.distill.batch import TrajectoryBatch
-from opd.config.schema import RunConfig, config_from_dict
+from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
 from opd.distill.steps import RolloutJob, build_engine, score
 from opd.distill.stream import PartStream
-from opd.distill.teachers import ONE, run_teachers, score_share, teacher_config
+from opd.distill.teachers import run_teachers, score_share
 
 
 class TeacherWorker(Worker):
@@ -30,15 +31,20 @@ class TeacherWorker(Worker):
     role = "teacher"
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0, teacher: int = 0):
-        run = cfg if isinstance(cfg, RunConfig) else config_from_dict(cfg)
-        self.teachers, self.teacher = run_teachers(run), teacher
-        super().__init__(teacher_config(run, teacher), index)   # its own section and model
-        if self.teachers.rule != ONE:                 # its metrics: worker "<name>/<index>"
-            self.metrics = RoleMetrics("teacher", f"{self.teachers.names[teacher]}/{index}")
-        self.model = precision.to_role(load_role_model(self.cfg, "teacher", progress=False),
-                                       self.cfg, "teacher", self.device)
+        self.teacher = teacher                        # its entry of cfg.teachers
+        super().__init__(cfg, index)
+        self.teachers = run_teachers(self.cfg)
+        self.metrics = RoleMetrics("teacher", f"{self.teachers.names[teacher]}/{index}")
+        entry = self.teachers.entries[teacher]
+        self.model = precision.to_role(
+            load_role_model(self.cfg, "teacher", teacher=entry, progress=False), self.cfg,
+            "teacher", self.device)
         self.engine = build_engine(self.cfg)
         self.kept = kept_payloads()           # what its rollout calls put: delivery.py
+
+    def section(self):
+        """Its teacher's entry of cfg.teachers."""
+        return self.cfg.teachers[self.teacher]
 
     @property
     def name(self) -> str:
@@ -51,20 +57,13 @@ class TeacherWorker(Worker):
         start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
         self.version = batch.policy_version
-        if self.teachers.rule == ONE:
-            out = score(self.model, batch, self.cfg)
-            seconds = float(out.rollout_stats.teacher_seconds)
-        else:                                          # this teacher's share of the piece
-            share = score_share(self.model, batch, self.cfg, self.teacher,
-                                self.teachers.share_rows(self.teacher, batch.labels), score)
-            out, seconds = share.batch, share.seconds
+        share = score_share(self.model, batch, self.cfg, self.teacher,
+                            self.teachers.share_rows(self.teacher, batch.labels), score)
+        out, seconds = share.batch, share.seconds
         tokens = out.batch_size * out.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        if self.teachers.rule == ONE:
-            report = deliver(out, tag, queue, time.perf_counter() - start)
-        else:
-            report = deliver_share(share, tag, queue, time.perf_counter() - start)
+        report = deliver_share(share, tag, queue, time.perf_counter() - start)
         self.io.put(report.nbytes)
         del batch, out
         release_free_heap()          # its freed buffers, which glibc would keep (heap.py)

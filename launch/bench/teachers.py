@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from opd.config.schema import RunConfig, apply_overrides
-from opd.distill.teachers import ROUTE, run_teachers, teacher_config
+from opd.distill.teachers import ROUTE, run_teachers
 from opd.eval.run import per_class_accuracy
 from opd.eval.sample import sample_images
 from opd.models.factory import load_role_model
@@ -52,12 +52,12 @@ def run_teachers_bench(cfg: RunConfig, out: Path, samples: int, progress: bool =
         seconds[name] = time.perf_counter() - t0
         acc[f"student_{name}"] = _accuracy(_student(c, Path(c.run.dir)), cfg, samples)
         acc[f"loss_{name}"] = rows[-1]["loss"]
-    for i, name in enumerate(teachers.names):
-        tc = teacher_config(cfg, i)
-        acc[f"teacher_{name}"] = _accuracy(load_role_model(tc, "teacher", progress=progress),
-                                           cfg, samples)
-    acc["teacher_one"] = _accuracy(load_role_model(runs["one"], "teacher", progress=progress),
-                                   cfg, samples)
+    for t in teachers.entries:
+        acc[f"teacher_{t.name}"] = _accuracy(
+            load_role_model(cfg, "teacher", teacher=t, progress=progress), cfg, samples)
+    one = runs["one"]
+    acc["teacher_one"] = _accuracy(
+        load_role_model(one, "teacher", teacher=one.teachers[0], progress=progress), cfg, samples)
     owner = teachers.owners_of_classes(cfg.model.num_classes)
     return {"samples": samples, "steps": cfg.distill.steps, "seconds": seconds,
             "owners": [teachers.names[o] for o in owner], "accuracy": acc}

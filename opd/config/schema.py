@@ -37,6 +37,7 @@ scatter.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -181,15 +182,19 @@ ENGINE_KEYS = tuple(f for f in RolloutConfig.__dataclass_fields__ if f in ENGINE
 """The `rollout.*` keys that are engine options (named as the engines name them)."""
 
 
+ONE_TEACHER = "default"
+"""The name of the teacher a `teacher:` section gives (`one_teacher`)."""
+
+
 @dataclass
 class TeacherConfig:
-    """Teacher workers that score the student-visited states: the `teacher:` section (one
-    teacher), or one entry of `teachers:` (several; opd/distill/teachers.py), where a key left
-    unset (null) takes the run's value."""
+    """One teacher and its workers, which score the student-visited states: an entry of
+    `teachers:` (opd/distill/teachers.py; a `teacher:` section is read as the list of that one
+    entry, named "default"), where a key left unset (null) takes the run's value."""
 
     name: str = ""
-    """The teacher's name in `teachers:` (its worker pool is opd/teacher/<name>/<i>, its metrics
-    `teacher_*/<name>`); "" for the one `teacher:`."""
+    """The teacher's name (its worker pool is opd/teacher/<name>/<i>, its metrics
+    `teacher_*/<name>`); "default" for a `teacher:` section."""
     model: str | None = None
     """Model preset; null = model.teacher."""
     ckpt: str | None = None
@@ -440,11 +445,11 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    teachers: list[TeacherConfig] = field(default_factory=list)
-    """Several teachers (multi-teacher OPD, opd/distill/teachers.py): each entry a `teacher:`
-    section with a `name` and either the `classes` it owns (routing) or a `weight` (mixing);
-    [] = the one `teacher:` section."""
+    teachers: list[TeacherConfig] = field(
+        default_factory=lambda: [TeacherConfig(name=ONE_TEACHER)])
+    """The run's teachers (opd/distill/teachers.py), each with a `name`; several either route
+    (each entry the `classes` it owns) or mix (each a `weight`).  A `teacher:` section (and
+    `teacher.KEY=VALUE`) is the list of its one entry, named "default" (`one_teacher`)."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
@@ -467,21 +472,10 @@ def cross_check(fn: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
 
 
 @cross_check
-def _teacher_topk(cfg: RunConfig) -> None:
-    _teacher_topk_of(cfg.teacher, cfg.model.vocab_size, "teacher")
-
-
-@cross_check
 def _teachers(cfg: RunConfig) -> None:
     """`teachers:` routes by class (every class owned once) or mixes by weight, with one
     transport (the learner's target is one tensor); opd/distill/teachers.py."""
-    if cfg.teacher.classes or cfg.teacher.weight is not None:
-        key = "teacher.classes" if cfg.teacher.classes else "teacher.weight"
-        raise ConfigError(f"{key}: one teacher owns every class; classes and weights are for "
-                          f"the entries of teachers: (several teachers)", key)
     ts = cfg.teachers
-    if not ts:
-        return
     names = [t.name for t in ts]
     for i, t in enumerate(ts):
         if not t.name or "/" in t.name or names.count(t.name) > 1:
@@ -522,8 +516,8 @@ def _teachers(cfg: RunConfig) -> None:
         none = sorted(set(range(C)) - set(owner))
         raise ConfigError(f"teachers: classes {none} are owned by no teacher; add them to one "
                           f"teacher's classes", "teachers")
-    if any(p.objective == "seqkd" for p in cfg.distill.phases) or (
-            not cfg.distill.phases and cfg.distill.objective == "seqkd"):
+    if len(ts) > 1 and (any(p.objective == "seqkd" for p in cfg.distill.phases) or (
+            not cfg.distill.phases and cfg.distill.objective == "seqkd")):
         raise ConfigError("distill.objective=seqkd samples from one teacher; with several "
                           "teachers use kd, gkd or varkd", "distill.objective")
 
@@ -677,6 +671,58 @@ def _drop_retired(tree: dict[str, Any]) -> None:
             tree[section].pop(name, None)
 
 
+def one_teacher(tree: dict[str, Any]) -> None:
+    """Read a `teacher:` section of `tree` as `teachers: [{name: default, ...}]`, the list of its
+    one entry, when `teachers:` is absent or empty; beside `teachers:` entries it is dropped (a
+    preset's `teacher:` under an extending preset's `teachers:`, or an earlier version's
+    config.yaml, which saved both)."""
+    section = tree.pop("teacher", None)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f"'teacher' must be a mapping of keys, got {section!r}", "teacher")
+    if not tree.get("teachers"):
+        entry = dict(section or {})
+        entry["name"] = entry.get("name") or ONE_TEACHER      # an earlier version saved name: ''
+        tree["teachers"] = [entry]
+
+
+def _set_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """Set dotted overrides in order; `teacher.KEY=VALUE` sets the key of the one entry of
+    `teachers:` (`one_teacher`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if key.startswith("teacher."):
+            one_teacher(tree)
+            n = len(tree["teachers"])
+            if n != 1:
+                raise ConfigError(f"{key}: this run has {n} teachers (teachers:); set "
+                                  f"teachers.N.{key[len('teacher.'):]}=VALUE on teacher N", key)
+            item = f"teachers.0.{key[len('teacher.'):]}{sep}{raw}"
+        loader.set_overrides(RunConfig, tree, [item])
+
+
+def _writes_teacher(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether the run's one teacher is written as `teacher:` (a section, `teacher.KEY=VALUE` or
+    nothing) rather than as `teachers:` entries."""
+    return not tree.get("teachers") and not any(
+        item.strip().startswith("teachers") for item in overrides)
+
+
+@contextmanager
+def _as_written(teacher: bool):
+    """A ConfigError names the one teacher's keys as the user wrote them: `teacher.KEY` for
+    `teachers[0].KEY` when `teacher` (`_writes_teacher`)."""
+    try:
+        yield
+    except ConfigError as e:
+        if not (teacher and e.key and e.key.startswith(("teachers[0]", "teachers.0"))):
+            raise
+        msg, key = str(e), e.key
+        for spelled in ("teachers[0]", "teachers.0"):
+            msg, key = msg.replace(spelled, "teacher"), key.replace(spelled, "teacher")
+        raise ConfigError(msg, key) from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML preset `path` (a name in configs/ or a file), then `key=value`
     overrides; validated. Raises ConfigError on any problem."""
@@ -686,13 +732,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         preset = resolve_preset(path)
         tree = read_preset(preset, merge=_merge_presets)
         _drop_retired(tree)
-        try:
-            loader.build(RunConfig, tree)
-        except ConfigError as e:
-            raise ConfigError(f"{preset}: {e}", e.key) from None
-    loader.set_overrides(RunConfig, tree, overrides)
-    _objective_replaces_phases(tree, overrides)
-    return config_from_dict(tree)
+    with _as_written(_writes_teacher(tree, overrides)):
+        if path is not None:
+            one_teacher(tree)
+            try:
+                loader.build(RunConfig, tree)
+            except ConfigError as e:
+                raise ConfigError(f"{preset}: {e}", e.key) from None
+        _set_overrides(tree, overrides)
+        _objective_replaces_phases(tree, overrides)
+        return config_from_dict(tree)
 
 
 def _merge_presets(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -717,16 +766,22 @@ def _objective_replaces_phases(tree: dict[str, Any], overrides: list[str] | tupl
 def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     """A validated copy of `cfg` with dotted `key=value` overrides applied."""
     tree = config_to_dict(cfg)
-    loader.set_overrides(RunConfig, tree, overrides)
-    _objective_replaces_phases(tree, overrides)
-    return config_from_dict(tree)
+    with _as_written(_writes_teacher(tree, overrides)):
+        _set_overrides(tree, overrides)
+        _objective_replaces_phases(tree, overrides)
+        return config_from_dict(tree)
 
 
 def config_from_dict(tree: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from a (partial) nested dict, e.g. one that came over Ray."""
-    cfg = loader.build(RunConfig, tree)
-    for check in _CROSS_CHECKS:
-        check(cfg)
+    spelled = isinstance(tree, dict) and _writes_teacher(tree)
+    if isinstance(tree, dict):                     # anything else: `build` names it
+        tree = dict(tree)
+        one_teacher(tree)
+    with _as_written(spelled):
+        cfg = loader.build(RunConfig, tree)
+        for check in _CROSS_CHECKS:
+            check(cfg)
     return cfg
 
 

@@ -83,15 +83,22 @@ class TeacherEnsemble(nn.Module):
             m.move_cached(rows, src, dst)
 
 
-def load_teacher(cfg, *, progress: bool = True, device=None) -> nn.Module:
-    """The run's teacher in its precision: the one teacher's model, or the `TeacherEnsemble` of
-    several (each member loaded, or pretrained, as its own pool's workers load it)."""
-    from opd.distill.teachers import ONE, run_teachers, teacher_config
+def load_teachers(cfg, *, progress: bool = True, device=None) -> list[nn.Module]:
+    """Each teacher of the run (cfg.teachers, in order) loaded, or pretrained, as its pool's
+    workers load it, in its precision."""
     from opd.models import precision
     from opd.models.factory import load_role_model
+    return [precision.to_role(load_role_model(cfg, "teacher", teacher=t, progress=progress),
+                              cfg, "teacher", device) for t in cfg.teachers]
 
-    teachers = run_teachers(cfg)
-    configs = [teacher_config(cfg, i) for i in range(len(teachers))]
-    models = [precision.to_role(load_role_model(c, "teacher", progress=progress), c, "teacher",
-                                device) for c in configs]
-    return models[0] if teachers.rule == ONE else TeacherEnsemble(teachers, models).eval()
+
+def as_one_model(teachers: Teachers, models: list[nn.Module]) -> nn.Module:
+    """The teachers as the one model a run distils towards: their `TeacherEnsemble`, or the
+    model itself when there is one (nothing to combine)."""
+    return models[0] if len(models) == 1 else TeacherEnsemble(teachers, models).eval()
+
+
+def load_teacher(cfg, *, progress: bool = True, device=None) -> nn.Module:
+    """The run's teacher in its precision, as one model (`as_one_model`)."""
+    from opd.distill.teachers import run_teachers
+    return as_one_model(run_teachers(cfg), load_teachers(cfg, progress=progress, device=device))

@@ -26,9 +26,9 @@ rows in every piece, so each rank runs one forward and backward per piece, which
 (they reduce gradients at every backward).
 
 How many.  `distill.pieces` P, or with 0 (auto) `auto_pieces`: pieces of about `PIECE_ROWS`
-rows per learner rank, at least one per worker of the larger pool (rollout or teacher) so every
-worker has work, at most one row per rank each.  Both run modes take the count from the config
-alone, so they cut a step identically.
+rows per learner rank, at least one per worker of the largest pool (rollout, or a teacher's) so
+every worker has work, at most one row per rank each.  Both run modes take the count from the
+config alone, so they cut a step identically.
 """
 from __future__ import annotations
 
@@ -75,6 +75,11 @@ def worker_count(n) -> int:
     return n[1] if isinstance(n, tuple) else int(n)
 
 
+def largest_pool(cfg: RunConfig) -> int:
+    """The workers of the run's largest pool: the rollout pool's (at most) or a teacher's."""
+    return max(worker_count(cfg.rollout.num_workers), *(t.num_workers for t in cfg.teachers))
+
+
 def auto_pieces(batch: int, world_size: int, workers: int) -> int:
     """Pieces of a step of `batch` rows over `world_size` learner ranks when distill.pieces is 0:
     about PIECE_ROWS rows per rank each, at least `workers`, at most one row per rank each."""
@@ -87,18 +92,16 @@ def step_pieces(cfg: RunConfig) -> int:
     B, R = cfg.data.batch_size, cfg.learner.world_size
     if cfg.distill.pieces:
         return cfg.distill.pieces
-    workers = max(worker_count(cfg.rollout.num_workers), cfg.teacher.num_workers)
-    return auto_pieces(B, R, workers)              # the same in both run modes
+    return auto_pieces(B, R, largest_pool(cfg))    # the same in both run modes
 
 
 def step_parts(cfg: RunConfig) -> int:
     """C, the rollout calls ("parts") a step's batch is generated in: one per worker of the
-    larger pool (rollout, or teacher for teacher rollouts), at most one per piece.  A call of
+    largest pool (rollout, or a teacher's for teacher rollouts), at most one per piece.  A call of
     many rows costs about as much as one of few (a round's fixed cost dominates on a CPU, and a
     GPU's batch is nearly free), so the rollout is not cut into more calls: each call streams
     its pieces as their rows complete."""
-    workers = max(worker_count(cfg.rollout.num_workers), cfg.teacher.num_workers)
-    return max(1, min(workers, step_pieces(cfg)))
+    return max(1, min(largest_pool(cfg), step_pieces(cfg)))
 
 
 def piece_sizes(batch: int, world_size: int, pieces: int) -> list[int]:

@@ -18,7 +18,7 @@ from torch import Tensor
 from opd.models import precision
 from opd.distill.batch import TrajectoryBatch, index_dtype
 from rollout.calibrate import calibration_file
-from opd.config.schema import RunConfig
+from opd.config.schema import RunConfig, TeacherConfig
 from opd.distill.objectives import Objective
 from opd.distill.onpolicy import logprob_gap
 from opd.distill.results import combine_metrics
@@ -158,16 +158,17 @@ def teacher_logits(teacher, batch: TrajectoryBatch, *, guided: bool, cfg_scale: 
     return logits.float()
 
 
-def score(teacher, batch: TrajectoryBatch, cfg: RunConfig, measure=None) -> TrajectoryBatch:
-    """The batch with the teacher's scores of its suffix positions (P..L-1, the only ones a
+def score(teacher, batch: TrajectoryBatch, t: TeacherConfig, cfg_scale: float,
+          measure=None) -> TrajectoryBatch:
+    """The batch with teacher `t`'s scores (its model `teacher`; guided: at CFG scale
+    `cfg_scale`, the run's rollout.cfg_scale) of its suffix positions (P..L-1, the only ones a
     loss reads) attached: float32 full-vocabulary log-probs (B, N, V), or top-k float32
     log-probs (normalised over the full vocabulary) with their token ids in the smallest
     exact integer type (B, N, k) (opd.distill.batch: `teacher_start`, `index_dtype`).
     `measure(logp)`, if given, sees the full (B, N, V) log-probs before any top-k
     (opd/distill/teachers.py: the on-policy KL to this teacher)."""
     start = time.perf_counter()
-    t = cfg.teacher
-    logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg.rollout.cfg_scale)
+    logits = teacher_logits(teacher, batch, guided=t.guided, cfg_scale=cfg_scale)
     logp = F.log_softmax(logits[:, batch.prefix_len:], -1).cpu()          # (B, N, V)
     if measure is not None:
         measure(logp)

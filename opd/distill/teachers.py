@@ -1,24 +1,25 @@
-"""Several teachers, one student: which teacher scores which rows, and the one target the learner
-trains on (multi-teacher OPD).
+"""The run's teachers, one or several, one student: which teacher scores which rows, and the
+one target the learner trains on (multi-teacher OPD).
 
-A run has one teacher (the `teacher:` section) or several (`teachers:`, a list of such
-sections, each with a `name`).  Several teachers are combined by one of two rules:
+A run's teachers are the entries of `teachers:`, each with a `name` (a `teacher:` section is
+the list of its one entry, "default": opd/config/schema.py).  They are combined by one of two
+rules:
 
 - routing: each teacher owns a set of class labels (`classes`; every class owned once), and each
   row of a step is scored by the teacher that owns its class only.  Its target is that
-  teacher's distribution, in either transport (full or top-k), exactly as with one teacher.
-- mixing: every teacher scores every row and the target is the normalised mixture
-  log sum_i w_i p_i (`weight` w_i, over sum_i w_i), computed from full-vocabulary log-probs
-  (exact; a top-k mixture would need every teacher's probability at the other teachers' ids,
-  so the config refuses mixing with top-k transport).  The learner receives each teacher's
-  scores: n teachers x (N, V) float32 per image (LlamaGen at the paper's shape, 256 tokens x
-  16,384 ids: 16 MiB per teacher and image).
+  teacher's distribution, in either transport (full or top-k).
+- mixing (entries without `classes`): every teacher scores every row and the target is the
+  normalised mixture log sum_i w_i p_i (`weight` w_i, unset 1, over sum_i w_i), computed from
+  full-vocabulary log-probs (exact; a top-k mixture would need every teacher's probability at
+  the other teachers' ids, so the config refuses mixing several with top-k transport).  The
+  learner receives each teacher's scores: n teachers x (N, V) float32 per image (LlamaGen at
+  the paper's shape, 256 tokens x 16,384 ids: 16 MiB per teacher and image).  One teacher is
+  a mixture of one: one share of every row, whose scores are the target as they are.
 
 Each teacher scores its share of a piece (`share_rows`) and sends it on as a share: the rows'
 positions in the piece and their scores (`score_share`).  Shares are merged where the target is
 needed (`merge_shares`: by the learner ranks, each its rows of the piece; by the reference loop,
-the whole piece), so a Ray run and the reference loop compute the same target (invariant 5),
-and with one teacher a piece is one share of every row: nothing changes.
+the whole piece), so a Ray run and the reference loop compute the same target (invariant 5).
 
 Per teacher a share also measures the on-policy KL to that teacher on its rows: the mean over
 the student's sampled suffix tokens of log p_student(x) - log p_teacher(x) (the behaviour
@@ -27,7 +28,6 @@ of KL(student || teacher) on the states the student visited), with its rows, tok
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -38,12 +38,12 @@ from opd.config.schema import RunConfig, TeacherConfig
 from opd.distill.batch import TrajectoryBatch
 from opd.distill.pieces import merge_batches
 
-ONE, ROUTE, MIX = "one", "route", "mix"
+ROUTE, MIX = "route", "mix"
 
 
 @dataclass(frozen=True)
 class Teachers:
-    """The run's teachers (`entries`, in config order) and their rule: "one", "route" or "mix"."""
+    """The run's teachers (`entries`, in config order) and their rule: "route" or "mix"."""
     entries: tuple[TeacherConfig, ...]
     rule: str
 
@@ -55,13 +55,13 @@ class Teachers:
         return [t.name for t in self.entries]
 
     def pool(self, i: int) -> str:
-        """Teacher i's worker pool: "teacher" for the one teacher, "teacher/<name>" otherwise."""
-        return "teacher" if self.rule == ONE else f"teacher/{self.entries[i].name}"
+        """Teacher i's worker pool: "teacher/<name>"."""
+        return f"teacher/{self.entries[i].name}"
 
     def weights(self) -> list[float]:
-        """The mixing weights, normalised to sum 1."""
-        total = sum(t.weight for t in self.entries)
-        return [t.weight / total for t in self.entries]
+        """The mixing weights (unset: 1), normalised to sum 1."""
+        w = [1.0 if t.weight is None else t.weight for t in self.entries]
+        return [x / sum(w) for x in w]
 
     def owners(self, labels: Tensor) -> Tensor:
         """(B,) the index of the teacher that owns each row's class (routing; 0 otherwise)."""
@@ -78,8 +78,8 @@ class Teachers:
         return self.owners(torch.arange(num_classes)).tolist()
 
     def share_rows(self, i: int, labels: Tensor) -> Tensor | None:
-        """The rows (indices into `labels`) teacher i scores: None for every row (one teacher,
-        or mixing), else the rows whose class it owns (possibly none)."""
+        """The rows (indices into `labels`) teacher i scores: None for every row (mixing), else
+        the rows whose class it owns (possibly none)."""
         if self.rule != ROUTE:
             return None
         return torch.nonzero(self.owners(labels) == i).flatten()
@@ -93,26 +93,8 @@ class Teachers:
 
 def run_teachers(cfg: RunConfig) -> Teachers:
     """The teachers of a run config."""
-    if not cfg.teachers:
-        return Teachers((cfg.teacher,), ONE)
     ts = tuple(cfg.teachers)
-    if len(ts) == 1 and not ts[0].classes:
-        return Teachers(ts, MIX if ts[0].weight is not None else ONE)
     return Teachers(ts, ROUTE if ts[0].classes else MIX)
-
-
-def teacher_config(cfg: RunConfig, i: int) -> RunConfig:
-    """The run config as teacher i sees it: its section as `teacher`, its model preset and
-    checkpoint as model.teacher / model.teacher_ckpt (what it leaves unset, the run's).  The
-    config itself for the one `teacher:` section.  Built in process, never re-validated (a
-    section's `classes` are for the `teachers:` entries only): its `teacher.classes` tell
-    pretraining which classes' data to train a specialist on."""
-    if not cfg.teachers:
-        return cfg
-    t = cfg.teachers[i]
-    model = dataclasses.replace(cfg.model, teacher=t.model or cfg.model.teacher,
-                                teacher_ckpt=t.ckpt or cfg.model.teacher_ckpt)
-    return dataclasses.replace(cfg, model=model, teacher=t, teachers=[])
 
 
 def take_index(batch: TrajectoryBatch, rows: Tensor) -> TrajectoryBatch:
@@ -166,9 +148,9 @@ def onpolicy_kl_sum(batch: TrajectoryBatch, logp: Tensor) -> tuple[float, int]:
 
 def score_share(model, batch: TrajectoryBatch, cfg: RunConfig, teacher: int,
                 rows: Tensor | None, score) -> Share:
-    """Teacher `teacher` (its `model`, its config `teacher_config(run, teacher)` as `cfg`)
-    scores `rows` of a piece (None: all) with `score` (opd.distill.steps.score, which calls
-    back with the suffix log-probs)."""
+    """Teacher `teacher` (its `model`, its entry `cfg.teachers[teacher]`) scores `rows` of a
+    piece (None: all) with `score` (opd.distill.steps.score, which calls back with the suffix
+    log-probs)."""
     start = time.perf_counter()
     part = batch if rows is None else take_index(batch, rows)
     measured = {}
@@ -176,7 +158,7 @@ def score_share(model, batch: TrajectoryBatch, cfg: RunConfig, teacher: int,
     def measure(logp: Tensor) -> None:
         measured["kl"] = onpolicy_kl_sum(part, logp)
 
-    out = score(model, part, cfg, measure)
+    out = score(model, part, cfg.teachers[teacher], cfg.rollout.cfg_scale, measure)
     kl, tokens = measured.get("kl", (0.0, 0))
     return Share(teacher, rows, out, time.perf_counter() - start, kl, tokens)
 
@@ -190,8 +172,8 @@ def mixture(logps: list[Tensor], weights: list[float]) -> Tensor:
 
 def merge_shares(teachers: Teachers, shares: list[Share]) -> TrajectoryBatch:
     """One scored batch from the shares of a piece (or of a rank's rows of it): routed shares
-    put back in row order, mixed shares' full log-probs mixed; one share of every row is the
-    batch itself."""
+    put back in row order, mixed shares' full log-probs mixed; one share of every row (one
+    teacher) is the batch itself."""
     if len(shares) == 1 and shares[0].rows is None:
         return shares[0].batch
     if teachers.rule == MIX:
@@ -225,8 +207,8 @@ def share_to_numpy(share: Share) -> dict:
 
 
 def share_from_numpy(d: dict) -> Share:
-    """The inverse of `share_to_numpy`; a plain batch's dict (one teacher) is one share of every
-    row."""
+    """The inverse of `share_to_numpy`; an unscored piece's plain batch dict
+    (actors/transport/delivery.py) is one share of every row."""
     d = dict(d)
     teacher = int(d.pop("share_teacher", 0))
     rows = d.pop("share_rows", None)
@@ -234,22 +216,20 @@ def share_from_numpy(d: dict) -> Share:
                  TrajectoryBatch.from_numpy_dict(d))
 
 
-def score_piece(models: list, cfgs: list[RunConfig], teachers: Teachers,
+def score_piece(models: list, cfg: RunConfig, teachers: Teachers,
                 batch: TrajectoryBatch, score) -> tuple[TrajectoryBatch, list[Share]]:
-    """A piece scored by every teacher it needs (teacher i: `models[i]` with `cfgs[i]`), its
-    shares merged into one target (the reference loop; a Ray run scores the shares on the
-    teachers' pools and its learner ranks merge them)."""
-    shares = [score_share(models[i], batch, cfgs[i], i, teachers.share_rows(i, batch.labels),
+    """A piece scored by every teacher it needs (teacher i: `models[i]`), its shares merged
+    into one target (the reference loop; a Ray run scores the shares on the teachers' pools
+    and its learner ranks merge them)."""
+    shares = [score_share(models[i], batch, cfg, i, teachers.share_rows(i, batch.labels),
                           score) for i in teachers.scorers(batch.labels)]
     return merge_shares(teachers, shares), shares
 
 
 def teacher_metrics(teachers: Teachers, shares: list[ShareMeasure]) -> dict:
-    """Per teacher (several only): its busy seconds, rows scored and on-policy KL
-    (`teacher_busy_s/<name>`, `teacher_rows/<name>`, `teacher_kl/<name>`; NaN without sampled
-    tokens) over the measures of a step's shares."""
-    if teachers.rule == ONE:
-        return {}
+    """Per teacher: its busy seconds, rows scored and on-policy KL (`teacher_busy_s/<name>`,
+    `teacher_rows/<name>`, `teacher_kl/<name>`; NaN without sampled tokens) over the measures
+    of a step's shares."""
     out = {}
     for i, name in enumerate(teachers.names):
         mine = [s for s in shares if s.teacher == i]

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from rollout.calibrate import cache_root
-from opd.config.schema import RunConfig
+from opd.config.schema import RunConfig, TeacherConfig
 from opd.config.files import config_hash
 from opd.eval.features import DIGITS_EXTRACTOR
 from opd.eval.grid import save_grid
@@ -124,19 +124,21 @@ def read_only():
 
 
 def teacher_identity(cfg: RunConfig) -> dict:
-    """What names the teacher: its checkpoint file (path, size, mtime), else the key of the
-    cached pretrained teacher."""
-    if cfg.teachers:                             # several: each, and how they combine
-        from opd.distill.teachers import run_teachers, teacher_config
-        t = run_teachers(cfg)
-        return {"rule": t.rule, "teachers": [
-            {"identity": teacher_identity(teacher_config(cfg, i)), "classes": list(e.classes),
-             "weight": e.weight, "guided": e.guided} for i, e in enumerate(t.entries)]}
-    if cfg.model.teacher_ckpt:
-        return {"checkpoint": dataset_digest(Path(cfg.model.teacher_ckpt)),
-                "preset": cfg.model.teacher}
+    """What names the run's teachers and how they combine: per teacher its checkpoint file
+    (path, size, mtime), else the key of its cached pretrained model."""
+    from opd.distill.teachers import run_teachers
+    t = run_teachers(cfg)
+    return {"rule": t.rule, "teachers": [
+        {"identity": _identity(cfg, e), "classes": list(e.classes), "weight": e.weight,
+         "guided": e.guided} for e in t.entries]}
+
+
+def _identity(cfg: RunConfig, t: TeacherConfig) -> dict:
+    ckpt = t.ckpt or cfg.model.teacher_ckpt
+    if ckpt:
+        return {"checkpoint": dataset_digest(Path(ckpt)), "preset": t.model or cfg.model.teacher}
     train_file, _ = data_paths(cfg)
-    return {"pretrained": pretrain_key(cfg, "teacher", train_file)}
+    return {"pretrained": pretrain_key(cfg, "teacher", train_file, t)}
 
 
 def reference_identity(cfg: RunConfig) -> dict:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rollout.calibrate import cache_root
-from opd.config.schema import RunConfig
+from opd.config.schema import RunConfig, TeacherConfig
 from opd.config.files import config_hash
 from opd.data import PrefixBatcher, TokenDataset, dataset_stats
 from opd.data.splits import data_paths, open_dataset
@@ -81,24 +81,33 @@ def heldout_nll(model: GPT, dataset: TokenDataset, batch_size: int = 256) -> flo
     return total / count
 
 
-def pretrain_key(cfg: RunConfig, role: str, train_file: Path) -> dict:
-    """Everything that determines a pretrained model."""
+def role_preset(cfg: RunConfig, role: str, teacher: TeacherConfig | None = None) -> str:
+    """The model preset of the student, or of teacher `teacher` (an entry of cfg.teachers;
+    its `model`, unset or None: model.teacher)."""
+    if role != "teacher":
+        return cfg.model.student
+    return (teacher.model if teacher else None) or cfg.model.teacher
+
+
+def pretrain_key(cfg: RunConfig, role: str, train_file: Path,
+                 teacher: TeacherConfig | None = None) -> dict:
+    """Everything that determines a pretrained model (`teacher`: as `load_role_model`)."""
     p = cfg.pretrain
-    preset = cfg.model.teacher if role == "teacher" else cfg.model.student
     steps = p.teacher_steps if role == "teacher" else p.student_steps
-    key = {"role": role, "preset": preset, "model": model_overrides(cfg),
+    key = {"role": role, "preset": role_preset(cfg, role, teacher), "model": model_overrides(cfg),
            "data": file_sha256(train_file), "steps": steps, "batch_size": p.batch_size,
            "lr": p.lr, "class_dropout": p.class_dropout, "seed": p.seed, "version": 2}
-    classes = specialist_classes(cfg, role)
+    classes = specialist_classes(cfg, role, teacher)
     if classes is not None:
         key["classes"] = list(classes)
     return key
 
 
-def specialist_classes(cfg: RunConfig, role: str) -> tuple[int, ...] | None:
-    """The classes a specialist teacher is pretrained on (a `teachers:` entry that owns some
-    classes, as `opd.distill.teachers.teacher_config` gives it), None for every class."""
-    classes = cfg.teacher.classes if role == "teacher" else ()
+def specialist_classes(cfg: RunConfig, role: str,
+                       teacher: TeacherConfig | None = None) -> tuple[int, ...] | None:
+    """The classes a specialist teacher is pretrained on (a teacher that owns some classes),
+    None for every class."""
+    classes = teacher.classes if role == "teacher" and teacher else ()
     if not classes or set(classes) >= set(range(cfg.model.num_classes)):
         return None
     return tuple(sorted(classes))
@@ -119,12 +128,13 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
-                     force: bool = False) -> tuple[GPT, dict]:
-    """The cached pretrained teacher or student for this config (trained on first use).
-    Returns (model in eval mode, report with held-out NLL and timing)."""
+def pretrained_model(cfg: RunConfig, role: str, *, teacher: TeacherConfig | None = None,
+                     progress: bool = True, force: bool = False) -> tuple[GPT, dict]:
+    """The cached pretrained teacher (`teacher`: as `load_role_model`) or student for this
+    config (trained on first use).  Returns (model in eval mode, report with held-out NLL and
+    timing)."""
     train_file, _ = data_paths(cfg)
-    key = pretrain_key(cfg, role, train_file)
+    key = pretrain_key(cfg, role, train_file, teacher)
     path = cache_root() / "pretrained" / f"{role}-{key['preset']}-{config_hash(key)}.pt"
     preset = key["preset"]
     seed = cfg.pretrain.seed + (role == "student")
@@ -137,7 +147,7 @@ def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
         return model.eval(), json.loads(report_path.read_text())
     train = open_dataset(cfg, "train")
     heldout = open_dataset(cfg, "heldout")
-    if (classes := specialist_classes(cfg, role)) is not None:
+    if (classes := specialist_classes(cfg, role, teacher)) is not None:
         train, heldout = train.of_classes(classes), heldout.of_classes(classes)
     start = time.time()
     losses = train_supervised(model, train, steps=key["steps"], batch_size=key["batch_size"],
@@ -158,25 +168,31 @@ def pretrained_model(cfg: RunConfig, role: str, *, progress: bool = True,
     return model.eval(), report
 
 
-def load_role_model(cfg: RunConfig, role: str, *, progress: bool = True) -> GPT:
-    """The teacher or the starting student of a run: from the configured checkpoint, else the
-    cached pretrained model.  Eval mode, no label dropout."""
+def load_role_model(cfg: RunConfig, role: str, *, teacher: TeacherConfig | None = None,
+                    progress: bool = True) -> GPT:
+    """A teacher or the starting student of a run: from the configured checkpoint, else the
+    cached pretrained model.  Eval mode, no label dropout.  `teacher`: the entry of
+    cfg.teachers to load (its `model` and `ckpt`, unset: model.teacher and model.teacher_ckpt;
+    pretrained on its `classes`); None: model.teacher, on every class."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    ckpt = cfg.model.teacher_ckpt if role == "teacher" else cfg.model.student_ckpt
-    preset = cfg.model.teacher if role == "teacher" else cfg.model.student
+    if role == "teacher":
+        ckpt = (teacher.ckpt if teacher else None) or cfg.model.teacher_ckpt
+    else:
+        ckpt = cfg.model.student_ckpt
+    preset = role_preset(cfg, role, teacher)
     if ckpt:
         try:
             model = load_llamagen_checkpoint(ckpt, preset, **model_overrides(cfg))
-        except CheckpointError as e:          # whose file: a teacher of several names itself
-            if role == "teacher" and cfg.teacher.name:
-                raise CheckpointError(f"teacher {cfg.teacher.name!r} (teachers[].ckpt): {e}; "
+        except CheckpointError as e:          # whose file: a teacher names itself
+            if teacher is not None:
+                raise CheckpointError(f"teacher {teacher.name!r} (teachers[].ckpt): {e}; "
                                       f"every teacher needs the student's vocabulary and grid "
                                       f"(model.vocab_size={cfg.model.vocab_size}, "
                                       f"model.grid_size={cfg.model.grid_size})") from None
             raise
     else:
-        model, _ = pretrained_model(cfg, role, progress=progress)
+        model, _ = pretrained_model(cfg, role, teacher=teacher, progress=progress)
     return model.eval()
 
 

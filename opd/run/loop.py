@@ -22,7 +22,6 @@ from opd.config.loader import ConfigError
 from opd.run.metrics_log import MetricsLog
 from opd.distill.phases import objectives, phases
 from opd.distill.steps import needs_teacher_scores
-from opd.distill.teachers import run_teachers
 from opd.run.trackers import RunTrackers
 
 
@@ -107,8 +106,8 @@ class StepLog:
 
 def check_objectives(cfg: RunConfig) -> None:
     """The teacher transport must be one that every phase's objective supports."""
-    transport = run_teachers(cfg).entries[0].transport     # one for every teacher (config)
-    tkey = "teachers[0].transport" if cfg.teachers else "teacher.transport"
+    transport = cfg.teachers[0].transport     # one for every teacher (config)
+    tkey = "teachers[0].transport"
     for phase, objective in zip(phases(cfg), objectives(cfg)):
         if needs_teacher_scores(objective) and not objective.supports(transport):
             key = (f"distill.phases[{phase.index}].objective" if cfg.distill.phases

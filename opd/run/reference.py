@@ -45,8 +45,8 @@ from opd.distill.phases import objectives, phase_at, rolls_out
 from opd.distill.pieces import merge_batches, step_layout
 from opd.distill.plan import step_jobs, step_source
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.ensemble import TeacherEnsemble
-from opd.distill.teachers import run_teachers, score_piece, teacher_config, teacher_metrics
+from opd.distill.ensemble import as_one_model, load_teachers
+from opd.distill.teachers import run_teachers, score_piece, teacher_metrics
 from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, score
 from opd.distill.stream import PartStream
 from opd.distill.phases import learning_rate
@@ -102,9 +102,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
     seed = cfg.run.seed
     torch.manual_seed(seed)
     teachers = run_teachers(cfg)
-    tcfgs = [teacher_config(cfg, i) for i in range(len(teachers))]
-    tmodels = [precision.to_role(load_role_model(c, "teacher", progress=progress), c, "teacher")
-               for c in tcfgs]
+    tmodels = load_teachers(cfg, progress=progress)
     teacher = tmodels[0]              # SeqKD's (one teacher: the config refuses several)
     student = load_role_model(cfg, "student", progress=progress)
     policy = precision.RolloutCopy(cfg, student)          # the student in model.dtype
@@ -124,8 +122,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     desc="opd reference", progress=progress)
     quality = quality_log(run_dir, resume=resume, start=start)
     steps.follow(quality)
-    evaluator = (Evaluator(cfg, teacher if len(teachers) == 1 else TeacherEnsemble(teachers, tmodels))
-                 if cfg.eval.track else None)
+    evaluator = Evaluator(cfg, as_one_model(teachers, tmodels)) if cfg.eval.track else None
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))
     track_quality(evaluator, quality, student, start, run_dir)
@@ -149,7 +146,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     batch = piece.batch
                     if needs_teacher_scores(objective):
                         t0 = time.perf_counter()
-                        batch, made = score_piece(tmodels, tcfgs, teachers, batch, score)
+                        batch, made = score_piece(tmodels, cfg, teachers, batch, score)
                         shares += [s.measure() for s in made]
                         seconds["teacher"] += time.perf_counter() - t0
                     scored.append(batch)

@@ -32,11 +32,11 @@ def test_actors_carry_names_and_reprs_with_their_version(ray_session, tiny_overr
         ns = groups.namespace
         assert ns.startswith("opd-run-a-")
         assert {n: info(n, ns)["repr"] for n in
-                ["opd/rollout/0", "opd/rollout/1", "opd/teacher/0", "opd/learner/0",
+                ["opd/rollout/0", "opd/rollout/1", "opd/teacher/default/0", "opd/learner/0",
                  "opd/queue"]} == {
             "opd/rollout/0": "RolloutWorker(opd/rollout/0, version=None)",
             "opd/rollout/1": "RolloutWorker(opd/rollout/1, version=None)",
-            "opd/teacher/0": "TeacherWorker(opd/teacher/0, version=None)",
+            "opd/teacher/default/0": "TeacherWorker(opd/teacher/default/0, version=None)",
             "opd/learner/0": "StudentLearner(opd/learner/0, version=0)",
             "opd/queue": "TrajectoryQueue(opd/queue, version=None, depth=0/4)"}
 

@@ -28,12 +28,13 @@ def scoring(step: int, piece: int) -> tuple[Task, Score]:
 
 
 def test_waiting_scorings_go_out_lowest_step_and_piece_first():
-    groups = SimpleNamespace(rollout=[], teacher_pools={"teacher": ["t0"]})
+    groups = SimpleNamespace(rollout=[], teacher_pools={"teacher/default": ["t0"]})
     d = Dispatcher(groups, max_restarts=1)
     calls = []
     for step, piece in ((4, 2), (4, 0), (4, 3), (3, 1), (4, 1)):   # the order pieces came out
         task, c = scoring(step, piece)
-        d.submit(task, c, lambda actor, p=(step, piece): calls.append((actor, p)) or p)
+        d.submit(task, c, lambda actor, p=(step, piece): calls.append((actor, p)) or p,
+                 "teacher/default")
     assert calls == [("t0", (4, 2)), ("t0", (4, 0))]             # the worker took two
     assert [(t.step, t.piece) for t, _ in d.waiting()] == [(3, 1), (4, 1), (4, 3)]
     assert d.waiting() == []                                    # given back once

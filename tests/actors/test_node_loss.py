@@ -53,7 +53,7 @@ def test_rollout_node_then_teacher_node_lost(report):
     (worker, remade), = rollout["remade"].items()
     assert worker == rollout["workers"][0]
     assert remade["node"] == rollout["nodes"]["rollout"][2]["node"]
-    assert len(rollout["nodes"]["rollout"]) == 3 and len(rollout["nodes"]["teacher"]) == 2
+    assert len(rollout["nodes"]["rollout"]) == 3 and len(rollout["nodes"]["teacher/default"]) == 2
     assert teacher["remade"] == {}                      # nothing replaced the teacher node
     assert "lost at step" in proc.stdout + proc.stderr
 

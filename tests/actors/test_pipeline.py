@@ -96,7 +96,7 @@ EXPECTED = {  # metric -> a (role, worker) it must carry
     "ray_opd_rollout_image_rounds_count": ("rollout", "1"),
     "ray_opd_rollout_window_count": ("rollout", "0"),
     "ray_opd_rollout_longest_single_run": ("rollout", "0"),
-    "ray_opd_teacher_tokens_per_s": ("teacher", "1"),
+    "ray_opd_teacher_tokens_per_s": ("teacher", "default/1"),
     "ray_opd_learner_step_seconds_count": ("learner", "0"),
     "ray_opd_queue_depth": ("driver", "0"),
     "ray_opd_weight_sync_seconds_count": ("driver", "0"),
@@ -223,7 +223,8 @@ def test_killed_rollout_worker_loses_nothing(ray_session, tiny_overrides, refere
     assert state, "the hook never fired"
     assert_each_batch_once(rows, tmp_path)
     record = consumed(tmp_path)
-    assert record["reissued"] >= 1 and record["worker_failures"] == {"rollout": 1, "teacher": 0}
+    assert record["reissued"] >= 1 and record["worker_failures"] == {"rollout": 1,
+                                                                  "teacher/default": 0}
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
     # a new process that holds the current weights generated the rest
     before, after = pids[0], pids[STEPS - 1]
@@ -237,7 +238,8 @@ def test_killed_teacher_worker_loses_nothing(ray_session, tiny_overrides, refere
     assert state, "the hook never fired"
     assert_each_batch_once(rows, tmp_path)
     record = consumed(tmp_path)
-    assert record["reissued"] >= 1 and record["worker_failures"] == {"rollout": 0, "teacher": 1}
+    assert record["reissued"] >= 1 and record["worker_failures"] == {"rollout": 0,
+                                                                  "teacher/default": 1}
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
 
 

@@ -69,7 +69,7 @@ def test_pieces_are_sealed_by_generation_and_dropped_once_handed_out():
     assert store.seal(5, 0, pieces=2) == [[["p0r0"], ["p1r0"]], [["p0r1"], [None]]]
     assert store.pieces == {}                                     # generation 1 dropped too
     # two teachers' shares of a piece: each rank gets both, in teacher order
-    assert store.put(6, 0, 0, ["b0", "b1"], share=1) and store.put(6, 0, 0, ["a0", "a1"], share=0)
+    assert store.put(6, 0, 0, ["b0", "b1"], teacher=1) and store.put(6, 0, 0, ["a0", "a1"], teacher=0)
     assert store.get(6, 0, 0)[0] == [["a0", "b0"], ["a1", "b1"]]
     assert store.seal(6, 0, pieces=1) == [[["a0", "b0"]], [["a1", "b1"]]]
     store.handed_out_below = 6

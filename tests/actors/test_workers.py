@@ -83,13 +83,15 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     from opd.distill.pieces import rank_cuts
     from actors.workers.queue import QueueItem, TrajectoryQueue
     from opd.distill.pieces import take_rows
+    from opd.distill.teachers import share_from_numpy
     cfg, job, student = setup
     traj = generate(student, build_engine(cfg), job, cfg, policy_version=0)
     queue = ray_session.remote(TrajectoryQueue).remote(2, 0, 2)
     cuts = rank_cuts(4, 2)
     assert cuts == ((0, 2), (2, 4))
     report = TeacherWorker(cfg, 0).score(traj.to_numpy_dict(), PieceTag(0, 0, 0, cuts, 0), queue)
-    want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg)
+    want = score(load_role_model(cfg, "teacher", progress=False), traj, cfg.teachers[0],
+                 cfg.rollout.cfg_scale)
     assert ray_session.get(queue.seal.remote(QueueItem(0, job.batch_id, 0, samples=4), 0, 1))
     nbytes = 0
     for rank, (a, b) in enumerate(cuts):
@@ -97,8 +99,9 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
         ((ref,),) = share["refs"]                  # its one piece: one share (one teacher)
         payload = ray_session.get(ref)
         nbytes += payload_nbytes(payload)
-        got = TrajectoryBatch.from_numpy_dict(payload)
-        rows = take_rows(want, a, b)
+        got = share_from_numpy(payload)
+        assert (got.teacher, got.rows) == (0, None)   # the one teacher's share: every row
+        got, rows = got.batch, take_rows(want, a, b)
         assert torch.equal(got.teacher_topk_indices, rows.teacher_topk_indices)
         assert torch.equal(got.teacher_topk_values, rows.teacher_topk_values)
         assert torch.equal(got.tokens, rows.tokens) and got.batch_size == 2

@@ -21,7 +21,7 @@ def test_every_metric_has_a_panel_with_rays_exported_name():
         assert exported in exprs, name
 
 
-def test_each_teacher_of_several_gets_its_own_panel():
+def test_each_teacher_gets_its_own_panel():
     """Grafana repeats the per-teacher panel over the $teacher variable, whose values are the
     names the driver reports each teacher's on-policy KL under."""
     from launch.dashboard import build_dashboard

@@ -111,7 +111,7 @@ def test_overrides_of_every_scalar_type():
     ])
     assert cfg.rollout.window == 8 and cfg.learner.lr == 3e-4
     assert cfg.rollout.cfg_scale == 2.0 and isinstance(cfg.rollout.cfg_scale, float)
-    assert cfg.teacher.guided is True and cfg.rollout.engine == "cached_ar"
+    assert cfg.teachers[0].guided is True and cfg.rollout.engine == "cached_ar"
     assert cfg.run.name == "1.10" and cfg.run.dir == "/tmp/x"
     assert cfg.model.student_ckpt is None and cfg.rollout.history_offset is None
     assert cfg.learner.betas == (0.8, 0.9) and cfg.rollout.gamma == 30
@@ -192,7 +192,7 @@ def test_enum_names_key_value_and_choices():
 def test_cross_field_checks():
     assert error(["teacher.transport=topk"]) == ("teacher.topk=0: teacher.transport='topk' needs "
                                                  "1 <= teacher.topk <= model.vocab_size (17)")
-    assert load_config(None, ["teacher.transport=topk", "teacher.topk=8"]).teacher.topk == 8
+    assert load_config(None, ["teacher.transport=topk", "teacher.topk=8"]).teachers[0].topk == 8
     assert error(["rollout.top_k=18"]).startswith("rollout.top_k=18: must be <= model.vocab_size (17)")
     assert load_config(None, ["rollout.top_k=18", "model.vocab_size=16384"]).rollout.top_k == 18
     assert error(["rollout.history_offset=64"]) == ("rollout.history_offset=64: must be < the "
@@ -235,6 +235,27 @@ def test_yaml_round_trip_and_save(tmp_path):
     assert load_config(str(path)) == cfg
 
 
+def test_the_teacher_section_is_the_list_of_its_one_entry(tmp_path):
+    """`teacher:` (a section, a preset's, or `teacher.KEY=VALUE`) is `teachers: [{name:
+    default, ...}]`; an earlier version's config.yaml, which saved `teacher:` beside an empty
+    `teachers:`, loads to the same run."""
+    cfg = load_config("llamagen_b_gkd", ["teacher.num_workers=3"])
+    (t,) = cfg.teachers
+    assert (t.name, t.num_workers, t.transport, t.topk, t.num_gpus) == ("default", 3, "topk", 256, 1.0)
+    assert not hasattr(cfg, "teacher")
+    old = config_to_dict(cfg)
+    section = old.pop("teachers")[0]
+    old["teacher"], old["teachers"] = {**section, "name": ""}, []     # as 75420b1 saved it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert load_config(str(tmp_path / "config.yaml")) == cfg == config_from_dict(old)
+    two = load_config("digits_two_teachers")                 # beside teachers:, teacher: goes
+    assert [t.name for t in two.teachers] == ["low", "high"]
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(two, ["teacher.num_workers=2"])
+    assert str(e.value) == ("teacher.num_workers: this run has 2 teachers (teachers:); set "
+                            "teachers.N.num_workers=VALUE on teacher N")
+
+
 def test_config_hash_is_stable_and_sensitive():
     a = load_config("tiny")
     assert config_hash(a) == config_hash(load_config("tiny")) == config_hash(config_to_dict(a))
@@ -260,13 +281,14 @@ def test_config_hash_values_are_pinned():
     window auto moved 50a03525f77e / 50804f9eaa52; eval.num_samples 1,000 every 200 steps moved
     cf125a7d81fb / 9846735e5aa3; `teachers` and the teacher sections' name, model, ckpt,
     classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044; rollout.compare_every
-    moved e2e9b9f0ed6e / 8939349c977c / fb43b848f976)."""
+    and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
+    8939349c977c / fb43b848f976)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "f0044c3c88be"
-    assert config_hash(RunConfig()) == "c0cbee6ea3c3"
+    assert config_hash(tiny) == "HASH_TINY"
+    assert config_hash(RunConfig()) == "HASH_DEFAULT"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "795f666f093f"
+                                          "distill.objective_options.gate=0.5"])) == "HASH_OTHER"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------

@@ -60,7 +60,8 @@ def test_the_check_on_the_loss_forward_equals_a_forward_of_its_own(extra):
     from opd.distill.steps import student_loss
     cfg = load_config("tiny", extra)                  # on-policy GKD
     student, teacher, job = models_and_job()
-    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, policy_version=0), cfg)
+    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, policy_version=0),
+                 cfg.teachers[0], cfg.rollout.cfg_scale)
     alone = logprob_gap(student, traj, cfg)
     for dropout in (False, True):
         _, metrics = student_loss(student, traj, build_objective(cfg), dropout=dropout, check=cfg)
@@ -76,7 +77,7 @@ def test_stale_weights_give_the_weights_own_logprob_change():
     old, teacher, job = models_and_job()
     traj = generate(old, build_engine(cfg), job, cfg, policy_version=0)
     new = copy.deepcopy(old)
-    learn(new, make_optimizer(new, cfg), score(teacher, traj, cfg), build_objective(cfg),
+    learn(new, make_optimizer(new, cfg), score(teacher, traj, cfg.teachers[0], cfg.rollout.cfg_scale), build_objective(cfg),
           grad_clip=1.0, dropout=False)
     gap = logprob_gap(new, traj, cfg)
     direct = (recompute_logprobs(new, traj, cfg).double()

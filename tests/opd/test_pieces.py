@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opd.distill.pieces import (auto_pieces, merge_batches, piece_sizes, rank_cuts, row_ranges,
-                                split_job, step_layout, step_pieces, take_rows)
+                                split_job, step_layout, step_parts, step_pieces, take_rows)
 from opd.distill.stream import PartStream
 from opd.distill.results import combine_metrics
 from opd.config.schema import load_config
@@ -63,8 +63,10 @@ def test_split_sampled_rollout_equals_the_whole_batch(setup, parts):
 def test_scored_parts_merge_to_the_scores_of_the_whole(setup):
     cfg, student, job = setup
     engine = build_engine(cfg)
-    whole = score(student, generate(student, engine, job, cfg, 0), cfg)
-    parts = [score(student, take_rows(whole, a, b), cfg) for a, b in row_ranges(5, 2)]
+    whole = score(student, generate(student, engine, job, cfg, 0), cfg.teachers[0],
+                  cfg.rollout.cfg_scale)
+    parts = [score(student, take_rows(whole, a, b), cfg.teachers[0],
+                  cfg.rollout.cfg_scale) for a, b in row_ranges(5, 2)]
     merged = merge_batches(parts)
     assert torch.equal(merged.teacher_topk_indices, whole.teacher_topk_indices)
     torch.testing.assert_close(merged.teacher_topk_values, whole.teacher_topk_values,
@@ -99,6 +101,17 @@ def test_auto_pieces_are_about_eight_rows_a_rank_and_one_per_worker_at_least():
     assert step_pieces(cfg) == 6 and step_pieces(load_config("tiny", ["distill.pieces=3"])) == 3
 
 
+def test_every_teachers_pool_counts_in_the_pieces_and_calls():
+    """Auto pieces give every worker of the largest pool work: a teacher's pool of several
+    (`teachers[i].num_workers`) as well as the one teacher's."""
+    one = load_config("tiny", ["data.batch_size=32", "teacher.num_workers=6"])
+    two = load_config("tiny", ["data.batch_size=32", "teachers=[{name: a, weight: 1.0}, "
+                               "{name: b, weight: 1.0, num_workers: 6}]"])
+    for cfg in (one, two):
+        assert (step_pieces(cfg), step_parts(cfg)) == (6, 6)
+    assert step_pieces(load_config("tiny", ["data.batch_size=32"])) == 4
+
+
 @pytest.mark.parametrize("pieces", [2, 3])
 def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup, pieces):
     """The weights n_p / N make the pieces' accumulated gradient the gradient of the batch's
@@ -107,7 +120,8 @@ def test_gradients_accumulated_over_pieces_equal_the_whole_batch_gradient(setup,
     torch.manual_seed(5)
     teacher = create_model("GPT-digits-S", grid_size=4).eval()
     objective = build_objective(load_config("tiny", ["distill.objective=gkd", "distill.beta=0.3"]))
-    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, 0), cfg)
+    traj = score(teacher, generate(student, build_engine(cfg), job, cfg, 0), cfg.teachers[0],
+                  cfg.rollout.cfg_scale)
 
     def grads(batches):
         model = copy.deepcopy(student)

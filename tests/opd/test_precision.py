@@ -128,7 +128,7 @@ def test_bf16_teacher_scores_are_float32(tiny_overrides):
     traj = generate(teacher, build_engine(cfg), job, cfg, policy_version=0)
     for transport in ("full", "topk"):
         c = cfg_for(tiny_overrides, *BF16, f"teacher.transport={transport}", "teacher.topk=4")
-        out = score(teacher, traj, c)
+        out = score(teacher, traj, c.teachers[0], c.rollout.cfg_scale)
         vals = out.teacher_logprobs if transport == "full" else out.teacher_topk_values
         assert vals is not None and vals.dtype == torch.float32, transport
         assert torch.isfinite(vals).all()

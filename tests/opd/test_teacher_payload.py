@@ -48,7 +48,7 @@ def test_scores_cover_the_suffix_in_slim_types_and_count_exact_bytes(setup, tran
     cfg = with_transport(cfg, transport)
     L, P, V = traj.seq_len, traj.prefix_len, cfg.model.vocab_size
     assert (L, P, V) == (64, 32, 17)
-    scored = score(teacher, traj, cfg)
+    scored = score(teacher, traj, cfg.teachers[0], cfg.rollout.cfg_scale)
     assert scored.teacher_start == P
     wire = scored.to_numpy_dict()
     if transport == "topk":
@@ -79,8 +79,8 @@ def test_losses_equal_those_on_scores_of_every_position(setup, transport, object
                          *(["distill.lam=0.0"] if objective == "gkd" else []))
     source = {"gkd": "data", "kd": "data", "varkd": "student"}[objective]
     traj = TrajectoryBatch(traj.batch_id, traj.labels, traj.prefix_len, traj.tokens, 0, source)
-    slim = score(teacher, traj, cfg)
-    logp = F.log_softmax(teacher_logits(teacher, traj, guided=cfg.teacher.guided,
+    slim = score(teacher, traj, cfg.teachers[0], cfg.rollout.cfg_scale)
+    logp = F.log_softmax(teacher_logits(teacher, traj, guided=cfg.teachers[0].guided,
                                         cfg_scale=cfg.rollout.cfg_scale), -1)   # (B, L, V)
     if transport == "full":
         every = traj.with_teacher(logprobs=logp)

@@ -8,7 +8,7 @@ import torch
 from opd.config.loader import ConfigError
 from opd.config.schema import load_config
 from opd.distill.batch import TrajectoryBatch
-from opd.distill.teachers import (MIX, ONE, ROUTE, Share, cut_share, merge_shares, mixture,
+from opd.distill.teachers import (MIX, ROUTE, Share, cut_share, merge_shares, mixture,
                                   run_teachers, share_from_numpy, share_to_numpy, take_index)
 from opd.run.reference import run_reference
 
@@ -24,7 +24,9 @@ def cfg_for(tiny_overrides, *extra):
 
 
 def test_the_rule_of_each_form(tiny_overrides):
-    assert run_teachers(cfg_for(tiny_overrides)).rule == ONE
+    one = run_teachers(cfg_for(tiny_overrides))           # a list of one: one share, every row
+    assert (one.names, one.rule, one.pool(0)) == (["default"], MIX, "teacher/default")
+    assert one.share_rows(0, torch.tensor([7, 0])) is None and one.scorers(torch.tensor([7])) == [0]
     assert run_teachers(cfg_for(tiny_overrides, ROUTED)).rule == ROUTE
     assert run_teachers(cfg_for(tiny_overrides, MIXED)).rule == MIX
     t = run_teachers(cfg_for(tiny_overrides, ROUTED))
@@ -49,7 +51,7 @@ def test_the_rule_of_each_form(tiny_overrides):
      "{name: b, weight: 1.0, transport: topk, topk: 4}]", "exact only over the full vocabulary"),
     ("teachers=[{name: a, classes: [0,1,2,3,4], transport: topk, topk: 4}, "
      "{name: b, classes: [5,6,7,8,9]}]", "one kind of target"),
-    ("teacher.classes=[1,2]", "teacher.classes: one teacher owns every class"),
+    ("teacher.classes=[1,2]", "classes [0, 3, 4, 5, 6, 7, 8, 9] are owned by no teacher"),
 ])
 def test_bad_teachers_are_named_in_one_line(tiny_overrides, items, words):
     with pytest.raises(ConfigError) as e:
@@ -111,12 +113,11 @@ def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides
     against) gives each row its owner's log-probs; with the keyed sampler its samples of class c
     are the owner's own samples of class c, token for token (Cached AR and HB-SJD)."""
     from opd.distill.ensemble import load_teacher
-    from opd.distill.teachers import teacher_config
     from opd.eval.sample import sample_tokens
     from opd.models.factory import load_role_model
     cfg = cfg_for(tiny_overrides, ROUTED, "rollout.decoding=sample")
     ensemble = load_teacher(cfg, progress=False)
-    owners = [load_role_model(teacher_config(cfg, i), "teacher", progress=False) for i in (0, 1)]
+    owners = [load_role_model(cfg, "teacher", teacher=t, progress=False) for t in cfg.teachers]
     labels = torch.tensor([7, 0, 5, 4])
     tokens = torch.randint(0, 17, (4, 63))
     got = ensemble(labels, tokens)
@@ -147,7 +148,6 @@ def test_a_routed_run_scores_each_row_once_and_evaluates_against_the_ensemble(ti
 
 
 def test_a_teachers_missing_or_mismatched_checkpoint_is_named(tiny_overrides, tmp_path):
-    from opd.distill.teachers import teacher_config
     from opd.models import CheckpointError, create_model
     from opd.models.factory import load_role_model
     from opd.run.preflight import missing_inputs
@@ -160,4 +160,4 @@ def test_a_teachers_missing_or_mismatched_checkpoint_is_named(tiny_overrides, tm
     cfg = cfg_for(tiny_overrides, f"teachers=[{{name: a, weight: 1.0, ckpt: {tmp_path}/wide.pt}}, "
                                   "{name: b, weight: 1.0}]")
     with pytest.raises(CheckpointError, match=r"teacher 'a' \(teachers\[\]\.ckpt\).*vocab_size=17"):
-        load_role_model(teacher_config(cfg, 0), "teacher", progress=False)
+        load_role_model(cfg, "teacher", teacher=cfg.teachers[0], progress=False)
