@@ -11,13 +11,15 @@ import numpy as np
 
 def summarize(rows: list[dict]) -> dict:
     """Aggregate per-step rows: first/last loss, mean step time split and, for runs with
-    student rollouts, the share of steps on them, their speed and the rounds they took against
-    the rounds Cached AR needs for the same tokens (`rounds_vs_ar`)."""
+    student rollouts, the share of steps on fresh ones, their speed and the rounds they took
+    against the rounds Cached AR needs for the same tokens (`rounds_vs_ar`); with rollout reuse,
+    the steps on reused rollouts and their largest policy lag."""
     if not rows:
         return {}
     col = lambda k: np.array([r.get(k) or 0.0 for r in rows], dtype=float)  # noqa: E731
     gen, roll = col("generated_tokens"), col("rollout_s")
-    student = np.array([r.get("source") == "student" for r in rows])
+    reused = np.array([bool(r.get("reused")) for r in rows])
+    student = np.array([r.get("source") == "student" for r in rows]) & ~reused   # fresh rollouts
     n = max(1, len(rows) // 10)
     out = {
         "steps": len(rows),
@@ -35,6 +37,9 @@ def summarize(rows: list[dict]) -> dict:
             "mean_committed": float(col("mean_committed")[student].mean()),
             "rounds_vs_ar": float(col("rounds")[student].sum() / ar) if ar > 0 else float("nan"),
         })
+    if reused.any():                     # rollout reuse (opd/distill/reuse.py): steps, their lag
+        out.update({"reused_steps": int(reused.sum()),
+                    "reused_lag_max": int(col("policy_lag")[reused].max())})
     return out
 
 

@@ -259,13 +259,14 @@ def test_config_hash_values_are_pinned():
     window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e; the default
     window auto moved 50a03525f77e / 50804f9eaa52; eval.num_samples 1,000 every 200 steps moved
     cf125a7d81fb / 9846735e5aa3; `teachers` and the teacher sections' name, model, ckpt,
-    classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044)."""
+    classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044; distill.reuse,
+    reuse_buffer and reuse_fresh moved e2e9b9f0ed6e / 8939349c977c / fb43b848f976)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "e2e9b9f0ed6e"
-    assert config_hash(RunConfig()) == "8939349c977c"
+    assert config_hash(tiny) == "a6baf4f282a3"
+    assert config_hash(RunConfig()) == "1054a166344d"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "fb43b848f976"
+                                          "distill.objective_options.gate=0.5"])) == "017856608dca"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------
