@@ -23,7 +23,9 @@ publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py (an 
 pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress, rows, checkpoint
 cadence) is shared with the reference loop.  Steps not sampled from the student are prepared
 ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0 student rollouts run up
-to k versions ahead.  Ctrl-C (opd/run/interrupt.py): the step in training finishes, its
+to k versions ahead.  With `distill.reuse` k > 1 a step may train on a buffered rollout
+(opd/distill/reuse.py): the learner ranks kept their rows of it, so the step makes nothing, goes
+through no queue and consumes no prefix batch (consumed.json counts it under "reused").  Ctrl-C (opd/run/interrupt.py): the step in training finishes, its
 checkpoint is written, and the run raises `RunInterrupted`.  Faults: failed workers are probed
 and their calls or pieces issued again (step.py); a learner failure stops the run and names the
 last checkpoint.  Every prefix batch id is consumed exactly once (consumed.json).
@@ -315,7 +317,8 @@ class Pipeline:
                                 sync_seconds=sync.seconds, sync_bytes=sync.bytes,
                                 reissued=self.state.reissued)
         per_teacher = teacher_metrics(teachers, [r.measure for p in step.pieces
-                                                 for r in p.scored.values() if r.measure])
+                                                 for r in p.scored.values()
+                                                 if r.measure and step.origin is None])
         row.update(per_teacher)
         for name in teachers.names if per_teacher else ():
             self.teacher_metrics.setdefault(name, RoleMetrics("teacher", name)).report(
@@ -356,7 +359,7 @@ class Pipeline:
             rollout_workers=(self.elastic.summary() if self.elastic is not None
                              else {"min": n, "max": n}),
             weight_sync="collective" if self.publisher.collective else "object_store",
-            nodes=self.nodes.ran_on(), node_events=self.nodes.events)
+            nodes=self.nodes.ran_on(), node_events=self.nodes.events, reused=self.state.reused)
 
     def _interrupted(self):
         """Ctrl-C: the step in training finishes, the current step is checkpointed; returns
