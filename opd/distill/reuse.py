@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opd.config.loader import ConfigError
 from opd.config.schema import RunConfig
 from opd.distill.phases import Phase, phase_at
 from opd.distill.plan import step_source
@@ -94,9 +95,11 @@ class ReuseSchedule:
 
 def check_resume(schedule: ReuseSchedule, start: int) -> None:
     """A run resumed at `start` must find the reuse buffer empty: buffered rollouts are not in a
-    checkpoint (their policy's weights are gone), so the resumed run could not train on them."""
+    checkpoint (their policy's weights are gone), so the resumed run could not train on them:
+    a ConfigError (one line from the `opd` command)."""
     kept = schedule.kept(start - 1) if start > 0 else ()
     if kept:
-        raise RuntimeError(f"cannot resume at step {start}: the rollouts of steps {list(kept)} are in "
+        raise ConfigError(f"cannot resume at step {start}: the rollouts of steps {list(kept)} are in "
                            f"the reuse buffer (distill.reuse > 1) and not in the checkpoint; "
-                           f"resume from a checkpoint where the buffer is empty, or start again")
+                           f"resume from a checkpoint where the buffer is empty, or start again",
+                          "distill.reuse")

@@ -71,7 +71,7 @@ def test_resume_with_a_buffered_rollout_is_refused():
     for t in [0, *empty]:
         check_resume(s, t)
     for t in full:
-        with pytest.raises(RuntimeError, match=rf"cannot resume at step {t}: the rollouts of "
+        with pytest.raises(ConfigError, match=rf"cannot resume at step {t}: the rollouts of "
                                                rf"steps \[\d"):
             check_resume(s, t)
 
@@ -120,3 +120,20 @@ def test_reused_steps_train_the_stored_rollout_with_the_current_weights(strict_r
             assert r["rollout_s"] == r["teacher_s"] == 0.0
     first = origins.index(next(o for t, o in enumerate(origins) if o != t)) + 1
     assert [r["loss"] for r in rows[:first]] == [r["loss"] for r in strict_run[:first]]
+
+
+def test_resume_is_exact_where_the_buffer_is_empty_and_refused_where_it_is_not(tiny_overrides,
+                                                                              tmp_path):
+    """Seed 0 trains steps 1, 2 on step 0's rollout and 4, 5 on step 3's: after step 2 the buffer
+    is empty (a checkpoint at 3 resumes exactly), after step 1 it holds step 0's rollout (a
+    checkpoint at 2 is refused, in one line)."""
+    cfg = ref_cfg(tiny_overrides, *REUSE, "run.checkpoint_every=3")
+    full = run_reference(cfg, tmp_path / "full", progress=False)
+    assert [r["policy_lag"] for r in full] == [0, 1, 2, 0, 1, 2]
+    run_reference(cfg, tmp_path / "at3", progress=False, stop_after=3)
+    resumed = run_reference(cfg, tmp_path / "at3", progress=False, resume=True)
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=0, abs=1e-7)
+    cfg = ref_cfg(tiny_overrides, *REUSE, "run.checkpoint_every=2")
+    run_reference(cfg, tmp_path / "at2", progress=False, stop_after=2)
+    with pytest.raises(ConfigError, match=r"^cannot resume at step 2: the rollouts of steps \[0\]"):
+        run_reference(cfg, tmp_path / "at2", progress=False, resume=True)
