@@ -60,14 +60,16 @@ STAGES = ("rollout", "teacher", "learner")
 
 
 def stage_lines(rows: list[dict]) -> list[str]:
-    """How a Ray run's stages overlapped, per kind of step (on student rollouts, on data): the
-    median busy seconds of each stage (rollout_busy_s, ...), their sum, and the step's wall time,
-    its critical path; a step whose wall time is below the busy sum ran its stages at once.
-    Nothing for the reference loop, which records no busy time."""
+    """How a Ray run's stages overlapped, per kind of step (on fresh or reused student rollouts,
+    on data): the median busy seconds of each stage (rollout_busy_s, ...), their sum, and the
+    step's wall time, its critical path; a step whose wall time is below the busy sum ran its
+    stages at once.  Nothing for the reference loop, which records no busy time."""
     lines = []
-    for label, on_student in (("on student rollouts", True), ("on data", False)):
-        rs = [r for r in rows if (r.get("source") == "student") == on_student
-              and any(r.get(f"{st}_busy_s") for st in STAGES)]
+    kinds = (("on student rollouts", lambda r: r.get("source") == "student" and not r.get("reused")),
+             ("on reused rollouts", lambda r: bool(r.get("reused"))),       # opd/distill/reuse.py
+             ("on data", lambda r: r.get("source") != "student"))
+    for label, kind in kinds:
+        rs = [r for r in rows if kind(r) and any(r.get(f"{st}_busy_s") for st in STAGES)]
         if not rs:
             continue
         busy = {st: float(np.median([r.get(f"{st}_busy_s") or 0.0 for r in rs])) for st in STAGES}

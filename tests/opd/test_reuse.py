@@ -12,6 +12,7 @@ from opd.distill.phases import phase_at
 from opd.distill.plan import step_source
 from opd.distill.reuse import ReuseSchedule, check_resume, max_lag
 from opd.run.reference import run_reference
+from opd.run.summary import summarize
 
 REUSE = ("distill.reuse=3", "distill.reuse_buffer=2", "distill.reuse_fresh=0.3")
 
@@ -120,6 +121,10 @@ def test_reused_steps_train_the_stored_rollout_with_the_current_weights(strict_r
             assert r["rollout_s"] == r["teacher_s"] == 0.0
     first = origins.index(next(o for t, o in enumerate(origins) if o != t)) + 1
     assert [r["loss"] for r in rows[:first]] == [r["loss"] for r in strict_run[:first]]
+    summary = summarize(rows)                      # rollout speeds over the fresh rollouts only
+    assert (summary["student_steps"], summary["reused_steps"], summary["reused_lag_max"]) == \
+        (len(fresh), 6 - len(fresh), max(r["policy_lag"] for r in rows))
+    assert "reused_steps" not in summarize(strict_run)
 
 
 def test_resume_is_exact_where_the_buffer_is_empty_and_refused_where_it_is_not(tiny_overrides,
