@@ -113,6 +113,8 @@ class Pipeline:
         self.state = DriverState(start, self.steps.end)
         self.state.consumed.update(state.get("consumed", []))
         self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
+        reuse = self.planner.reuse                     # the reuses before a resume, as planned
+        self.state.reused.update(reuse.origin(t) for t in range(start) if reuse.reused(t))
         self.quality = (None if groups.evaluator is None else
                         QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
                                         start=start))

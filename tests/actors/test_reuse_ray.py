@@ -5,6 +5,7 @@ losses (invariant 5); a reused step consumes no prefix batch (invariant 7, consu
 import pytest
 
 from actors.driver.pipeline import run_distributed
+from opd.config.loader import ConfigError
 from opd.distill.phases import phase_at
 from opd.distill.reuse import ReuseSchedule, max_lag
 from opd.run.reference import run_reference
@@ -73,3 +74,20 @@ def test_workers_lost_while_their_rollout_is_buffered_lose_nothing(ray_session, 
     rows = run_distributed(reuse_cfg, tmp_path, progress=False, hooks={"after_step": after_step})
     assert killed == [target]
     assert_reuse_accounted(rows, reference, tmp_path, reuse_cfg)
+
+
+@pytest.mark.slow   # four runs (~85 s); the reference loop's twin runs by default (tests/opd/test_reuse.py)
+def test_resume_is_exact_where_the_buffer_is_empty_and_refused_where_it_is_not(
+        ray_session, tiny_overrides, reference, tmp_path):
+    """After step 2 the buffer is empty (steps 1, 2 used step 0's rollout up): a checkpoint at 3
+    resumes with the uninterrupted run's losses; after step 1 it holds step 0's rollout, which no
+    checkpoint holds: resuming at 2 is refused in one line."""
+    cfg = cfg_for(tiny_overrides, *REUSE, "run.checkpoint_every=3")
+    first = run_distributed(cfg, tmp_path / "at3", progress=False, stop_after=3)
+    assert losses(first) == pytest.approx(losses(reference)[:3], rel=0, abs=LOSS_TOL)
+    resumed = run_distributed(cfg, tmp_path / "at3", progress=False, resume=True)
+    assert_reuse_accounted(resumed, reference, tmp_path / "at3", cfg)
+    cfg = cfg_for(tiny_overrides, *REUSE, "run.checkpoint_every=2")
+    run_distributed(cfg, tmp_path / "at2", progress=False, stop_after=2)
+    with pytest.raises(ConfigError, match=r"^cannot resume at step 2: the rollouts of steps \[0\]"):
+        run_distributed(cfg, tmp_path / "at2", progress=False, resume=True)
