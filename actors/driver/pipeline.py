@@ -25,10 +25,11 @@ cadence) is shared with the reference loop.  Steps not sampled from the student 
 ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0 student rollouts run up
 to k versions ahead.  With `distill.reuse` k > 1 a step may train on a buffered rollout
 (opd/distill/reuse.py): the learner ranks kept their rows of it, so the step makes nothing, goes
-through no queue and consumes no prefix batch (consumed.json counts it under "reused").  Ctrl-C (opd/run/interrupt.py): the step in training finishes, its
-checkpoint is written, and the run raises `RunInterrupted`.  Faults: failed workers are probed
-and their calls or pieces issued again (step.py); a learner failure stops the run and names the
-last checkpoint.  Every prefix batch id is consumed exactly once (consumed.json).
+through no queue and consumes no prefix batch (consumed.json counts it under "reused").
+Ctrl-C (opd/run/interrupt.py): the step in training finishes, its checkpoint is written, and
+the run raises `RunInterrupted`.  Faults: failed workers are probed and their calls or pieces
+issued again (step.py); a learner failure stops the run and names the last checkpoint.  Every
+prefix batch id is consumed exactly once (consumed.json).
 
 Over 400 lines: the executor of every command and the router of every kind of answer and fault
 are kept in one class so the order in which the driver acts reads top to bottom in one file.

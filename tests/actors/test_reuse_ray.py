@@ -15,7 +15,8 @@ REUSE = ("distill.reuse=3", "distill.reuse_buffer=2", "distill.reuse_fresh=0.3",
          "rollout.num_workers=2", "teacher.num_workers=2", "learner.world_size=2",
          "learner.zero_stage=2", "learner.num_cpus=0.25", "data.batch_size=8", "distill.pieces=4",
          "distill.steps=7", "cluster.max_restarts=8")
-"""7 steps, 4 of them on buffered rollouts (seed 0: steps 1, 2 on 0; 4, 5 on 3): 2 + 2 workers, 2 learner ranks, 4 pieces."""
+"""7 steps, 4 on buffered rollouts (seed 0: steps 1, 2 on step 0's; 4, 5 on step 3's); 2 rollout
+and 2 teacher workers, 2 learner ranks, 4 pieces."""
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,8 @@ def assert_reuse_accounted(rows, reference, run_dir, cfg):
     origins = [s.origin(t) for t in range(len(rows))]
     assert sum(o != t for t, o in enumerate(origins)) == 4
     assert losses(rows) == pytest.approx(losses(reference), rel=0, abs=LOSS_TOL)
-    key = lambda r: (r["step"], r["batch_id"], r["policy_version"], r["policy_lag"], r["reused"])  # noqa: E731
-    assert [key(r) for r in rows] == [key(r) for r in reference]
+    keys = ("step", "batch_id", "policy_version", "policy_lag", "reused")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in reference]
     assert [r["policy_lag"] for r in rows] == [t - o for t, o in enumerate(origins)]
     assert max(r["policy_lag"] for r in rows) <= max_lag(phase_at(cfg, 0))
     fresh = [t for t, o in enumerate(origins) if o == t]
