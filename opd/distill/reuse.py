@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from opd.config.loader import ConfigError
 from opd.config.schema import RunConfig
-from opd.distill.phases import Phase, phase_at
+from opd.distill.phases import Phase, phase_at, phases
 from opd.distill.plan import step_source
 from opd.distill.steps import keyed_seed
 
@@ -55,11 +55,14 @@ class ReuseSchedule:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.active = any(p.reuse > 1 for p in phases(cfg))   # else nothing to simulate
         self.buffer: list[Buffered] = []
         self.origins: list[int] = []             # step -> the step whose rollout it trains on
         self.kepts: list[tuple[int, ...]] = []   # step -> buffered once it trained
 
     def origin(self, step: int) -> int:
+        if not self.active:
+            return step
         self._advance(step)
         return self.origins[step]
 
@@ -68,6 +71,8 @@ class ReuseSchedule:
         return self.origin(step) != step
 
     def kept(self, step: int) -> tuple[int, ...]:
+        if not self.active:
+            return ()
         self._advance(step)
         return self.kepts[step]
 
