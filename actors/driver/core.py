@@ -28,6 +28,8 @@ class DriverState:
     version: int                          # learner steps done = the current policy version
     end: int                              # the step the run stops before
     consumed: Counter[int] = field(default_factory=Counter)   # prefix batch id -> times trained
+    reused: Counter[int] = field(default_factory=Counter)     # step -> times its rollout was
+    #                                                           trained again (opd/distill/reuse.py)
     training: int | None = None           # the step the learner group is on
     reissued: int = 0                     # calls and pieces issued again (faults, re-plans)
     last_step_end: float = field(default_factory=time.perf_counter)
@@ -47,13 +49,13 @@ def start_training(state: DriverState, plans: dict[int, Step],
                    published: int) -> Training | None:
     """The current version's step begins training when the learner group is free
     (`Step.begin_training` says when it can); raises if its prefix batch was trained before
-    (every batch id is consumed once)."""
+    (every batch id is consumed once; a step reusing a buffered rollout consumes none)."""
     if state.training is not None or state.done:
         return None
     step = plans.get(state.version)
     if step is None:
         return None
-    if state.consumed[step.batch_id]:
+    if state.consumed[step.batch_id] and step.origin is None:
         raise RuntimeError(f"batch {step.batch_id} would be consumed twice (step {step.step})")
     t = step.begin_training(published)
     if t is not None:
@@ -76,9 +78,13 @@ class StepDone:
 def step_trained(state: DriverState, plan: Step, results: list[LearnerResult], now: float,
                  cfg: RunConfig) -> StepDone:
     """Every learner rank answered the last piece of step `plan` (`results`, rank order): the
-    step is counted, its batch consumed, the version one up."""
+    step is counted, its batch consumed (or, reusing a buffered rollout, that rollout's reuse
+    counted), the version one up."""
     t, state.training = plan.training, None
-    state.consumed[plan.batch_id] += 1
+    if plan.origin is None:
+        state.consumed[plan.batch_id] += 1
+    else:
+        state.reused[plan.origin] += 1
     wall, state.last_step_end = now - state.last_step_end, now
     state.version += 1
     v = state.version
@@ -113,6 +119,7 @@ class BatchSummary:
         reports = [plan.made[c] for c in range(plan.parts)]   # the rollout calls'
         job = plan.jobs[0]
         return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
+                   RolloutStats() if plan.origin is not None else   # reused: no rollout ran
                    RolloutStats.merge([r.stats for r in reports]),
                    sum(r.generated_tokens for r in reports), sum(r.rows for r in reports),
                    int(job.tokens.shape[1]))
@@ -137,7 +144,8 @@ def step_metrics(plan: Step, done: StepDone, pools: PoolCounts, *, sync_seconds:
     seconds = {"rollout": t.seconds("rollout"),
                "teacher": t.seconds("teacher") if plan.scored else 0.0,
                "learner": max(r.busy_s for r in results)}
-    row = step_row(plan.step, traj, LearnerResult.step_metrics(results), seconds, phase=plan.phase)
+    row = step_row(plan.step, traj, LearnerResult.step_metrics(results), seconds, phase=plan.phase,
+                   reused=plan.origin is not None)
     R, M = pools.rollout_alive, pools.teacher_alive
     row.update({
         "step_s": wall, "weight_sync_s": sync_seconds,
@@ -152,9 +160,10 @@ def step_metrics(plan: Step, done: StepDone, pools: PoolCounts, *, sync_seconds:
         "learner_busy_s": seconds["learner"], "learner_span_s": done.now - done.learner_start,
         "pieces": plan.layout.pieces,
         "rollout_workers": pools.rollout_up,
-        "delivered_bytes": sum(p.delivered.nbytes for p in plan.pieces),
+        "delivered_bytes": 0 if plan.origin is not None else sum(p.delivered.nbytes
+                                                                 for p in plan.pieces),
         "learner_received_bytes": [int(r.received_bytes) for r in results],
-        "rollout_wait": rollout_wait_fraction(plan.source, t.began["rollout"],
+        "rollout_wait": rollout_wait_fraction(plan.source, t.began.get("rollout", 0.0),
                                               t.ended.get("rollout", 0.0), done.now - wall,
                                               done.learner_start, wall)})
     return row

@@ -23,10 +23,13 @@ publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py (an 
 pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress, rows, checkpoint
 cadence) is shared with the reference loop.  Steps not sampled from the student are prepared
 ahead (up to `distill.queue_capacity`); with `distill.staleness` k > 0 student rollouts run up
-to k versions ahead.  Ctrl-C (opd/run/interrupt.py): the step in training finishes, its
-checkpoint is written, and the run raises `RunInterrupted`.  Faults: failed workers are probed
-and their calls or pieces issued again (step.py); a learner failure stops the run and names the
-last checkpoint.  Every prefix batch id is consumed exactly once (consumed.json).
+to k versions ahead.  With `distill.reuse` k > 1 a step may train on a buffered rollout
+(opd/distill/reuse.py): the learner ranks kept their rows of it, so the step makes nothing, goes
+through no queue and consumes no prefix batch (consumed.json counts it under "reused").
+Ctrl-C (opd/run/interrupt.py): the step in training finishes, its checkpoint is written, and
+the run raises `RunInterrupted`.  Faults: failed workers are probed and their calls or pieces
+issued again (step.py); a learner failure stops the run and names the last checkpoint.  Every
+prefix batch id is consumed exactly once (consumed.json).
 
 Over 400 lines: the executor of every command and the router of every kind of answer and fault
 are kept in one class so the order in which the driver acts reads top to bottom in one file.
@@ -111,6 +114,8 @@ class Pipeline:
         self.state = DriverState(start, self.steps.end)
         self.state.consumed.update(state.get("consumed", []))
         self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
+        reuse = self.planner.reuse                     # the reuses before a resume, as planned
+        self.state.reused.update(reuse.origin(t) for t in range(start) if reuse.reused(t))
         self.quality = (None if groups.evaluator is None else
                         QualityTracking(cfg, self.run_dir, groups.evaluator, resume=resume,
                                         start=start))
@@ -316,7 +321,8 @@ class Pipeline:
                                 sync_seconds=sync.seconds, sync_bytes=sync.bytes,
                                 reissued=self.state.reissued)
         per_teacher = teacher_metrics(teachers, [r.measure for p in step.pieces
-                                                 for r in p.scored.values() if r.measure])
+                                                 for r in p.scored.values()
+                                                 if r.measure and step.origin is None])
         row.update(per_teacher)
         for name in teachers.names:
             self.teacher_metrics.setdefault(name, RoleMetrics("teacher", name)).report(
@@ -357,7 +363,7 @@ class Pipeline:
             rollout_workers=(self.elastic.summary() if self.elastic is not None
                              else {"min": n, "max": n}),
             weight_sync="collective" if self.publisher.collective else "object_store",
-            nodes=self.nodes.ran_on(), node_events=self.nodes.events)
+            nodes=self.nodes.ran_on(), node_events=self.nodes.events, reused=self.state.reused)
 
     def _interrupted(self):
         """Ctrl-C: the step in training finishes, the current step is checkpointed; returns

@@ -3,7 +3,10 @@
 It owns the data cursor (the batcher's state before each planned step's batch, for
 checkpoints), the plans of steps issued and not trained yet, and plan generations.  A step is
 planned when the queue bound allows (`distill.queue_capacity` steps ahead of the learner) and,
-for student rollouts, the staleness bound (`distill.staleness` versions behind the step).
+for student rollouts, the staleness bound (`distill.staleness` versions behind the step).  A step
+that trains on a buffered rollout (opd/distill/reuse.py) draws no prefix batch: it is planned
+once the step that made the rollout has trained, from that step's plan (kept in `buffer` while
+the rollout is buffered; the learner ranks hold the rows).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from opd.data import PrefixBatcher
 from opd.distill.phases import phase_at
 from opd.distill.pieces import step_layout
 from opd.distill.plan import step_jobs, step_source
+from opd.distill.reuse import ReuseSchedule, check_resume
 from opd.distill.steps import needs_teacher_scores
 from opd.distill.teachers import run_teachers
 
@@ -26,6 +30,9 @@ class StepPlanner:
         self.teachers = run_teachers(cfg)
         self.cursor = {start: batcher.state_dict()}   # data cursor before step s's batch
         self.plans: dict[int, Step] = {}
+        self.reuse = ReuseSchedule(cfg)
+        check_resume(self.reuse, start)
+        self.buffer: dict[int, Step] = {}      # trained steps whose rollouts are buffered
         self.next_step = start
         self._gens = itertools.count()
 
@@ -36,6 +43,15 @@ class StepPlanner:
         if s >= end or s - learner_version >= cfg.distill.queue_capacity:
             return None
         objective, source = step_source(cfg, s)         # the same as the reference loop's
+        if self.reuse.reused(s):
+            origin = self.buffer.get(self.reuse.origin(s))
+            if origin is None:                            # its rollout's step is not trained yet
+                return None
+            self.cursor[s + 1] = self.batcher.state_dict()
+            step = self.plans[s] = Step.reusing(origin, s, gen=next(self._gens),
+                                                phase=phase_at(cfg, s).name)
+            self.next_step += 1
+            return step
         version = s
         if source == "student":
             version = published
@@ -63,4 +79,7 @@ class StepPlanner:
     def finish(self, step: int, version: int) -> Step:
         """Step `step` was trained; `version` is the learner's version now."""
         self.cursor = {s: c for s, c in self.cursor.items() if s >= version}
-        return self.plans.pop(step)
+        plan = self.plans.pop(step)
+        kept = self.reuse.kept(step)
+        self.buffer = {s: plan if s == step else self.buffer[s] for s in kept}
+        return plan

@@ -87,10 +87,13 @@ class RunRecords:
     def write_consumed(self, consumed: Counter[int], *, reissued: int, queue,
                        worker_failures: dict[str, int], rollout_workers: dict,
                        weight_sync: str, nodes: dict[str, list[dict]] | None = None,
-                       node_events: list[dict] | None = None) -> None:
-        """consumed.json (the queue's lags and stats asked of `queue`); raises if a batch id
-        was consumed other than once."""
+                       node_events: list[dict] | None = None,
+                       reused: Counter[int] | None = None) -> None:
+        """consumed.json (the queue's lags and stats asked of `queue`; `reused`: step -> times
+        its buffered rollout trained again, opd/distill/reuse.py); raises if a batch id was
+        consumed other than once."""
         record = {"consumed": {str(k): v for k, v in sorted(consumed.items())},
+                  "reused": {str(k): v for k, v in sorted((reused or {}).items())},
                   "reissued": reissued,
                   "lags": {str(k): n for k, n in ray.get(queue.lags.remote()).items()},
                   "queue": ray.get(queue.stats.remote()),

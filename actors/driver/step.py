@@ -22,6 +22,7 @@ order.  Its life, event by event (-> the commands it answers with):
     score_lost(piece, issue, teacher)  the piece's payload died with its rollout worker
                                      -> Score (a newer payload), Generate(part), or wait
     seal()                           every piece delivered: the queue holds it as one item
+                                     (`Step.reusing`: born sealed, it makes nothing)
     begin_training(published)        the learner group starts on it
     hand_out()                       -> HandOut(piece) for the pieces to train now, in order
     piece_trained(piece, ...)        every rank answered a piece -> nothing, Trained, or the
@@ -129,6 +130,16 @@ class Step:
         self.sealed = False
         self.training: Training | None = None
         self.times = StageTimer()
+        self.origin: int | None = None                 # reusing the rollout of this step
+
+    @classmethod
+    def reusing(cls, origin: Step, step: int, *, gen: int, phase: str) -> Step:
+        """Step `step` on the buffered rollout of trained step `origin` (opd/distill/reuse.py):
+        its pieces delivered and sealed; the learner ranks hold their rows, so it only trains."""
+        s = cls(step, origin.batch_id, origin.source, origin.version, origin.jobs, origin.layout,
+                gen=gen, scored=origin.scored, phase=phase)
+        s.origin, s.made, s.pieces, s.sealed = origin.step, dict(origin.made), origin.pieces, True
+        return s
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -159,6 +170,8 @@ class Step:
     # -- generation -----------------------------------------------------------------------------
 
     def start(self) -> list[Command]:
+        if self.origin is not None:                    # a reused rollout: nothing to make
+            return []
         self.times.begin("rollout", time.perf_counter())
         return [self._generate(c) for c in range(self.parts)]
 

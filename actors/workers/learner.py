@@ -15,6 +15,10 @@ after the step's last piece it steps the optimizer once (docs/STREAMING.md).  De
 gradient-accumulation boundary is set at the last piece only, so ZeRO 0-1 reduce the
 accumulated gradients once and ZeRO 2-3 (which reduce at every backward) see one backward per
 piece on every rank: every rank has rows in every piece (opd/distill/pieces.py).
+With rollout reuse (opd/distill/reuse.py) a rank keeps a copy of its rows of every step whose
+rollout is buffered (a copy: the workers that put them may die), and a step on a buffered
+rollout trains on those, asking the queue nothing.  Lost with this rank only, which ends the
+run anyway (its checkpoint resumes with an empty buffer or not at all).
 The per-rank piece loss is `opd.distill.steps.student_loss` (the objective's token mean over the
 piece's rows), scaled by R · n / N in `opd.distill.steps.backward_piece` so DeepSpeed's gradient average equals the
 gradient of the global token mean; the reported loss is Σ n · loss / N over the pieces and
@@ -26,6 +30,7 @@ for R > 1 and for more than one piece, the same in the reference loop.)
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ from opd.models.factory import load_role_model
 from opd.distill.results import LearnerResult, PieceAnswer, combine_metrics
 from opd.distill.steps import backward_piece, build_objective, make_optimizer, optimizer_step
 from opd.distill.phases import learning_rate
+from opd.distill.reuse import ReuseSchedule
 
 
 def deepspeed_config(cfg: RunConfig, device: torch.device) -> dict:
@@ -76,6 +82,8 @@ class Accumulation:
     received: int = 0                 # payload bytes fetched
     busy: float = 0.0                 # seconds of forward, backward and update
     depth: int = 0                    # queue depth when it took the step
+    kept: list | None = None          # this rank's payloads of each piece, when the step's
+    #                                   rollout will be buffered (opd/distill/reuse.py)
 
 
 class StudentLearner(Worker):
@@ -93,6 +101,8 @@ class StudentLearner(Worker):
         self.queue = None
         self.accum: Accumulation | None = None
         self.teachers = run_teachers(self.cfg)     # how a piece's shares make its target
+        self.reuse = ReuseSchedule(self.cfg)       # which rollout a step trains on
+        self.kept: dict[int, list] = {}            # buffered step -> this rank's piece payloads
 
     @property
     def version(self) -> int:
@@ -156,9 +166,14 @@ class StudentLearner(Worker):
         a = self.accum
         if piece == 0 and (a is None or a.step != step):
             a = self.accum = Accumulation(step, start)
+            if step in self.reuse.kept(step):
+                a.kept = []
         if a is None or a.step != step or piece != a.next:
             return PieceAnswer(self.rank, piece, skipped=True)
         last = piece == pieces - 1
+        reused = self.reuse.reused(step)
+        if reused and piece == 0:                     # a buffered rollout: the rows kept here
+            a.prefetched = list(self.kept[self.reuse.origin(step)])
         if not a.prefetched:
             if prefetch:                              # piece 0: every piece of this rank at once
                 share = ray.get(self.queue.take.remote(step, version, self.rank))
@@ -179,7 +194,10 @@ class StudentLearner(Worker):
                 return PieceAnswer(self.rank, piece, lost=True, lost_shares=lost)
             a.received += payload_nbytes([d for shares in payloads for d in shares])
             a.prefetched = [self.io.received(shares) for shares in payloads]
-        rows = merge_shares(self.teachers, [share_from_numpy(d) for d in a.prefetched.pop(0)])
+        payload = a.prefetched.pop(0)
+        if a.kept is not None:                        # a copy of its own: outlives its owner
+            a.kept.append(copy.deepcopy(payload))
+        rows = merge_shares(self.teachers, [share_from_numpy(d) for d in payload])
         fetched = time.perf_counter()
         objective = build_objective(self.cfg, step)          # the step's phase's objective
         self.ds_engine.set_gradient_accumulation_boundary(last)
@@ -196,7 +214,7 @@ class StudentLearner(Worker):
         # the step leaves the queue; asked before the update and read after it, so the queue's
         # answer (a round trip, 3-4 ms here) is not on a strict step's critical path.  A step
         # that is not there fails this call, which ends the run (the update is never published).
-        taken = None if prefetch else self.queue.take.remote(step, version, self.rank)
+        taken = None if prefetch or reused else self.queue.take.remote(step, version, self.rank)
         norm = optimizer_step(self.ds_engine, self.ds_engine.optimizer,    # clips, ZeRO 0-3
                               grad_clip=self.cfg.learner.grad_clip,
                               lr=learning_rate(self.cfg, self.steps))
@@ -205,6 +223,9 @@ class StudentLearner(Worker):
                                f"not sealed in the queue after its last piece")
         self.steps += 1
         self.accum = None
+        if a.kept is not None:
+            self.kept[step] = a.kept
+        self.kept = {s: self.kept[s] for s in self.reuse.kept(step)}
         now = time.perf_counter()
         a.busy += now - fetched
         seconds = now - a.start

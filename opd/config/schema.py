@@ -290,6 +290,12 @@ class PhaseConfig:
     """Warm-up of the phase's own schedule (with `lr`, or learner.lr when only this is set)."""
     objective_options: dict[str, Any] = field(default_factory=dict)
     """Objective options of the phase, over distill.objective_options."""
+    reuse: int | None = bounded(None, ge=1)
+    """Updates a student rollout of the phase may train (as distill.reuse)."""
+    reuse_buffer: int | None = bounded(None, ge=1)
+    """Rollouts the phase's reuse buffer holds (as distill.reuse_buffer)."""
+    reuse_fresh: float | None = bounded(None, ge=0.0, le=1.0)
+    """Probability of a fresh rollout when the buffer has one to reuse (as distill.reuse_fresh)."""
 
 
 @dataclass
@@ -309,6 +315,16 @@ class DistillConfig:
     """Softmax temperature of teacher and student logits in the loss."""
     staleness: int = bounded(0, ge=0)
     """Max policy-version lag of consumed trajectories; 0 = strict on-policy."""
+    reuse: int = bounded(1, ge=1)
+    """Rollout reuse (opd/distill/reuse.py, DistiLLM's replay buffer): updates a student rollout,
+    with its teacher scores, may train; the learner recomputes the student's distribution at
+    every use.  1 = every student step trains on a fresh rollout (strict on-policy)."""
+    reuse_buffer: int = bounded(4, ge=1)
+    """Rollouts the reuse buffer holds (the last ones made); a buffered rollout is reused at a
+    policy lag of at most reuse · reuse_buffer versions."""
+    reuse_fresh: float = bounded(0.5, ge=0.0, le=1.0)
+    """With reuse > 1: probability that a student step makes a fresh rollout when the buffer
+    has one to reuse (else it trains on one drawn uniformly from the buffer)."""
     broadcast_every: int = bounded(1, ge=1)
     """Publish student weights to rollout workers every this many steps."""
     pieces: int = bounded(0, ge=0)
@@ -584,6 +600,11 @@ def _phases(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}.lam_end={p.lam_end:g}: a lambda ramp needs objective gkd "
                               f"(the phase's objective is {p.objective or d.objective!r})",
                               f"{key}.lam_end")
+    reuses = [d.reuse] + [p.reuse for p in phases if p.reuse is not None]
+    if max(reuses) > 1 and d.staleness > 0:
+        raise ConfigError(f"distill.reuse > 1 with distill.staleness={d.staleness}: a step trains on "
+                          f"a reused rollout or a stale one, not both; set distill.staleness=0",
+                          "distill.staleness")
     fixed = sum(p.steps or 0 for p in phases)
     if phases and phases[-1].steps is not None and fixed != d.steps:
         raise ConfigError(f"distill.phases: the phases' steps add up to {fixed}, not "

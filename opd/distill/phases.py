@@ -5,8 +5,8 @@
 
 A run is a list of phases, each a range of learner steps [start, end) with its own objective
 settings (objective, GKD's λ with an optional linear ramp, β, temperature, prefix ratios,
-objective options) and, optionally, a learning-rate schedule of its own.  What a phase leaves
-unset is the run's value (distill.*, data.prefix_ratio(s), learner.*); `distill.phases: []`
+objective options, rollout reuse) and, optionally, a learning-rate schedule of its own.  What a
+phase leaves unset is the run's value (distill.*, data.prefix_ratio(s), learner.*); `distill.phases: []`
 is one phase with the run's values for every step.
 
 Everything here is a function of (config, step) alone, so the reference loop, the driver's
@@ -41,6 +41,9 @@ class Phase:
     lr: float | None                   # the peak of the phase's own schedule; None = the run's
     warmup_steps: int
     options: dict[str, Any] = field(default_factory=dict)
+    reuse: int = 1                     # rollout reuse (opd/distill/reuse.py)
+    reuse_buffer: int = 1
+    reuse_fresh: float = 1.0
 
     @property
     def steps(self) -> int:
@@ -87,7 +90,9 @@ def phases(cfg: RunConfig) -> tuple[Phase, ...]:
             temperature=get("temperature", d.temperature), prefix_ratios=tuple(ratios),
             lr=(get("lr", lr.lr) if own else None),
             warmup_steps=get("warmup_steps", lr.warmup_steps),
-            options={**d.objective_options, **(p.objective_options if p is not None else {})}))
+            options={**d.objective_options, **(p.objective_options if p is not None else {})},
+            reuse=get("reuse", d.reuse), reuse_buffer=get("reuse_buffer", d.reuse_buffer),
+            reuse_fresh=get("reuse_fresh", d.reuse_fresh)))
         start += steps
     return tuple(out)
 

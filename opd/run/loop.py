@@ -81,7 +81,8 @@ class StepLog:
         self.log.append(row)
         self.trackers.step(self.log.rows[-1])
         self.bar.update(1)
-        if row.get("source") == "student":        # rollout figures only where there are rollouts
+        if row.get("source") == "student" and not row.get("reused"):   # rollout figures only
+            #                                                           where there are rollouts
             ar = row.get("ar_rounds") or 0
             self.rollout_figures = {"tok_s": f"{row['rollout_tokens_per_s']:.0f}",
                                     "commit": f"{row['mean_committed']:.2f}",
@@ -116,15 +117,18 @@ def check_objectives(cfg: RunConfig) -> None:
                               f"{key}={objective.name!r}; use one of {objective.needs}", tkey)
 
 
-def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str) -> dict:
+def step_row(step: int, traj, metrics: dict, seconds: dict, *, phase: str,
+             reused: bool = False) -> dict:
     """The metrics.parquet row of one step (`phase`: the name of its distill.phases entry;
-    `traj.rollout_stats` a `RolloutStats`, its columns `RolloutStats.row`).  `ar_rounds` is
-    the rounds Cached AR needs for the same tokens, so rounds / ar_rounds is what the rollout
-    engine saved."""
+    `traj.rollout_stats` a `RolloutStats`, its columns `RolloutStats.row`; `reused`: it trained
+    on a buffered rollout, opd/distill/reuse.py, made at `policy_version`, `policy_lag` versions
+    ago).  `ar_rounds` is the rounds Cached AR needs for the same tokens, so rounds / ar_rounds
+    is what the rollout engine saved."""
     gen = traj.num_generated_tokens
     roll = seconds.get("rollout", 0.0)
     return {"step": step, "phase": phase, "batch_id": traj.batch_id,
-            "policy_version": traj.policy_version,
+            "policy_version": traj.policy_version, "policy_lag": step - traj.policy_version,
+            "reused": reused,
             "source": traj.source, "prefix_len": traj.prefix_len,
             **{k: v for k, v in metrics.items()},
             "rollout_s": roll, "teacher_s": seconds.get("teacher", 0.0),

@@ -11,15 +11,17 @@ import numpy as np
 
 def summarize(rows: list[dict]) -> dict:
     """Aggregate per-step rows: first/last loss, mean step time split and, for runs with
-    student rollouts, the share of steps on them, their speed and the rounds they took against
-    the rounds Cached AR needs for the same tokens (`rounds_vs_ar`) and, over the calls Cached
-    AR ran again (`rollout.compare_every`), their seconds against Cached AR's (`rollout_vs_ar`,
-    measured: below 1, the engine rolled out faster)."""
+    student rollouts, the share of steps on fresh ones, their speed and the rounds they took
+    against the rounds Cached AR needs for the same tokens (`rounds_vs_ar`) and, over the calls
+    Cached AR ran again (`rollout.compare_every`), their seconds against Cached AR's
+    (`rollout_vs_ar`, measured: below 1, the engine rolled out faster); with rollout reuse, the
+    steps on reused rollouts and their largest policy lag."""
     if not rows:
         return {}
     col = lambda k: np.array([r.get(k) or 0.0 for r in rows], dtype=float)  # noqa: E731
     gen, roll = col("generated_tokens"), col("rollout_s")
-    student = np.array([r.get("source") == "student" for r in rows])
+    reused = np.array([bool(r.get("reused")) for r in rows])
+    student = np.array([r.get("source") == "student" for r in rows]) & ~reused   # fresh rollouts
     n = max(1, len(rows) // 10)
     out = {
         "steps": len(rows),
@@ -42,6 +44,9 @@ def summarize(rows: list[dict]) -> dict:
             out["rollout_vs_ar"] = float(col("engine_rollout_s")[timed].sum()
                                          / col("ar_rollout_s")[timed].sum())
             out["rollout_vs_ar_calls"] = int(timed.sum())
+    if reused.any():                     # rollout reuse (opd/distill/reuse.py): steps, their lag
+        out.update({"reused_steps": int(reused.sum()),
+                    "reused_lag_max": int(col("policy_lag")[reused].max())})
     return out
 
 
@@ -62,14 +67,16 @@ STAGES = ("rollout", "teacher", "learner")
 
 
 def stage_lines(rows: list[dict]) -> list[str]:
-    """How a Ray run's stages overlapped, per kind of step (on student rollouts, on data): the
-    median busy seconds of each stage (rollout_busy_s, ...), their sum, and the step's wall time,
-    its critical path; a step whose wall time is below the busy sum ran its stages at once.
-    Nothing for the reference loop, which records no busy time."""
+    """How a Ray run's stages overlapped, per kind of step (on fresh or reused student rollouts,
+    on data): the median busy seconds of each stage (rollout_busy_s, ...), their sum, and the
+    step's wall time, its critical path; a step whose wall time is below the busy sum ran its
+    stages at once.  Nothing for the reference loop, which records no busy time."""
     lines = []
-    for label, on_student in (("on student rollouts", True), ("on data", False)):
-        rs = [r for r in rows if (r.get("source") == "student") == on_student
-              and any(r.get(f"{st}_busy_s") for st in STAGES)]
+    kinds = (("on student rollouts", lambda r: r.get("source") == "student" and not r.get("reused")),
+             ("on reused rollouts", lambda r: bool(r.get("reused"))),       # opd/distill/reuse.py
+             ("on data", lambda r: r.get("source") != "student"))
+    for label, kind in kinds:
+        rs = [r for r in rows if kind(r) and any(r.get(f"{st}_busy_s") for st in STAGES)]
         if not rs:
             continue
         busy = {st: float(np.median([r.get(f"{st}_busy_s") or 0.0 for r in rs])) for st in STAGES}

@@ -55,7 +55,7 @@ STAGE_OF = {
                 "delivered_bytes", "source"),
     "learner": ("grad_norm", "policy_version", "step_s", "step_cpu_s"),
     "onpolicy": ("on_policy",),
-    "queue": ("batch_id", "policy_lag", "reissued"),
+    "queue": ("batch_id", "policy_lag", "reused", "reissued"),
 }
 """Columns that do not start with their stage's name; every other column without a stage
 prefix (the loss, the objective's own figures, `phase`) is under loss/."""

@@ -152,3 +152,63 @@ def test_step_metrics_row():
                                 "learner_span_s", "pieces")} == {
         "rollout_busy_s": 4.0, "teacher_busy_s": 1.0, "learner_busy_s": 2.0,   # the learner's own
         "learner_span_s": 3.0, "pieces": 2}                                     # seconds, not its span
+
+
+def test_a_step_on_a_reused_rollout_only_trains_and_consumes_no_batch(tiny_overrides):
+    """`Step.reusing` (opd/distill/reuse.py): born sealed from its trained origin's plan, it makes
+    nothing, trains once prefetched (its rollout is older than the published weights), counts a
+    reuse of the origin instead of a batch, and its row says so: lag, no rollout, no bytes."""
+    cfg = load_config("tiny", [*tiny_overrides, "distill.steps=4"])
+    state = DriverState(version=0, end=4, last_step_end=100.0)
+    origin = plan_of(0)
+    origin.start()
+    for p in range(2):
+        deliver(origin, p)
+        origin.part_made(p, 1, PartReport(2, 6, RolloutStats(rounds=3, generated_tokens=6)), 0.0)
+    origin.seal()
+    core.start_training(state, {0: origin}, published=0)
+    core.step_trained(state, origin, [rank(1.0, 1.0)], now=101.0, cfg=cfg)
+    s = Step.reusing(origin, 2, gen=5, phase="p")
+    assert (s.step, s.origin, s.batch_id, s.version, s.gen, s.sealed) == (2, 0, 0, 0, 5, True)
+    assert s.start() == [] and not s.sealable
+    state.version = 2
+    t = core.start_training(state, {2: s}, published=2)       # batch 0 trained: no error
+    assert t is not None and t.prefetch and [c.piece for c in s.hand_out()] == [0, 1]
+    done = core.step_trained(state, s, [rank(1.0, 1.0)], now=104.0, cfg=cfg)
+    assert (state.consumed, state.reused, state.version) == (Counter({0: 1}), Counter({0: 1}), 3)
+    row = core.step_metrics(s, done, PoolCounts(1, 1, 1), sync_seconds=0.0, sync_bytes=0,
+                            reissued=0)
+    assert {k: row[k] for k in ("step", "batch_id", "policy_version", "policy_lag", "reused",
+                                "delivered_bytes", "rounds", "rollout_s", "generated_tokens",
+                                "rollout_wait")} == {
+        "step": 2, "batch_id": 0, "policy_version": 0, "policy_lag": 2, "reused": True,
+        "delivered_bytes": 0, "rounds": 0, "rollout_s": 0.0, "generated_tokens": 12,
+        "rollout_wait": 0.0}
+
+
+def test_the_planner_plans_a_reused_step_from_its_trained_origin_without_a_batch(tiny_overrides):
+    """Seed 0 (opd/distill/reuse.py): steps 1 and 2 train on step 0's rollout.  Step 1 waits for
+    step 0 to train, then is planned from its plan with no prefix batch drawn (the data cursor
+    stays); step 0's plan leaves the buffer once step 2 used the rollout up."""
+    from opd.data import PrefixBatcher
+    from opd.data.splits import open_dataset
+    cfg = load_config("tiny", [*tiny_overrides, "distill.steps=7", "distill.reuse=3",
+                               "distill.reuse_buffer=2", "distill.reuse_fresh=0.3"])
+    train = open_dataset(cfg, "train")
+    planner = StepPlanner(cfg, PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed),
+                          train.seq_len, 0)
+    first = planner.plan(0, 0, 7)
+    assert (first.step, first.batch_id, first.origin) == (0, 0, None)
+    assert planner.plan(0, 0, 7) is None                   # step 0 is not trained yet
+    planner.finish(0, 1)
+    assert planner.buffer == {0: first}
+    one, two = planner.plan(1, 1, 7), planner.plan(1, 1, 7)
+    assert [(s.step, s.origin, s.batch_id, s.version) for s in (one, two)] == [(1, 0, 0, 0),
+                                                                               (2, 0, 0, 0)]
+    assert planner.cursor[1] == planner.cursor[2] == planner.cursor[3]   # no batch drawn
+    assert planner.plan(1, 1, 7) is None                   # step 3 is fresh: weights 3 first
+    planner.finish(1, 2)
+    planner.finish(2, 3)
+    assert planner.buffer == {}
+    three = planner.plan(3, 3, 7)
+    assert (three.step, three.batch_id, three.origin) == (3, 1, None)

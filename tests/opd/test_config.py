@@ -280,15 +280,16 @@ def test_config_hash_values_are_pinned():
     window's int | "auto" type moved 771512ec98a3 / f9c6facd31ff / c18f4e910c3e; the default
     window auto moved 50a03525f77e / 50804f9eaa52; eval.num_samples 1,000 every 200 steps moved
     cf125a7d81fb / 9846735e5aa3; `teachers` and the teacher sections' name, model, ckpt,
-    classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044; rollout.compare_every
+    classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044; rollout.compare_every,
+    distill.reuse, reuse_buffer, reuse_fresh
     and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
     8939349c977c / fb43b848f976)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "HASH_TINY"
-    assert config_hash(RunConfig()) == "HASH_DEFAULT"
+    assert config_hash(tiny) == "26cf9c1677d9"
+    assert config_hash(RunConfig()) == "7bd6269686f1"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "HASH_OTHER"
+                                          "distill.objective_options.gate=0.5"])) == "533dbb03c813"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------

@@ -49,8 +49,7 @@ def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, finish
     return rounds
 
 
-def cheapest_at_8(W, compact, rows):
-    """A round costs 1 ms plus 0.1 ms per token of its forward."""
+def cheapest_at_8(W, compact, rows):  # 1 ms a round, 0.1 ms a token of its forward
     return 1e-3 + 1e-4 * rows * W
 
 
@@ -152,8 +151,7 @@ def test_bursts_of_another_process_do_not_move_the_choice():
 
 
 def test_the_bookkeeping_is_a_few_floats_a_round():
-    """What a round of the policy does on the host, without torch (the committed count rides
-    the round loop's own sync, rollout/hbsjd.py): no tensor is kept or made."""
+    """The policy keeps no tensor: its round is host floats (the count rides the loop's sync)."""
     policy = WindowPolicy(("full", "compact"), 32)
     simulate(policy, cheapest_at_8, drafts, calls=3, rows=32)
     assert not any(isinstance(v, torch.Tensor) for v in vars(policy).values())
