@@ -285,11 +285,11 @@ def test_config_hash_values_are_pinned():
     and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
     8939349c977c / fb43b848f976)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "26cf9c1677d9"
-    assert config_hash(RunConfig()) == "7bd6269686f1"
+    assert config_hash(tiny) == "2c6dd197f869"
+    assert config_hash(RunConfig()) == "02d777ec0dbf"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "533dbb03c813"
+                                          "distill.objective_options.gate=0.5"])) == "a2b22c3d2f09"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------
