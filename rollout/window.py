@@ -150,11 +150,6 @@ class WindowPolicy:
             seconds, n = full.mean, PRIOR
         return active * tok.mean / seconds, n
 
-    def rate(self, W: int, compact: bool, active: int) -> float | None:
-        """Estimated tokens per second of arm (W, compact) at `active` rows (None: unmeasured)."""
-        e = self.estimate(W, compact, active)
-        return None if e is None else e[0]
-
     def choose(self, active: int) -> tuple[int, bool]:
         """-> (W, compact) for the next round with `active` rows (module docstring, choice)."""
         self.round += 1

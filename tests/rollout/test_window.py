@@ -69,7 +69,7 @@ def test_on_a_clock_where_w8_is_cheapest_the_policy_settles_on_w8():
     rounds = simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
     assert [W for W, *_ in rounds[:10]] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
     # measured, so a call's last round (4.6 tokens a row, 64 = 9 * 6.6 + 4.6) counts too
-    assert policy.rate(8, False, 8) == pytest.approx(rates[8], rel=0.05)
+    assert policy.estimate(8, False, 8)[0] == pytest.approx(rates[8], rel=0.05)
     later = rounds[10:]
     spent = sum(cheapest_at_8(W, c, 8) for W, c, _ in later if W != 8)
     assert spent <= 2 * BUDGET * sum(cheapest_at_8(W, c, 8) for W, c, _ in later)
