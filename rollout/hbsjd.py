@@ -80,8 +80,8 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if started is None:
             A = int(live.sum())                                                    # sync
         else:       # the round's committed tokens ride the same sync, then its seconds
-            A, tokens = torch.stack([live.sum(), counts[0].sum()]).tolist()
-            policy.observe(tokens, time.perf_counter() - started)
+            A, tokens, rows = torch.stack([live.sum(), counts[0] @ room, room.sum()]).tolist()
+            policy.observe(tokens, rows, time.perf_counter() - started)
         # 0. hand out the images the last round completed
         if R - A > n_handed:
             paused = time.perf_counter()
@@ -102,12 +102,16 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             started = time.perf_counter()
         is_compact, st, plan = execution(A, gamma, policy, st, plan, plan_for,
                                          hold if compiled else None)
+        if policy is not None:      # the rows with a whole window left (policy.observe)
+            room = (st.cur <= T - plan.W).long()
         # 3. the round
         if is_compact:
             idx = compact_rows(live, A, R, compiled)
             counts = compact(model, st, idx, req, plan)
         else:
             idx, counts = None, full(model, st, req, plan)
+        if policy is not None and idx is not None:
+            room = room[idx]
         # 4. tally
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)

@@ -9,34 +9,45 @@ neither well enough to choose between windows whose rates differ by a few per ce
 rule:
 
     arm      (W, compact): W in `WINDOWS` (clipped to the call's N - 1), compact among the modes
-             the execution option allows (hybrid: Full while every row is active, then both).
+             the execution option allows.  Hybrid: every window, Full, while every row is
+             active; once rows finish, Full and Compact at the window Full rates best and the
+             windows beside it (each rows band then has a few Compact arms to learn, not one
+             per window).
     rate     tokens committed per second of an arm with A active rows:
                  A * tokens(W) / seconds(W, compact, rows)
-             tokens(W): tokens committed per active row by a round of window W; seconds: wall
-             seconds of a round (its forward, its verification, the loop's Python, up to the
-             next device sync), by rows band: Full runs the call's R rows (one band), Compact
-             the active rows (compiled: their bucket), banded by powers of two.  A Full arm's
-             seconds, measured while every row was active, serve every active count.
+             tokens(W): tokens committed per row by a round of window W, counted over the rows
+             that had a whole window left (a row nearer its end commits at most what it has
+             left whatever W is, which would price wide windows by a call's last rounds), in
+             rounds whose drafts were steady: not a call's first SETTLE rounds (drafts still
+             filling), not a round wider than the one before (its new columns were never
+             drafted: history fill); weighted by those rows.  seconds: wall seconds of a round
+             (its forward, its verification, the loop's Python, up to the next device sync), by
+             rows band: Full runs the call's R rows (one band), Compact the active rows
+             (compiled: their bucket), banded by powers of two.  A Full arm's seconds,
+             measured while every row was active, serve every active count.
              Both are discounted means: an observation weighs DISCOUNT ** (rounds since), so
              the estimates follow the student as it trains and the machine as its load changes.
-    choice   UCB: the arm maximising  rate * (1 + EXPLORE * sqrt(ln(t) / n)),  n the arm's
-             discounted observations (the fewer of its tokens' and its seconds'), t the rounds
-             so far.  An arm never measured is tried first (narrowest W first).  Choosing an arm
-             other than the best estimate (exploring) is allowed while the seconds spent
-             exploring are at most BUDGET of all rounds' seconds (discounted), so what
-             exploration costs is bounded.  A Compact arm new to a rows band starts from Full's
-             seconds at its W, a prior of weight PRIOR: explored by the rule, not first.
+    choice   UCB over the best arm and its neighbours (`near`: the rate is unimodal in W): the
+             arm maximising  rate * (1 + EXPLORE * sqrt(ln(t) / n)),  n the arm's discounted
+             observations (the fewer of its tokens' and its seconds'), t the rounds so far.  An
+             arm never measured is tried first (narrowest W first).  Choosing an arm other than
+             the best estimate (exploring) is allowed after a call's first SETTLE rounds (whose
+             tokens would not count) while the seconds spent exploring are at most BUDGET of
+             all rounds' seconds (discounted; a round after a narrower exploring one counts as
+             exploring too, its drafts being the exploration's), so what exploration costs is
+             bounded.  A Compact arm new to a rows band starts from Full's seconds at its W, a
+             prior of weight PRIOR: it rates as Full, ranks above it, and is tried.
     warm-up  an arm is run for two rounds when it is new or wider than the round before: the
-             first round of a shape may compile or allocate (its seconds are not counted), and
-             the first round of a wider window checks drafts the round before never proposed
-             (history fill, accepted far less often than steady drafts: its tokens are not
-             counted; nor are a call's first round's).
+             first round of a shape may compile or allocate (its seconds are not counted, in
+             its mean or in the budget), and the first round of a wider window checks drafts
+             the round before never proposed (its tokens are not counted).
 
-A fixed W is the same policy with one window (`HBSJD.policy`, rollout/hbsjd.py).  The policy
+A fixed W runs no policy (its Full / Compact switch is gamma's, rollout/hbsjd.py).  The policy
 lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls: a
 rollout worker's first calls explore, its later ones exploit.  Its bookkeeping is a few floats a
-round on the host; the committed count of a round rides the device sync the round loop already
-makes (rollout/hbsjd.py `run_jacobi`), so it adds no synchronisation on a GPU.
+round on the host; a round's committed count and rows with a whole window left ride the device
+sync the round loop already makes (rollout/hbsjd.py `run_jacobi`), so it adds no
+synchronisation on a GPU.
 
 The windows change time only: with greedy or "sample" decoding every window commits the same
 tokens (docs/ROLLOUTS.md, one seed one sample), so a measured choice keeps a run reproducible and
@@ -56,6 +67,16 @@ CLIP = 1.5              # a round's seconds count at most 1.5 times its arm's me
 PRIOR = 0.5             # the weight, in rounds, of a Compact arm's prior (Full's seconds)
 EXPLORE = 0.3           # UCB's width, relative to the arm's rate
 BUDGET = 0.05           # most of the seconds (discounted) spent exploring measured arms
+SETTLE = 2              # a call's first rounds, whose drafts are still filling: tokens not counted
+
+
+def near(rated: list, best: tuple, windows: tuple) -> list:
+    """The arms of `rated` ((rate, index, (W, compact))) that the rule may explore next to the
+    best arm: its own W and the windows beside it (a round's rate is unimodal in W: its tokens
+    grow ever more slowly with W, its seconds ever faster), so exploration probes the next window
+    up and down instead of windows far from the best (OSUB, Combes and Proutiere, ICML 2014)."""
+    i = windows.index(best[0])
+    return [x for x in rated if abs(windows.index(x[2][0]) - i) <= 1]
 
 
 class Mean:
@@ -72,16 +93,18 @@ class Mean:
         self.last = 0                 # the clock at the last observation
         self.warm = warm              # True: no warm-up to drop
 
-    def add(self, x: float, now: int, clip: float | None = None) -> None:
+    def add(self, x: float, now: int, clip: float | None = None, weight: float = 1.0) -> float:
+        """Count observation x (clipped) at clock `now` -> what was counted (0: a warm-up)."""
         if not self.warm:
             self.warm = True
-            return
+            return 0.0
         if clip is not None and self.weight:
             x = min(x, clip * self.total / self.weight)
         decay = DISCOUNT ** (now - self.last)
-        self.weight = self.weight * decay + 1.0
-        self.total = self.total * decay + x
+        self.weight = self.weight * decay + weight
+        self.total = self.total * decay + weight * x
         self.last = now
+        return x
 
     def count(self, now: int) -> float:
         """Discounted observations at clock `now` (0: none counted yet)."""
@@ -111,6 +134,7 @@ class WindowPolicy:
         self.round = 0                                      # this call's rounds so far
         self.pending = None                                 # the chosen round, until observed
         self.hold = None                                    # (arm, explore) to repeat once
+        self.explored = False                               # the last round explored
 
     @property
     def largest(self) -> int:
@@ -127,16 +151,25 @@ class WindowPolicy:
         return (self.bucket(active) if self.bucket else active).bit_length()
 
     def _arms(self, active: int) -> list[tuple[int, bool]]:
-        compact = [c for c in (False, True) if ("compact" if c else "full") in self.modes
-                   and (not c or active < self.rows or self.modes == ("compact",))]
-        return [(W, c) for W in self.windows for c in compact]
+        """Full only: every window.  Compact only: every window, per band.  Both (hybrid):
+        every window while all rows are active; once rows finish, Full and Compact at the
+        window Full rounds rate best and those beside it (`near`; the ranking of Full arms
+        does not depend on the active count), so a rows band has a few Compact arms to learn,
+        not one per window."""
+        if self.modes != ("full", "compact") or active == self.rows:
+            return [(W, self.modes == ("compact",)) for W in self.windows]
+        rated = [(e[0], 0.0, (W, False)) for W in self.windows
+                 if (e := self.estimate(W, False, active)) is not None]
+        Ws = ([x[2][0] for x in near(rated, max(rated)[2], self.windows)]
+              if len(rated) == len(self.windows) else self.windows)
+        return [(W, c) for W in Ws for c in (False, True)]
 
     def estimate(self, W: int, compact: bool, active: int) -> tuple[float, float] | None:
         """(estimated tokens per second of arm (W, compact) at `active` rows, its discounted
         observations), None while unmeasured.  A Compact arm not yet measured in this rows band
         takes Full's seconds at W as a prior of weight PRIOR (a round of fewer rows costs at
-        most about what one of all rows does), so each band's Compact arms are explored by the
-        rule, within its budget, instead of first."""
+        most about what one of all rows does): it rates as Full does, its index higher, so it
+        is the band's best and tried, and its first measurement decides."""
         tok = self.tokens.get(W)
         if tok is None or not tok.weight:
             return None
@@ -154,47 +187,55 @@ class WindowPolicy:
         """-> (W, compact) for the next round with `active` rows (module docstring, choice)."""
         self.round += 1
         arms = self._arms(active)
-        explore = False
+        explore = False                                     # exploring a measured arm
         if self.hold is not None and self.hold[0] in arms:
             arm, explore = self.hold
         else:
-            best = top = None
-            best_rate = top_index = -1.0
+            rated, top = [], None
             log_t = math.log(min(self.clock, HORIZON) + 2)
             for W, c in arms:
                 e = self.estimate(W, c, active)
                 if e is None:                       # never measured: try it first
-                    best, top, explore = None, (W, c), True
+                    top = (W, c)
                     break
                 r, n = e
-                index = r * (1.0 + EXPLORE * math.sqrt(log_t / max(n, 1e-9)))
-                if r > best_rate:
-                    best, best_rate = (W, c), r
-                if index > top_index:
-                    top, top_index = (W, c), index
+                rated.append((r, r * (1.0 + EXPLORE * math.sqrt(log_t / max(n, 1e-9))), (W, c)))
+            best = None
+            if top is None:
+                best = max(rated)[2]
+                top = max(near(rated, best, self.windows), key=lambda x: x[1])[2]
             arm = top
-            if best is not None and top != best:
-                explore = self.spent[0] <= BUDGET * self.spent[1]
-                arm = top if explore else best
+            if best is not None and top != best:     # explore: not while drafts fill
+                if self.round > SETTLE and self.spent[0] <= BUDGET * self.spent[1]:
+                    explore = True
+                else:
+                    arm = best
         W, compact = arm
+        if W > self.previous and self.explored:  # a round after a narrower exploring one:
+            explore = True                       # its drafts are the exploration's too
+        self.explored = explore
         key = (W, compact, self._band(compact, active))
         fresh = key not in self.seconds or not self.seconds[key].weight
         held = self.hold is not None and self.hold[0] == arm
         self.hold = (arm, explore) if (W > self.previous or fresh) and not held else None
-        self.pending = (W, key, active, 0 < W <= self.previous, explore)
+        self.pending = (W, key, active, 0 < W <= self.previous and self.round > SETTLE, explore)
         self.previous = W
         return W, compact
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """The last chosen round committed `tokens` tokens over its active rows in `seconds`."""
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        """The last chosen round took `seconds`; its `rows` active rows that had a whole window
+        of tokens left committed `tokens` (a row nearer its end commits at most what it has
+        left, whatever the window: it would price wide windows by a call's last rounds).  The
+        tokens count where the drafts were steady: not in a call's first SETTLE rounds, nor in
+        a round wider than the one before (module docstring, warm-up)."""
         if self.pending is None:
             return
         W, key, active, steady, explore = self.pending
         self.pending = None
         self.clock += 1
         tok = self.tokens.setdefault(W, Mean(warm=True))
-        if steady:
-            tok.add(tokens / active, self.clock)
-        self.seconds.setdefault(key, Mean()).add(seconds, self.clock, clip=CLIP)
-        self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),
+        if steady and rows:
+            tok.add(tokens / rows, self.clock, weight=rows / self.rows)
+        seconds = self.seconds.setdefault(key, Mean()).add(seconds, self.clock, clip=CLIP)
+        self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),  # as counted
                       self.spent[1] * DISCOUNT + seconds]
