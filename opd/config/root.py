@@ -1,5 +1,5 @@
 """The root of the run config's schema: `RunConfig`, its sections joined, and the rules between
-keys of different sections, which pydantic checks once every key is valid.
+keys, which pydantic checks once every key is valid.
 
     config_from_dict({"teacher": {"transport": "topk"}})
     # ConfigError: teacher.topk=0: teacher.transport='topk' needs 1 <= teacher.topk <= model.vocab_size (17)
