@@ -1,6 +1,6 @@
 """Engine options: every engine's name, the options it takes with their defaults, the values
 each option allows, and the check of an option set.  Pure Python (no torch), so the run config
-(opd/config/schema.py) builds its `rollout.engine` and option choices from these tables.
+(opd/config/rollout.py) builds its `rollout.engine` and option choices from these tables.
 
     engine_options("sjd_sync")   # {"window": 16, "history_offset": None, ..., "compile": False}
     check_options("hbsjd", {"window": 8}, engine_options("hbsjd"))

@@ -48,7 +48,8 @@ CLUSTER_PLACEMENT_TIMEOUT_S = 1800.0
 
 
 def check_distributed(cfg: RunConfig) -> None:
-    """What the Ray pipeline needs beyond the schema's own checks (ConfigError naming the key)."""
+    """What the Ray pipeline needs beyond the schema's own checks (ConfigError naming the key):
+    checked when a Ray run starts, since only the Ray pipeline asks it of a config."""
     B, R = cfg.data.batch_size, cfg.learner.world_size
     if B % R:
         raise ConfigError(f"data.batch_size={B} must be a multiple of learner.world_size={R} "

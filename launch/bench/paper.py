@@ -33,14 +33,15 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import torch
+from pydantic import Field
 
 from launch.bench import common
 from launch.bench.common import DTYPES
 from launch.bench.paper_measure import AR, Variant, measure, verifier_bytes
-from opd.config.loader import ConfigError, bounded, strict_schema
+from opd.config.loader import ConfigError, strict_schema
 from rollout.calibrate import ensure_calibration
 
 JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")
@@ -96,39 +97,39 @@ class PaperBench:
     """torch intra-op threads; null or 0 = torch's default."""
     prefix: Literal["data", "random"] = "random"
     """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
-    prefix_ratio: float = bounded(0.5, ge=0.0, lt=1.0)
+    prefix_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
     """Fraction of the sequence given as the prefix; the engines generate the rest."""
-    batch: int = bounded(16, ge=1)
+    batch: Annotated[int, Field(ge=1)] = 16
     """Images per engine call (every ablation's default)."""
-    W: int = bounded(16, ge=1)
+    W: Annotated[int, Field(ge=1)] = 16
     """Jacobi window."""
-    H: int | None = bounded(None, ge=1)
+    H: Annotated[int, Field(ge=1)] | None = None
     """Draft-initialization history offset; null = one grid row."""
     decoding: Literal["greedy", "sample"] = "greedy"
     """Verification of the Jacobi engines (and Cached AR's decoding)."""
     cfg_scale: float | None = 2.0
     """Classifier-free guidance scale; null or 1.0 = no guidance."""
-    temperature: float = bounded(1.0, gt=0.0)
+    temperature: Annotated[float, Field(gt=0.0)] = 1.0
     """Sampling temperature (sample decoding)."""
-    top_k: int = bounded(0, ge=0)
+    top_k: Annotated[int, Field(ge=0)] = 0
     """Top-k filter; 0 = off."""
-    top_p: float = bounded(1.0, gt=0.0, le=1.0)
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus mass; 1.0 = off."""
-    gamma: int | Literal["measure"] = bounded("measure", ge=0)
+    gamma: Annotated[int, Field(ge=0)] | Literal["measure"] = "measure"
     """Hybrid threshold: measure = rollout.calibrate's gamma per (batch, W), or an int."""
-    repeats: int = bounded(3, ge=1)
+    repeats: Annotated[int, Field(ge=1)] = 3
     """Timed rounds per variant (interleaved)."""
-    warmup: int = bounded(1, ge=0)
+    warmup: Annotated[int, Field(ge=0)] = 1
     """Untimed rounds first."""
-    workloads: int = bounded(1, ge=1)
+    workloads: Annotated[int, Field(ge=1)] = 1
     """Distinct input batches per variant."""
-    calibration_repeats: int = bounded(3, ge=1)
+    calibration_repeats: Annotated[int, Field(ge=1)] = 3
     """Timed verifier forwards per (active count, mode) when calibrating gamma."""
     seed: int = 0
     """Seed of the inputs and of sampling."""
-    bandwidth_gbs: float | None = bounded(None, gt=0.0)
+    bandwidth_gbs: Annotated[float, Field(gt=0.0)] | None = None
     """Memory bandwidth (GB/s) for the floor of a verifier round; null = no floor table."""
-    budget_s: float | None = bounded(None, gt=0.0)
+    budget_s: Annotated[float, Field(gt=0.0)] | None = None
     """Skip an ablation that would end past this many seconds; null = no budget."""
     note: str = ""
     """What is scaled down against the paper (every table header)."""

@@ -40,14 +40,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from launch.bench import common
 from launch.bench.common import DTYPES
-from opd.config.loader import ConfigError, bounded, strict_schema
+from opd.config.loader import ConfigError, strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 from rollout.options import DECODINGS
@@ -92,14 +93,14 @@ class RolloutBench:
     """torch intra-op threads; null or 0 = torch's default."""
     prefix: Literal["data", "random"] = "random"
     """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
-    prefix_ratio: float = bounded(0.25, ge=0.0, lt=1.0)
+    prefix_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.25
     """Fraction of the sequence given as the prefix; the engines generate the rest."""
-    batch_sizes: list[int] = bounded(lambda: [1, 4, 16], ge=1, factory=True)
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = field(default_factory=lambda: [1, 4, 16])
     """Batch sizes swept (images per engine call)."""
     windows: list[int | Literal["auto"]] = field(default_factory=lambda: [2, 4, 8, 16])
     """Jacobi windows W swept; auto: HB-SJD's window policy (rollout/window.py), its rows
     report the chosen windows (`windows` column: W:rounds)."""
-    H: int | None = bounded(None, ge=1)
+    H: Annotated[int, Field(ge=1)] | None = None
     """Draft-initialization history offset; null = one grid row."""
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))
     """Engine variants (VARIANTS); Cached AR is the baseline and always runs."""
@@ -108,19 +109,19 @@ class RolloutBench:
     and / or speculative (speculative sampling)."""
     cfg_scale: float | None = 2.0
     """Classifier-free guidance scale; null or 1.0 = no guidance."""
-    temperature: float = bounded(1.0, gt=0.0)
+    temperature: Annotated[float, Field(gt=0.0)] = 1.0
     """Sampling temperature (sample and speculative decoding)."""
-    top_k: int = bounded(0, ge=0)
+    top_k: Annotated[int, Field(ge=0)] = 0
     """Top-k filter; 0 = off."""
-    top_p: float = bounded(1.0, gt=0.0, le=1.0)
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus mass; 1.0 = off."""
-    gamma: int | Literal["measure"] = bounded("measure", ge=0)
+    gamma: Annotated[int, Field(ge=0)] | Literal["measure"] = "measure"
     """Hybrid threshold: measure = the calibration file's gamma per (batch, W), or an int."""
-    repeats: int = bounded(3, ge=1)
+    repeats: Annotated[int, Field(ge=1)] = 3
     """Timed rounds per configuration (interleaved)."""
-    warmup: int = bounded(1, ge=0)
+    warmup: Annotated[int, Field(ge=0)] = 1
     """Untimed rounds first."""
-    calibration_repeats: int = bounded(3, ge=1)
+    calibration_repeats: Annotated[int, Field(ge=1)] = 3
     """Timed verifier forwards per (active count, mode) when calibrating."""
     seed: int = 0
     """Seed of the inputs and of sampling."""
@@ -129,7 +130,7 @@ class RolloutBench:
     candidates: list[int] = field(default_factory=lambda: [0])
     """Rows of the independent engines once per candidate count K (0 = off, >= 2 on;
     rollout/candidates.py), greedy and sampled; sjd_sync runs without."""
-    slots: int | None = bounded(None, ge=1)
+    slots: Annotated[int, Field(ge=1)] | None = None
     """Physical rows per call (continuous batching), every engine, Cached AR included; null =
     all of the batch's images at once."""
 

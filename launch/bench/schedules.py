@@ -43,15 +43,15 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 import numpy as np
+from pydantic import Field
 
 from launch.bench import common
 from opd.config.schema import RunConfig, load_config
-from opd.config.loader import ConfigError
+from opd.config.loader import ConfigError, strict_schema
 from opd.config.files import save_config
-from opd.config.loader import bounded, strict_schema
 
 RESULT_FILE = "result.json"
 FINAL_DIR = "final"
@@ -75,7 +75,7 @@ class SchedulesBench:
     steps, start-up and the final evaluation excluded)."""
     overrides: list[str] = field(default_factory=list)
     """Run overrides of every arm, before the arm's own (e.g. eval.every=50)."""
-    steps: int = bounded(600, ge=1)
+    steps: Annotated[int, Field(ge=1)] = 600
     """distill.steps of every arm (equal steps)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """run.seed of each repetition."""
@@ -84,9 +84,9 @@ class SchedulesBench:
     equal_time: dict[str, dict[str, str]] = field(default_factory=dict)
     """Arm name -> {base: ARM, match: ARM}: the base arm's overrides with as many steps as fit
     in the matched arm's distillation time (the median over seeds)."""
-    final_samples: int = bounded(1000, ge=4)
+    final_samples: Annotated[int, Field(ge=4)] = 1000
     """Class-balanced samples of each final evaluation."""
-    final_kl_rows: int | None = bounded(None, ge=1)
+    final_kl_rows: Annotated[int, Field(ge=1)] | None = None
     """Held-out rows of the final held-out and on-policy KL; null = the whole held-out split."""
     reuse: bool = True
     """Keep a run directory whose result.json has the same spec (config, overrides, seed,

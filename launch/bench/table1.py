@@ -35,13 +35,14 @@ import json
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
+from pydantic import Field
 
 from launch.bench import common
 from opd.config.schema import RunConfig, load_config
-from opd.config.loader import ConfigError, bounded, strict_schema
+from opd.config.loader import ConfigError, strict_schema
 
 NO_GPU = "unmeasured: no GPU"
 MODES = ("eager", "compiled")
@@ -75,21 +76,21 @@ class Table1Bench:
     """Rollout shapes, in row order."""
     device: str = "cuda"
     """cpu or cuda[:N]; cuda without a CUDA device prints placeholders."""
-    threads: int | None = bounded(None, ge=0)
+    threads: Annotated[int, Field(ge=0)] | None = None
     """torch intra-op threads; null or 0 = torch's default."""
-    random_init_std: float = bounded(0.02, gt=0.0)
+    random_init_std: Annotated[float, Field(gt=0.0)] = 0.02
     """Std of the random init (weights: random)."""
     modes: list[Literal["eager", "compiled"]] = field(default_factory=lambda: list(MODES))
     """eager and / or compiled (`rollout.compile`)."""
     compile: bool | Literal["inductor", "aot_eager", "eager"] = True
     """torch.compile backend of compiled mode (True = inductor; "eager" for CPU tests)."""
-    repeats: int = bounded(5, ge=1)
+    repeats: Annotated[int, Field(ge=1)] = 5
     """Timed rollouts per engine and mode (interleaved)."""
-    warmup: int = bounded(1, ge=0)
+    warmup: Annotated[int, Field(ge=0)] = 1
     """Untimed rollouts first (compiled mode compiles in the first)."""
     seed: int = 0
     """Seed of the inputs, the random init and sampling."""
-    budget_s: float | None = bounded(None, gt=0.0)
+    budget_s: Annotated[float, Field(gt=0.0)] | None = None
     """Workload-modes not started by this many seconds are skipped (listed); null = no budget."""
 
 

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import yaml
 
-from opd.config.loader import ConfigError, deep_merge
+from opd.config.loader import ConfigError
+from opd.config.overrides import deep_merge
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The repository's preset directory: `--config tiny` means `CONFIG_DIR / "tiny.yaml"`."""

@@ -1,43 +1,41 @@
-"""Dataclass schemas filled from YAML trees and dotted `key=value` overrides, validated by pydantic.
+"""Dataclass schemas filled from YAML trees, validated by pydantic, errors worded as one line.
 
     tree = {"rollout": {"window": "abc"}}
-    build(RunConfig, tree)          # ConfigError: rollout.window='abc': expected int
-    set_override(RunConfig, tree, "rollout.windw", "3")
+    build(RunConfig, tree)          # ConfigError: rollout.window='abc': expected int or 'auto'
+    build(RunConfig, {"rollout": {"windw": 3}})
                                     # ConfigError: unknown config key 'rollout.windw'; did you mean 'rollout.window'?
 
-A schema is a tree of stdlib dataclasses (fields with docstrings, `bounded(...)` ranges; a
-field may also hold a list of them, e.g. `distill.phases`) whose root is decorated
-`@strict_schema`.  `build` validates a nested dict against it with
-`pydantic.TypeAdapter` in strict JSON mode, the rules of a YAML file: an int field takes only
-an int, a float field an int or a float, a bool only true/false, a tuple a list, a section a
-mapping, and unknown keys are refused (`extra="forbid"`).  Before that, the few spellings that
-YAML and the command line allow are read as the field's type (`1e-3`, which PyYAML reads as
-text, for a float; `None`/`~` for null; `2..6` and `0.5,0.6` for a tuple; an int for a str).
+A schema is a tree of stdlib dataclasses (fields with docstrings; a field may also hold a list of
+them, e.g. `distill.phases`) whose root is decorated `@strict_schema`.  Pydantic does the
+validating: `build` validates a nested dict against the root with `pydantic.TypeAdapter` in
+strict JSON mode, the rules of a YAML file (an int field takes only an int, a float field an int
+or a float, a bool only true/false, a tuple a list, a section a mapping; unknown keys refused,
+`extra="forbid"`).  A range is the type's: `Annotated[int, Field(ge=1)]`, also inside a tuple or
+a union; a "min..max" span is a type with its validator (`span`); the rules between fields are
+the root's `model_validator`s, which raise ConfigError.  Before pydantic, the few spellings YAML
+and the command line allow are read as the field's type (opd/config/spelling.py).
+
 Pydantic says which key failed and how (`loc`, error type); this module words it as one line
-naming the dotted key and the value as written, and checks the `bounded` ranges.  Of several
-problems the one met first in the file is reported.
+naming the dotted key and the value as written (`describe`, `_first_problem`), and names the
+closest valid key of an unknown one (`unknown_key`).  Of several problems the one met first in
+the file is reported.  Dotted `key=value` overrides: opd/config/overrides.py.
 
 Why pydantic (and not OmegaConf), and why the schema stays stdlib dataclasses:
 docs/ARCHITECTURE.md, "Key decisions", Config.
-
-Over 400 lines: the schema walk, the spellings, the wording of every pydantic error and the
-dotted overrides are one concept (a key and its value as the user wrote them) and share their
-helpers; split, each half would import the other's internals.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
-import json
-import math
 import re
 import types
-from dataclasses import field
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
-import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import BeforeValidator, ValidationError, with_config
+
+from opd.config.spelling import (RANGE_ERRORS, STRICT, adapter, fits, items, spell,
+                                 to_json)
 
 
 class ConfigError(ValueError):
@@ -48,25 +46,9 @@ class ConfigError(ValueError):
         self.key = key
 
 
-STRICT = ConfigDict(strict=True, extra="forbid")
 strict_schema = with_config(STRICT)
 """Decorator of a schema's root dataclass: strict types, unknown keys refused (nested sections
 take the root's config)."""
-
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, lt: float | None = None, span: bool = False,
-            factory: bool = False) -> Any:
-    """A dataclass field with a numeric range, checked on load (also for each tuple or list
-    element).  span=True also accepts a string "min..max" for a `tuple[int, int]` member
-    (parsed to (min, max)); factory=True: `default` is a default_factory."""
-    meta: dict[str, Any] = {"bounds": {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items()
-                                       if v is not None}}
-    if span:
-        meta["span"] = True
-    if factory:
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 def choices(names: Any) -> Any:
@@ -75,11 +57,45 @@ def choices(names: Any) -> Any:
     return Literal[tuple(names)]
 
 
+_SPAN = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+
+
+def read_span(value: Any) -> Any:
+    """A span as written: "2..6" -> (2, 6), [2, 6] -> (2, 6); anything else as it is."""
+    if isinstance(value, str) and (m := _SPAN.match(value)):
+        return int(m.group(1)), int(m.group(2))
+    return tuple(value) if isinstance(value, list) else value
+
+
+def span(item: Any) -> Any:
+    """The type of a (min, max) pair of `item`, also written "min..max" (`rollout.num_workers`)."""
+    return Annotated[tuple[item, item], BeforeValidator(read_span)]
+
+
+def is_span(tp: Any) -> bool:
+    return get_origin(tp) is Annotated and any(
+        isinstance(m, BeforeValidator) and m.func is read_span for m in get_args(tp)[1:])
+
+
+def bounds(tp: Any) -> dict[str, float]:
+    """The range of a field's type as keywords ({"ge": 0.0, "lt": 1.0}): the first
+    `Annotated[..., Field(...)]` constraints in it (also of a tuple's items or a union's member)."""
+    if get_origin(tp) is Annotated:
+        out = {k: getattr(c, k) for m in get_args(tp)[1:] for c in getattr(m, "metadata", [m])
+               for k in ("ge", "gt", "le", "lt") if getattr(c, k, None) is not None}
+        return out or bounds(get_args(tp)[0])
+    for a in get_args(tp):
+        if b := bounds(a):
+            return b
+    return {}
+
+
 # ---- the schema ------------------------------------------------------------------------------
 
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+    """A section's field types, with their `Annotated` ranges."""
+    return get_type_hints(cls, include_extras=True)
 
 
 @functools.cache
@@ -158,77 +174,6 @@ def _is_under_dict(root: type, key: str) -> bool:
 
 # ---- building a dataclass tree ---------------------------------------------------------------
 
-@functools.cache
-def _adapter(tp: Any) -> TypeAdapter:
-    if is_section(tp):
-        if getattr(tp, "__pydantic_config__", None) is not STRICT:
-            raise TypeError(f"{tp.__name__} is not a schema root: decorate it @strict_schema")
-        return TypeAdapter(tp)
-    return TypeAdapter(tp, config=STRICT)
-
-
-_NOT_JSON = "\x00not a value of the field's type"
-"""Stands for a value no field type takes (NaN, a date): a mapping, or a string for a mapping."""
-_NONE_WORDS = ("None", "none", "null", "~")
-_SPAN = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
-
-
-def _json(value: Any) -> str:
-    """JSON text of a spelled tree (values JSON cannot hold are only left where any value goes)."""
-    return json.dumps(value, default=repr)
-
-
-def spell(value: Any, tp: Any, meta: Any = None) -> Any:
-    """`value` with the YAML / command-line spellings of type `tp` read as that type; values
-    that are not such a spelling come back as they are (pydantic judges them)."""
-    meta = meta or {}
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is not Any and ((isinstance(value, float) and math.isnan(value))
-                          or not isinstance(value, (type(None), bool, int, float, str, list,
-                                                    tuple, dict))):
-        return _NOT_JSON if origin is dict or tp is dict else {_NOT_JSON: repr(value)}
-    if origin in (Union, types.UnionType):
-        if type(None) in args and isinstance(value, str) and value in _NONE_WORDS:
-            return None
-        for a in args:
-            if a is not type(None) and valid_value(value, a):
-                return value
-        for a in args:
-            out = spell(value, a, meta)
-            if out is not value and valid_value(out, a):
-                return out
-        return value
-    if tp is float and isinstance(value, str):     # PyYAML reads 1e-3 (no dot) as text
-        try:
-            out = float(value)
-        except ValueError:
-            return value
-        return value if math.isnan(out) else out
-    if tp is str and isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if origin in (tuple, list):
-        if origin is tuple and isinstance(value, str):
-            m = _SPAN.match(value)
-            if meta.get("span") and m:
-                value = [int(m.group(1)), int(m.group(2))]
-            elif "," in value:
-                value = [parse_scalar(v.strip()) for v in value.split(",")]
-        if isinstance(value, (list, tuple)):
-            items = [args[0]] * len(value) if (origin is list or args[-1:] == (Ellipsis,)) \
-                else list(args) + [Any] * (len(value) - len(args))
-            return [spell(v, a, meta) for v, a in zip(value, items)]
-    return value
-
-
-def valid_value(value: Any, tp: Any) -> bool:
-    """Whether `value` (spelled) is a valid value of type `tp`."""
-    try:
-        _adapter(tp).validate_json(_json(value))
-        return True
-    except ValidationError:
-        return False
-
-
 def _spell_section(cls: type, tree: dict, free: dict, path: tuple) -> dict:
     out = {}
     for name, value in tree.items():
@@ -249,28 +194,32 @@ def _spell_section(cls: type, tree: dict, free: dict, path: tuple) -> dict:
             out[name] = [_spell_section(item, v, free, (*path, name, i)) if isinstance(v, dict)
                          else repr(v) for i, v in enumerate(value)]
         else:
-            out[name] = spell(value, tp, fields(cls)[name].metadata)
+            out[name] = spell(value, tp)
     return out
 
 
-def build(cls: type, tree: Any, what: str = "config") -> Any:
+def build(cls: type, tree: Any, what: str = "config", context: dict | None = None) -> Any:
     """Instantiate schema root `cls` from a partial nested dict; every key and value checked.
-    Raises ConfigError naming the first bad key in the tree's order."""
+    Raises ConfigError naming the first bad key in the tree's order.  `context` goes to the
+    root's model validators (pydantic's validation context).  Free-form `dict` fields are kept
+    as written and set after validation: a model validator sees them empty."""
     if not isinstance(tree, dict):
         raise ConfigError(f"'the {what}' must be a mapping of keys, got {tree!r}")
     free: dict[tuple, dict] = {}
     spelled = _spell_section(cls, tree, free, ())
     try:
-        obj = _adapter(cls).validate_json(_json(spelled))
-        problems: dict[tuple, dict] = {}
+        obj = adapter(cls).validate_json(to_json(spelled), context=context)
+        problems: dict[tuple, list[dict]] = {}
     except ValidationError as e:
         obj, problems = None, {}
         for err in e.errors():
-            problems.setdefault(_error_key(cls, err["loc"]), err)
+            if isinstance(rule := (err.get("ctx") or {}).get("error"), ConfigError):
+                raise rule from None                # a model validator's: the fields are valid
+            problems.setdefault(_error_key(cls, err["loc"]), []).append(err)
     _first_problem(cls, cls, tree, spelled, problems, (), what)
     if problems:                     # not met in the tree (should not happen): name it anyway
-        loc, err = next(iter(problems.items()))
-        raise ConfigError(f"{dotted(loc)}: {err['msg']}", dotted(loc))
+        loc, errs = next(iter(problems.items()))
+        raise ConfigError(f"{dotted(loc)}: {errs[0]['msg']}", dotted(loc))
     for path, value in free.items():
         node = obj
         for name in path[:-1]:
@@ -306,11 +255,11 @@ def _first_problem(root: type, cls: type, raw: dict, spelled: dict, problems: di
         name = str(name)
         key, at = prefix + name, (*path, name)
         tp = hints(cls).get(name)
-        err = problems.pop(at, None)
+        errs = problems.pop(at, None)
         if tp is None:
             raise unknown_key(root, key, cls, prefix, name, [], what)
         if (item := section_items(tp)) is not None:
-            if err is not None or not isinstance(value, list):
+            if errs or not isinstance(value, list):
                 raise ConfigError(f"{key}={value!r}: expected a list of mappings with keys "
                                   f"{', '.join(fields(item))}", key)
             for i, v in enumerate(value):
@@ -320,37 +269,37 @@ def _first_problem(root: type, cls: type, raw: dict, spelled: dict, problems: di
                 _first_problem(root, item, v, spelled[name][i], problems, (*at, i), what)
             continue
         if is_section(tp):
-            if err is not None:
+            if errs:
                 raise ConfigError(f"'{key}' must be a mapping of keys, got {value!r}", key)
             if isinstance(value, dict):
                 _first_problem(root, tp, value, spelled[name], problems, at, what)
             continue
-        meta = fields(cls)[name].metadata
-        if err is not None:
-            if get_origin(tp) is Literal:
-                raise ConfigError(f"{key}={value!r}: must be one of "
-                                  + ", ".join(repr(a) for a in get_args(tp)), key)
-            raise ConfigError(f"{key}={value!r}: expected {describe(tp, meta)}", key)
-        if meta.get("bounds"):
-            check_range(key, _adapter(tp).validate_json(_json(spelled[name])), value, meta)
+        if not errs:
+            continue
+        if any(err["type"] in RANGE_ERRORS for err in errs):
+            raise _out_of_range(key, tp, value, spelled[name])
+        if get_origin(tp) is Literal:
+            raise ConfigError(f"{key}={value!r}: must be one of "
+                              + ", ".join(repr(a) for a in get_args(tp)), key)
+        raise ConfigError(f"{key}={value!r}: expected {describe(tp)}", key)
 
 
-def describe(tp: Any, meta: Any = None) -> str:
+def describe(tp: Any) -> str:
     """A type as the error messages name it: `int`, `a list of 2 floats`, `one of 'a', 'b'`."""
-    meta = meta or {}
     origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return describe(args[0]) + (" or a 'min..max' string" if is_span(tp) else "")
     if tp is type(None):
         return "null"
     if origin in (Union, types.UnionType):
-        return " or ".join(describe(a, meta) for a in args)
+        return " or ".join(describe(a) for a in args)
     if origin is Literal:
         return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
     if origin is tuple:
-        items = [a for a in args if a is not Ellipsis]
+        names = [describe(a) for a in args if a is not Ellipsis]
         n = "" if Ellipsis in args else f"{len(args)} "
-        inner = (f"a list of {n}{describe(items[0], meta)}s" if len(set(items)) == 1
-                 else f"a list of {n}" + " / ".join(describe(a, meta) for a in items))
-        return inner + (" or a 'min..max' string" if meta.get("span") else "")
+        return (f"a list of {n}{names[0]}s" if len(set(names)) == 1
+                else f"a list of {n}" + " / ".join(names))
     if origin is list:
         return "a list"
     if origin is dict or tp is dict:
@@ -358,143 +307,31 @@ def describe(tp: Any, meta: Any = None) -> str:
     return {bool: "bool (true/false)", int: "int", float: "float", str: "str"}.get(tp, repr(tp))
 
 
-def check_range(key: str, value: Any, raw: Any, meta: Any) -> None:
-    """Range check of a validated value against its `bounded` range; the message shows the
-    value as the user wrote it (a list as validated)."""
-    bounds = meta.get("bounds") or {}
-    for x in value if isinstance(value, (list, tuple)) else (value,):
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            continue
-        ok = (("ge" not in bounds or x >= bounds["ge"]) and ("gt" not in bounds or x > bounds["gt"])
-              and ("le" not in bounds or x <= bounds["le"]) and ("lt" not in bounds or x < bounds["lt"]))
-        if not ok:
-            shown = _show(value) if isinstance(raw, (list, tuple)) else repr(raw)
-            ops = [(">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")]
-            rng = " and ".join(f"{op} {bounds[k]:g}" for op, k in ops if k in bounds)
-            raise ConfigError(f"{key}={shown}: must be {rng}", key)
+def _out_of_range(key: str, tp: Any, raw: Any, spelled: Any) -> ConfigError:
+    """The error of a value outside its type's range, shown as the user wrote it (a list as
+    read: an int item of a float field as a float)."""
+    b = bounds(tp)
+    shown = _show(_as_read(spelled, tp)) if isinstance(raw, (list, tuple)) else repr(raw)
+    ops = [(">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")]
+    rng = " and ".join(f"{op} {b[k]:g}" for op, k in ops if k in b)
+    return ConfigError(f"{key}={shown}: must be {rng}", key)
+
+
+def _as_read(value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _as_read(value, get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        member = next((a for a in get_args(tp) if fits(value, a)), Any)
+        return _as_read(value, member)
+    if isinstance(value, (list, tuple)) and origin in (list, tuple):
+        return [_as_read(v, a) for v, a in zip(value, items(tp, len(value)))]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     return repr(value)
-
-
-# ---- dotted overrides ------------------------------------------------------------------------
-
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """`top` merged over `base`, mapping by mapping (a new dict; the inputs are not changed)."""
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def parse_scalar(raw: str) -> Any:
-    """An override's value as YAML reads it (`null`, `true`, `1e-3`, `[0.9, 0.99]`), else the text."""
-    try:
-        return yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        return raw
-
-
-def set_overrides(root: type, tree: dict[str, Any], overrides: list[str] | tuple[str, ...],
-                    what: str = "config") -> None:
-    """Set each `section.key=value` of `overrides` in `tree`, in order (later ones win)."""
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like section.key=value, "
-                              f"e.g. rollout.window=8")
-        set_override(root, tree, key.strip(), raw.strip(), what)
-
-
-def _default(f: dataclasses.Field) -> Any:
-    """A field's default as tree values (sections as dicts): what an override indexes into when
-    the preset leaves the field out (`distill.phases.1.lam=0.5` over the built-in schedule)."""
-    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if isinstance(value, (list, tuple)):
-        return [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in value]
-    return value
-
-
-def set_override(root: type, tree: dict[str, Any], key: str, raw: str, what: str = "config") -> None:
-    """Set tree[a][b]... = value for key "a.b...", checking the path against the schema."""
-    parts = key.split(".")
-    cls: Any = root
-    node = tree
-    skip = False
-    for i, part in enumerate(parts):
-        if skip:                             # the index of a list of sections, already taken
-            skip = False
-            continue
-        prefix = ".".join(parts[:i]) + ("." if i else "")
-        last = i == len(parts) - 1
-        if part not in fields(cls):
-            raise unknown_key(root, key, cls, prefix, part, parts[i + 1:], what)
-        tp = hints(cls)[part]
-        if section_items(tp) is not None and not last:   # distill.phases.1.lam=0.5
-            items, index = node.get(part, _default(fields(cls)[part])), parts[i + 1]
-            if not isinstance(items, list) or not index.isdigit() or int(index) >= len(items) \
-                    or i + 2 >= len(parts):
-                n = len(items) if isinstance(items, list) else 0
-                whole = f"{prefix}{part}=[{{...}}, ...]"
-                if n == 0:                       # no entry to index: only the whole list
-                    raise ConfigError(f"{key}: {prefix}{part} is empty, so it has no entry "
-                                      f"{index}; set the whole list as {whole}", key)
-                raise ConfigError(f"{key}: {prefix}{part} holds {n} entries; set one's key as "
-                                  f"{prefix}{part}.N.KEY=VALUE with 0 <= N < {n}, or the whole "
-                                  f"list as {whole}", key)
-            node[part] = items = [dict(x) if isinstance(x, dict) else x for x in items]
-            node, cls, skip = items[int(index)], section_items(tp), True
-            continue
-        if is_section(tp):
-            if last:
-                value = parse_scalar(raw)
-                if not isinstance(value, dict):
-                    sub = next(iter(fields(tp)))
-                    raise ConfigError(f"'{key}' is a section; set one of its keys, e.g. "
-                                      f"{key}.{sub}=...", key)
-                node[part] = deep_merge(node.get(part) or {}, value)
-                return
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict):
-                raise ConfigError(f"'{prefix}{part}' must be a mapping of keys", prefix + part)
-            cls = tp
-            continue
-        if last:
-            node[part] = _override_value(raw, tp, fields(cls)[part].metadata)
-            return
-        if get_origin(tp) is dict:  # free-form options: a.b.opt=value
-            for j, sub in enumerate(parts[i:-1], start=i):
-                node = node.setdefault(sub, {})
-                if not isinstance(node, dict):
-                    where = ".".join(parts[:j + 1])
-                    raise ConfigError(f"'{where}' holds {node!r}, not a mapping; cannot set {key}",
-                                      where)
-            node[parts[-1]] = parse_scalar(raw)
-            return
-        raise ConfigError(f"'{prefix}{part}' is a value, not a section; set {prefix}{part}=VALUE",
-                          prefix + part)
-
-
-def _override_value(raw: str, tp: Any, meta: Any) -> Any:
-    """YAML-parse an override; a field that takes text gets the raw text if the parse does not
-    fit (run.name=1.10 stays "1.10", not 1.1)."""
-    value = parse_scalar(raw)
-    if value is None or isinstance(value, str) or not _accepts_str(tp):
-        return value
-    return value if valid_value(spell(value, tp, meta), tp) else raw
-
-
-def _accepts_str(tp: Any) -> bool:
-    if tp is str or tp is Any:
-        return True
-    origin = get_origin(tp)
-    if origin is Literal:
-        return any(isinstance(a, str) for a in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return any(_accepts_str(a) for a in get_args(tp))
-    return False

@@ -4,7 +4,7 @@
     OBJECTIVE_SETTINGS["gkd"]           # ("lam", "beta", "temperature")
 
 Each setting is declared once here, with its range and default: the run config's `distill.*`
-and `distill.phases[i].*` keys take them (opd/config/schema.py), a phase passes the ones its
+and `distill.phases[i].*` keys take them (opd/config/training.py), a phase passes the ones its
 objective reads under the same names (opd/distill/phases.py), and the objective's dataclass
 fields of those names check them (opd/distill/objectives.py).  Pure Python (no torch), so the
 config's `objective` choices are read from `OBJECTIVE_SETTINGS` too.

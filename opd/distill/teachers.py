@@ -2,7 +2,7 @@
 one target the learner trains on (multi-teacher OPD).
 
 A run's teachers are the entries of `teachers:`, each with a `name` (a `teacher:` section is
-the list of its one entry, "default": opd/config/schema.py).  They are combined by one of two
+the list of its one entry, "default": opd/config/teachers.py).  They are combined by one of two
 rules:
 
 - routing: each teacher owns a set of class labels (`classes`; every class owned once), and each

@@ -106,7 +106,9 @@ class StepLog:
 
 
 def check_objectives(cfg: RunConfig) -> None:
-    """The teacher transport must be one that every phase's objective supports."""
+    """The teacher transport must be one that every phase's objective supports.  Checked when a
+    run starts, not with the config on load: the objectives say what they take (opd/distill,
+    which imports torch) and the config's schema imports no torch."""
     transport = cfg.teachers[0].transport     # one for every teacher (config)
     tkey = "teachers[0].transport"
     for phase, objective in zip(phases(cfg), objectives(cfg)):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import yaml
 
-from opd.config.schema import RunConfig, apply_overrides, config_from_dict, default_run_dir, load_config, validate
+from opd.config.schema import PhaseConfig, RunConfig, apply_overrides, config_from_dict, default_run_dir, load_config, validate
 from opd.config.files import CONFIG_DIR, available_presets, config_hash, config_to_dict, config_to_yaml, save_config
 from opd.config.loader import ConfigError
 
@@ -31,17 +32,20 @@ def test_defaults_are_the_digits_setup_and_valid():
 
 
 def test_every_field_has_a_docstring():
+    """Every key of every section (the schema's modules, where RunConfig finds its sections)."""
     import ast
     import inspect
+    import sys
 
-    import opd.config.schema as mod
-    tree = ast.parse(inspect.getsource(mod))
-    for node in tree.body:
-        if not (isinstance(node, ast.ClassDef) and node.name.endswith(("Config", "Options"))):
-            continue
-        cls = getattr(mod, node.name)
-        if cls is RunConfig or not dataclasses.is_dataclass(cls):
-            continue
+    from opd.config.loader import hints
+    sections = {tp for tp in hints(RunConfig).values() if dataclasses.is_dataclass(tp)}
+    sections |= {t for tp in hints(RunConfig).values() for t in typing.get_args(tp)
+                 if dataclasses.is_dataclass(t)}
+    sections.add(PhaseConfig)
+    assert len(sections) == 11
+    for cls in sections:
+        node = ast.parse(inspect.getsource(sys.modules[cls.__module__])).body
+        node = next(n for n in node if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
         body = node.body
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign):
@@ -370,3 +374,12 @@ def test_bench_preset_extends_another(tmp_path):
     mine.write_text("extends: cpu_tiny\nbatch: 0\n")
     with pytest.raises(ConfigError, match=rf"^{mine}: batch=0: must be >= 1$"):
         load_paper_bench(mine)
+
+
+def test_rules_between_keys_wait_for_the_overrides(tmp_path):
+    """A preset is checked key by key before its overrides, the rules between keys after them:
+    an override may complete what a rule relates."""
+    (tmp_path / "topk.yaml").write_text("teacher:\n  transport: topk\n")
+    assert load_config(str(tmp_path / "topk.yaml"), ["teacher.topk=8"]).teachers[0].topk == 8
+    assert error([], path=str(tmp_path / "topk.yaml")) == (
+        "teacher.topk=0: teacher.transport='topk' needs 1 <= teacher.topk <= model.vocab_size (17)")
