@@ -293,12 +293,14 @@ def _matching_report(path: Path, settings: dict, info: dict) -> dict | None:
 
 
 def heldout_quality(student, cfg: RunConfig, num_rows: int | None = None) -> dict:
-    """`opd.eval.quality.quality_report` against the run's teacher, with the run's training rollout
-    (engine and decoding; an uncalibrated gamma='auto' falls back as in sampling)."""
-    from opd.models.factory import load_role_model
+    """`opd.eval.quality.quality_report` against the run's teacher (its teachers, as the one
+    model the run distilled towards: `opd.distill.ensemble.load_teacher`), with the run's
+    training rollout (engine and decoding; an uncalibrated gamma='auto' falls back as in
+    sampling)."""
+    from opd.distill.ensemble import load_teacher
     from opd.eval.quality import quality_report
 
-    teacher = load_role_model(cfg, "teacher", progress=False).to(next(student.parameters()).device)
+    teacher = load_teacher(cfg, progress=False, device=next(student.parameters()).device)
     qcfg = sampling_config(cfg, engine=cfg.rollout.engine, decoding=cfg.rollout.decoding)
     return quality_report(student, teacher, open_dataset(cfg, "heldout"), qcfg, num_rows=num_rows)
 

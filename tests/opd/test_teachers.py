@@ -161,3 +161,20 @@ def test_a_teachers_missing_or_mismatched_checkpoint_is_named(tiny_overrides, tm
                                   "{name: b, weight: 1.0}]")
     with pytest.raises(CheckpointError, match=r"teacher 'a' \(teachers\[\]\.ckpt\).*vocab_size=17"):
         load_role_model(cfg, "teacher", teacher=cfg.teachers[0], progress=False)
+
+
+def test_eval_measures_the_student_against_the_runs_teachers(tiny_overrides, monkeypatch):
+    """`opd eval`'s held-out quality (opd/eval/run.py `heldout_quality`) compares the student
+    with the teachers the run distilled towards: the routed ensemble of `teachers`, not the
+    `model.teacher` preset."""
+    import opd.eval.quality
+    from opd.distill.ensemble import TeacherEnsemble
+    from opd.eval.run import heldout_quality
+    from opd.models.factory import load_role_model
+    cfg = cfg_for(tiny_overrides, ROUTED)
+    seen = []
+    monkeypatch.setattr(opd.eval.quality, "quality_report",
+                        lambda student, teacher, *a, **k: seen.append(teacher) or {})
+    heldout_quality(load_role_model(cfg, "student", progress=False), cfg)
+    (teacher,) = seen
+    assert isinstance(teacher, TeacherEnsemble) and len(teacher.members) == 2
