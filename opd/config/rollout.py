@@ -54,8 +54,8 @@ class RolloutConfig:
     """greedy: Cached AR's argmax tokens; sample: the keyed Gumbel-max rule, one token per (seed, image, position), so every engine and window commits Cached AR's sampled tokens; speculative: speculative sampling (the model's distribution too, but the tokens depend on the windows run). rollout/options.py DECODINGS."""
     refresh: Refresh = ENGINE_DEFAULTS["refresh"]
     """Decoding speculative: the drafts after the commit point kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
-    compare_every: Annotated[int, Field(ge=0)] = 0
-    """Every this many prefix batches (batch id divisible by it), a student rollout call is run again by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); 0 = never (the default: on Ray the rerun delays the call's report past its pieces, which the driver does not yet wait for)."""
+    compare_every: Annotated[int, Field(ge=0)] = 10
+    """Every this many prefix batches (batch id divisible by it), a student rollout call is also run by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); timed before the call itself, so its report still follows its last piece at once; 0 = never."""
     slots: Annotated[int, Field(ge=0)] = 0
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     compile: bool = ENGINE_DEFAULTS["compile"]

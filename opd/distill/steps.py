@@ -102,20 +102,27 @@ def engine_call(model, job: RolloutJob, cfg: RunConfig) -> tuple[tuple, dict]:
                  image_ids=job.image_ids, slots=r.slots or None))
 
 
-def rollout_stats(result, job: RolloutJob, cfg: RunConfig, model=None) -> RolloutStats:
-    """The statistics of `job`'s rollout call (a `RolloutResult`), against Cached AR's rounds:
-    one per token and row batch; with `model` (the one that rolled out), on a batch due for it
-    (`rollout.compare_every`), against Cached AR's seconds too: the same call run again by
-    Cached AR and timed (greedy and sample decoding commit the same tokens in every engine, so
-    only time differs)."""
+def ar_seconds(model, job: RolloutJob, cfg: RunConfig) -> float:
+    """On a batch due for it (`rollout.compare_every`), the wall seconds of `job`'s rollout call
+    run by Cached AR with `model` (the one that rolls out; greedy and sample decoding commit the
+    same tokens in every engine, so only time differs), else 0.0.  Run before the engine's own
+    call, so that the call's report follows its last piece at once: a Ray driver may train and
+    summarise the step on its pieces before a late report."""
+    r = cfg.rollout
+    if not (r.compare_every and job.batch_id % r.compare_every == 0 and job.source != "data"
+            and r.engine != "cached_ar" and r.decoding != "speculative"):
+        return 0.0
+    args, kwargs = engine_call(model, job, cfg)
+    return build_engine(cfg, "cached_ar").generate(*args, **kwargs).wall_time
+
+
+def rollout_stats(result, job: RolloutJob, cfg: RunConfig, ar: float = 0.0) -> RolloutStats:
+    """The statistics of `job`'s rollout call (a `RolloutResult`), against Cached AR's rounds
+    (one per token and row batch) and, where `ar_seconds` timed it, Cached AR's seconds `ar`."""
     B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
     slots = cfg.rollout.slots or B
     stats = RolloutStats.of(result, N * -(-B // slots))
-    r = cfg.rollout
-    if (model is not None and r.compare_every and job.batch_id % r.compare_every == 0
-            and r.engine != "cached_ar" and r.decoding != "speculative"):
-        args, kwargs = engine_call(model, job, cfg)
-        stats.ar_seconds = build_engine(cfg, "cached_ar").generate(*args, **kwargs).wall_time
+    stats.ar_seconds = ar
     return stats
 
 
@@ -138,10 +145,11 @@ def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int
     if job.source == "data":
         return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
                                policy_version, "data", RolloutStats())
+    ar = ar_seconds(model, job, cfg)
     args, kwargs = engine_call(model, job, cfg)
     result = engine.generate(*args, **kwargs)
     return trajectory(job, None, result.tokens, result.logprobs, policy_version,
-                      rollout_stats(result, job, cfg, model))
+                      rollout_stats(result, job, cfg, ar))
 
 
 @torch.no_grad()

@@ -25,7 +25,8 @@ from opd.config.schema import RunConfig
 from opd.distill.batch import TrajectoryBatch
 from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.steps import RolloutJob, engine_call, generate, rollout_stats, trajectory
+from opd.distill.steps import (RolloutJob, ar_seconds, engine_call, generate, rollout_stats,
+                               trajectory)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class PartStream:
                 yield Piece(k, rows, take_rows(whole, int(rows[0]), int(rows[-1]) + 1))
             self.stats = whole.rollout_stats
             return
+        ar = ar_seconds(self.model, job, self.cfg)
         args, kwargs = engine_call(self.model, job, self.cfg)
         stream = self.engine.stream(*args, **kwargs)
         B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
@@ -80,4 +82,4 @@ class PartStream:
                 rows = self.rows[k]
                 yield Piece(k, rows, trajectory(job, rows, tokens[rows], logprobs[rows],
                                                 self.version, RolloutStats()))
-        self.stats = rollout_stats(stream.result, job, self.cfg, self.model)
+        self.stats = rollout_stats(stream.result, job, self.cfg, ar)

@@ -154,3 +154,44 @@ def test_window_lines_add_the_rounds_of_each_window_over_student_rollouts():
             {"source": "teacher", "window_hist": [0, 0, 0, 9]}]       # SeqKD: not the student's
     assert window_lines(rows) == ["rollout windows (W: rounds): 1: 3, 2: 3, 4: 5"]
     assert window_lines([{"source": "student", "window_hist": None}]) == []
+
+
+def test_cached_ar_times_a_streamed_call_before_the_call_runs(tiny_overrides, monkeypatch):
+    """A streamed rollout call (`PartStream`, both run modes) times Cached AR before its own
+    engine runs, so its report follows its last piece at once (a Ray driver may train and
+    summarise the step on the pieces), and the report carries Cached AR's seconds."""
+    from opd.config.schema import load_config
+    from opd.distill import steps
+    from opd.distill.steps import RolloutJob, build_engine
+    from opd.distill.stream import PartStream
+    from opd.models.factory import load_role_model
+    cfg = load_config("tiny", [*tiny_overrides, "rollout.compare_every=1",
+                               "rollout.decoding=sample"])
+    model = load_role_model(cfg, "student", progress=False)
+    order = []
+    real = steps.build_engine
+
+    def recording(cfg, name=None):
+        engine = real(cfg, name)
+        if name == "cached_ar":
+            generate = engine.generate
+            engine.generate = lambda *a, **k: (order.append("cached_ar"), generate(*a, **k))[1]
+        return engine
+    monkeypatch.setattr(steps, "build_engine", recording)
+    engine = build_engine(cfg)
+    stream_call = engine.stream
+
+    def stream(*a, **k):
+        order.append("engine")
+        return stream_call(*a, **k)
+    engine.stream = stream
+    T = model.block_size
+    job = RolloutJob(1, torch.tensor([0, 1, 2, 3]), torch.zeros(4, T, dtype=torch.long), 0,
+                     "student", cfg.run.seed)
+    part = PartStream(model, engine, job, cfg, 0, [2, 2])
+    pieces = []
+    for piece in part:
+        pieces.append((piece.index, list(order)))
+    assert order == ["cached_ar", "engine"]
+    assert sorted(i for i, _ in pieces) == [0, 1] and all(o == order for _, o in pieces)
+    assert part.stats.ar_seconds > 0
