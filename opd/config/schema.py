@@ -325,6 +325,12 @@ class DistillConfig:
     reuse_fresh: float = bounded(0.5, ge=0.0, le=1.0)
     """With reuse > 1: probability that a student step makes a fresh rollout when the buffer
     has one to reuse (else it trains on one drawn uniformly from the buffer)."""
+    cache_data_scores: bool = False
+    """Score each data image by the teacher once and reuse its scores in later epochs
+    (opd/distill/score_cache.py): the teacher is frozen and the data fixed, so a data step's
+    target does not change between epochs; the run's losses stay the same bit for bit and the
+    teacher forwards each distinct image once.  Reference mode only; the cache lives in memory
+    (about 4 KiB an image at the digits shape)."""
     broadcast_every: int = bounded(1, ge=1)
     """Publish student weights to rollout workers every this many steps."""
     pieces: int = bounded(0, ge=0)
@@ -615,6 +621,14 @@ def _phases(cfg: RunConfig) -> None:
                           f"leaving none of distill.steps={d.steps} for the last; raise "
                           f"distill.steps, shorten them (distill.phases.0.steps=N) or set "
                           f"distill.objective alone for one objective throughout", "distill.phases")
+
+
+@cross_check
+def _score_cache(cfg: RunConfig) -> None:
+    if cfg.distill.cache_data_scores and cfg.run.mode != "reference":
+        raise ConfigError(f"distill.cache_data_scores=true needs run.mode=reference (a Ray run's "
+                          f"teacher workers keep no cache); set run.mode=reference or "
+                          f"distill.cache_data_scores=false", "distill.cache_data_scores")
 
 
 @cross_check
