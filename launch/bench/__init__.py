@@ -5,7 +5,8 @@
     paper        the paper's ablations on one preset (paper.py, paper_measure.py,
                  paper_report.py; synthetic.py makes their stand-in data)
     table1       the paper's Table 1 rollout rows, Cached AR against HB-SJD (table1.py)
-    schedules    KD-only against the default schedule at equal steps and equal time
-                 (schedules.py, schedules_report.py)
+    schedules    KD-only against the default schedule at equal steps and equal time, and
+                 quality against training time (schedules.py, schedules_report.py,
+                 schedules_curves.py)
     common       presets, interleaving and the shared table helpers
 """

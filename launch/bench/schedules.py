@@ -14,6 +14,7 @@ A preset (configs/bench/schedules_*.yaml):
       gkd: [distill.objective=gkd, distill.lam=1.0]
     equal_time:                   name -> {base: arm, match: arm}: the base arm's overrides
       kd_equal_time: {base: kd, match: gkd}   with the steps that take the matched arm's time
+    reference: kd                 the KD-only arm the curves' plateau and crossings refer to
     final_samples: 1000           class-balanced samples of the final evaluation
     final_kl_rows: null           held-out rows of the final KL measures (null: all)
     reuse: true                   keep a finished run whose spec matches (see `run_spec`)
@@ -49,6 +50,7 @@ import numpy as np
 from pydantic import Field
 
 from launch.bench import common
+from launch.bench.schedules_curves import curve_figures
 from opd.config.schema import RunConfig, load_config
 from opd.config.loader import ConfigError, strict_schema
 from opd.config.files import save_config
@@ -95,6 +97,11 @@ class SchedulesBench:
     """Run only these arms (an equal-time arm also runs its base and matched arms); null = all.
     Splits a bench over processes: each runs some arms into the same --out, then the full
     command reuses their runs."""
+    reference: str | None = "kd"
+    """The KD-only arm (or equal-time arm) that quality against training time is stated against
+    (launch/bench/schedules_curves.py): its on-policy KL's improvement over the last quarter of
+    its budget (the plateau), and when each on-policy arm's crosses below it; compared over the
+    time both reached, so give it the on-policy arms' time (an equal-time arm).  null: none."""
     note: str = ""
     """What the table is (printed under its title)."""
 
@@ -118,6 +125,9 @@ def check_schedules(b: SchedulesBench) -> SchedulesBench:
                 raise ConfigError(f"bench preset key equal_time.{name}.{k}={spec.get(k)!r}: must "
                                   f"name one of the arms ({', '.join(b.arms)})",
                                   f"equal_time.{name}.{k}")
+    if b.reference is not None and b.reference not in b.arms and b.reference not in b.equal_time:
+        raise ConfigError(f"bench preset key reference={b.reference!r}: must name one of the arms "
+                          f"({', '.join([*b.arms, *b.equal_time])}) or be null", "reference")
     for name in b.only or []:
         if name not in b.arms and name not in b.equal_time:
             raise ConfigError(f"bench preset key only: {name!r} is not an arm "
@@ -280,8 +290,10 @@ def run_schedules(b: SchedulesBench, out: str | Path,
                                "base_s_per_step": base["s_per_step"],
                                "per_seed_steps": per_seed}
             runs.append(r)
-    return {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*arms, *timed]),
-            "environment": common.environment("cpu")}
+    report = {"bench": asdict(b), "runs": runs, "summary": summarize(runs, [*arms, *timed]),
+              "environment": common.environment("cpu")}
+    report["curves"] = curve_figures(report)
+    return report
 
 
 def mean_sd(values: list[float]) -> dict:

@@ -1,14 +1,15 @@
-"""What `opd bench schedules` writes besides schedules.json: the Markdown table (mean ± sd over
-seeds per arm) and the figure of the seeds' curves (quality.parquet of every run).
+"""What `opd bench schedules` prints and writes as schedules.md: the table of the final students
+(mean ± sd over seeds per arm), what each arm ran, and the plateau and crossing figures of the
+curves (launch/bench/schedules_curves.py, which also draws schedules.png).
 
     text = format_markdown(report)      # report = launch.bench.schedules.run_schedules(...)
-    save_curves(report, out)            # out/schedules.png
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from launch.bench.common import markdown_table, pyplot
+from launch.bench.common import markdown_table
+from launch.bench.schedules_curves import format_curves
 
 COLUMNS = [("FID ↓", "fid", 1), ("precision ↑", "precision", 3), ("recall ↑", "recall", 3),
            ("class acc ↑", "class_acc", 3), ("KL(T‖S) held-out ↓", "kl_data", 4),
@@ -76,44 +77,5 @@ def format_markdown(report: dict) -> str:
         lines.append(f"- `{arm}`: `{et['base']}`'s overrides for as many steps as "
                      f"`{et['match']}` took seconds: {runs[0]['steps']} steps, the median "
                      f"over seeds of {per_seed}")
-    return "\n".join(lines) + "\n"
-
-
-def save_curves(report: dict, out: str | Path) -> Path:
-    """out/schedules.png: class accuracy, on-policy KL and FID of the tracked evaluations over
-    steps, one line per (arm, seed), one colour per arm; the teacher's class accuracy dashed."""
-    from opd.eval.tracking import read_quality
-
-    plt = pyplot()
-    panels = [("class_acc", "class accuracy ↑"), ("kl_samples", "on-policy KL (nats/token) ↓"),
-              ("fid", "FID ↓")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    arms = list(report["summary"])
-    teacher = None
-    for run in report["runs"]:
-        rows = read_quality(run["run_dir"])
-        teacher = teacher or next((r for r in rows if r["role"] == "teacher"), None)
-        student = sorted((r for r in rows if r["role"] == "student"), key=lambda r: r["step"])
-        colour = colours[arms.index(run["arm"]) % len(colours)]
-        first = run is next(r for r in report["runs"] if r["arm"] == run["arm"])
-        for ax, (key, _) in zip(axes, panels):
-            pts = [(r["step"], r[key]) for r in student if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=colour, lw=1, alpha=0.8,
-                        label=arm_label(report, run["arm"]) if first else None)
-    for ax, (key, title) in zip(axes, panels):
-        if teacher is not None and key == "class_acc" and teacher.get(key) is not None:
-            ax.axhline(teacher[key], color="grey", ls="--", lw=1, label="teacher")
-        ax.set(xlabel="step", title=title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower right")
-    n = report["bench"]["seeds"]
-    fig.suptitle(f"tracked during training: one line per seed ({len(n)}), one colour per arm",
-                 fontsize=9)
-    fig.tight_layout()
-    path = Path(out) / "schedules.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    lines += ["", *format_curves(report)]
+    return "\n".join(lines).rstrip() + "\n"

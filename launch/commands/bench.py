@@ -275,7 +275,8 @@ def run_step(args: argparse.Namespace) -> int:
 def run_schedules(args: argparse.Namespace) -> int:
     from launch.bench.common import resolve_bench_preset
     from launch.bench.schedules import load_schedules_bench, run_schedules as run
-    from launch.bench.schedules_report import format_markdown, save_curves
+    from launch.bench.schedules_curves import save_curves
+    from launch.bench.schedules_report import format_markdown
 
     bench = load_schedules_bench(args.config, _overrides(args.overrides))
     out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)

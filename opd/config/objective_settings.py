@@ -26,7 +26,7 @@ class Setting:
 
     @property
     def bounds(self) -> dict[str, float]:
-        """The range as `bounded(...)` keywords (ge, gt, le, lt)."""
+        """The range as `pydantic.Field` keywords (ge, gt, le, lt)."""
         return {k: v for k, v in dict(ge=self.ge, gt=self.gt, le=self.le, lt=self.lt).items()
                 if v is not None}
 

@@ -198,6 +198,14 @@ def _phases(cfg: RunConfig) -> None:
 
 
 @rule
+def _score_cache(cfg: RunConfig) -> None:
+    if cfg.distill.cache_data_scores and cfg.run.mode != "reference":
+        raise ConfigError(f"distill.cache_data_scores=true needs run.mode=reference (a Ray run's "
+                          f"teacher workers keep no cache); set run.mode=reference or "
+                          f"distill.cache_data_scores=false", "distill.cache_data_scores")
+
+
+@rule
 def _worker_span(cfg: RunConfig) -> None:
     n = cfg.rollout.num_workers
     if isinstance(n, tuple) and n[0] > n[1]:

@@ -127,6 +127,12 @@ class DistillConfig:
     reuse_fresh: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     """With reuse > 1: probability that a student step makes a fresh rollout when the buffer
     has one to reuse (else it trains on one drawn uniformly from the buffer)."""
+    cache_data_scores: bool = False
+    """Score each data image by the teacher once and reuse its scores in later epochs
+    (opd/distill/score_cache.py): the teacher is frozen and the data fixed, so a data step's
+    target does not change between epochs; the run's losses stay the same bit for bit and the
+    teacher forwards each distinct image once.  Reference mode only; the cache lives in memory
+    (about 4 KiB an image at the digits shape)."""
     broadcast_every: Annotated[int, Field(ge=1)] = 1
     """Publish student weights to rollout workers every this many steps."""
     pieces: Annotated[int, Field(ge=0)] = 0

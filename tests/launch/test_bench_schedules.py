@@ -95,6 +95,30 @@ def test_table_is_numpy_mean_and_sd_over_seeds(bench_out):
     assert md == format_markdown(report)
 
 
+def test_curves_figures_come_from_the_runs_files(bench_out):
+    """schedules.json's curves: kd's plateau on its tracked on-policy KL (evaluations at steps
+    0, 2, 4 of 4: m(3) halfway between steps 2 and 4), training time the summed step CPU
+    seconds, gkd's crossing on those curves."""
+    from launch.bench.schedules_curves import crossing, run_curves, seed_curves
+    from opd.eval.tracking import read_quality
+
+    out, report = bench_out
+    c = report["curves"]
+    assert (c["clock"], c["reference"], list(c["crossings"])) == ("step_cpu_s", "kd", ["gkd"])
+    kd = [r for r in report["runs"] if r["arm"] == "kd"]
+    kl = [{q["step"]: q["kl_samples"] for q in read_quality(r["run_dir"]) if q["role"] == "student"}
+          for r in kd]
+    m3, m4 = np.mean([(k[2] + k[4]) / 2 for k in kl]), np.mean([k[4] for k in kl])
+    assert c["plateau"]["relative"] == pytest.approx((m3 - m4) / m3, rel=1e-12)
+    curves = {arm: [run_curves(r["run_dir"], "step_cpu_s") for r in report["runs"]
+                    if r["arm"] == arm] for arm in ("kd", "gkd")}
+    for r, run in zip(curves["kd"], kd):
+        assert r["seconds"][-1] == pytest.approx(run["cpu_s"], rel=1e-12)
+    assert c["crossings"]["gkd"] == crossing(seed_curves(curves["gkd"], "seconds", "kl_samples"),
+                                             seed_curves(curves["kd"], "seconds", "kl_samples"))
+    assert "## Quality against training time" in (out / "schedules.md").read_text()
+
+
 def test_mean_sd():
     assert mean_sd([1.0, 2.0, 4.0]) == {"mean": 7 / 3, "sd": float(np.std([1, 2, 4], ddof=1)),
                                         "n": 3}

@@ -27,11 +27,11 @@ T = 16
 
 # ---- the rule on a fake clock ------------------------------------------------------------------
 
-def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, finish=None):
+def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS):
     """`calls` rollouts of `rows` rows through `policy`, a round's seconds and its tokens per
     active row given by seconds(W, compact, rows run) and tokens(W) (no timing): each active
-    row commits tokens(W) (at most what it has left).  finish(active, round) -> rows that stop
-    early.  -> [(W, compact, active)] of every round, in order."""
+    row commits tokens(W) (at most what it has left).  -> [(W, compact, active)] of every
+    round, in order."""
     rounds = []
     for _ in range(calls):
         policy.start(windows)
@@ -39,14 +39,10 @@ def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, finish
         while any(left):
             active = sum(x > 0 for x in left)
             W, compact = policy.choose(active)
-            got = room = 0                    # by the rows with a whole window left
-            for i, x in enumerate(left):
-                if x:
-                    k = min(x, tokens(W))
-                    left[i] = x - k
-                    if x >= W:
-                        got, room = got + k, room + 1
-            policy.observe(got, room, seconds(W, compact, active if compact else rows))
+            room = [x for x in left if x >= W]         # rows with a whole window left
+            left = [max(0, x - tokens(W)) for x in left]
+            policy.observe(tokens(W) * len(room), len(room),
+                           seconds(W, compact, active if compact else rows))
             rounds.append((W, compact, active))
     return rounds
 
