@@ -80,7 +80,8 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if started is None:
             A = int(live.sum())                                                    # sync
         else:       # the round's committed tokens ride the same sync, then its seconds
-            A, tokens, rows = torch.stack([live.sum(), counts[0] @ room, room.sum()]).tolist()
+            A, tokens, rows = torch.stack([live.sum(), (counts[0] * room).sum(),
+                                           room.sum()]).tolist()
             policy.observe(tokens, rows, time.perf_counter() - started)
         # 0. hand out the images the last round completed
         if R - A > n_handed:
