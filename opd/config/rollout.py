@@ -65,7 +65,7 @@ class RolloutConfig:
     execution: Execution = ENGINE_DEFAULTS["execution"]
     """Physical batch: keep all rows (full), gather active rows (compact), or switch at gamma."""
     gamma: Annotated[int, Field(ge=0)] | Literal["auto"] = RUN_CHOICES["gamma"]
-    """Hybrid threshold: compact once fewer than gamma images are active; "auto" = calibrated."""
+    """Hybrid threshold of a fixed window: compact once fewer than gamma images are active; "auto" = calibrated.  Window "auto" does not read it: its policy chooses Full or Compact each round."""
     cfg_scale: Annotated[float, Field(ge=0.0)] = 1.0
     """Classifier-free guidance scale; 1.0 disables guidance (no unconditional branch)."""
     temperature: Annotated[float, Field(gt=0.0)] = 1.0
