@@ -9,8 +9,7 @@ generated tokens); learner rank r then `take`s the item's rank-r refs for its st
 only its own rows.  The queue holds refs only (kept in lists, so Ray passes them through
 instead of resolving them): no trajectory passes through it or through the driver.
 
-- Backpressure: `seal` refuses (returns False) while `capacity` items wait, or waits up to
-  `timeout` seconds for room.
+- Backpressure: `seal` refuses (returns False) while `capacity` items wait.
 - Strict on-policy (staleness 0): an item is handed out only at exactly the version that
   generated it.  Bounded staleness k: lag = learner_version − version in [0, k]; the lag of
   every sample handed out is counted (a histogram {lag: samples}).  Items that became too old
@@ -21,7 +20,6 @@ instead of resolving them): no trajectory passes through it or through the drive
 """
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -140,7 +138,6 @@ class TrajectoryQueue:
     def __init__(self, capacity: int, staleness: int = 0, world_size: int = 1):
         self.core = QueueCore(capacity, staleness)
         self.store = PieceStore(world_size)
-        self._room = asyncio.Condition()
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
         self.io = IOCounter()                 # refs only: stays 0 (the scale dry run shows it)
@@ -176,41 +173,32 @@ class TrajectoryQueue:
             return None
         return self.io.sent({"refs": refs[rank], "depth": len(self.core.items)})
 
-    async def seal(self, item: QueueItem, gen: int, pieces: int, timeout: float = 0.0) -> bool:
-        """Make the delivered pieces of `item.step` (generation `gen`) one item; when full, wait
-        up to `timeout` seconds for room, then refuse (False: the pieces stay, seal again)."""
-        async with self._room:
-            if self.core.full() and timeout > 0:
-                try:
-                    await asyncio.wait_for(self._room.wait_for(lambda: not self.core.full()), timeout)
-                except asyncio.TimeoutError:
-                    pass
-            if self.core.full():
-                return self.core.put(item)           # counts the refusal
+    async def seal(self, item: QueueItem, gen: int, pieces: int) -> bool:
+        """Make the delivered pieces of `item.step` (generation `gen`) one item; False when
+        full (refused: the pieces stay, seal again)."""
+        if not self.core.full():
             item.refs = self.store.seal(item.step, gen, pieces)
-            return self.core.put(item)
+        return self.core.put(item)                   # counts a refusal
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
         """Learner rank `rank`'s rows of the item of `step` at `learner_version`: its refs (one
         per piece, each its shares' refs) and the batch's totals; None if no admissible item."""
         self.version = learner_version
-        async with self._room:
-            if step not in self.taking:
-                item = self.core.get(learner_version, step)
-                self._room.notify_all()
-                if item is None:
-                    return None
-                self.taking[step] = (item, set())
-                self.store.handed_out_below = max(self.store.handed_out_below, step + 1)
-            item, took = self.taking[step]
-            took.add(rank)
-            if len(took) == self.store.world_size:
-                del self.taking[step]
-                self.store.forget(step)              # pieces delivered again after the seal
-            return self.io.sent({
-                "step": item.step, "batch_id": item.batch_id, "version": item.version,
-                "refs": list(item.refs[rank]), "samples": item.samples,
-                "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
+        if step not in self.taking:
+            item = self.core.get(learner_version, step)
+            if item is None:
+                return None
+            self.taking[step] = (item, set())
+            self.store.handed_out_below = max(self.store.handed_out_below, step + 1)
+        item, took = self.taking[step]
+        took.add(rank)
+        if len(took) == self.store.world_size:
+            del self.taking[step]
+            self.store.forget(step)              # pieces delivered again after the seal
+        return self.io.sent({
+            "step": item.step, "batch_id": item.batch_id, "version": item.version,
+            "refs": list(item.refs[rank]), "samples": item.samples,
+            "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
 
     async def drop(self, step: int) -> None:
         """Forget a step's item after a learner rank could not fetch its rows (a worker that
