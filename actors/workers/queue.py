@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.transport.iostats import IOCounter
 
 
 @dataclass
@@ -140,7 +139,6 @@ class TrajectoryQueue:
         self.store = PieceStore(world_size)
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
-        self.io = IOCounter()                 # refs only: stays 0 (the scale dry run shows it)
 
     def __repr__(self) -> str:
         return (f"TrajectoryQueue(opd/queue, version={self.version}, "
@@ -154,7 +152,7 @@ class TrajectoryQueue:
         """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`), or
         teacher `teacher`'s share of it: one ref per learner rank.  False: dropped (its step was
         handed out)."""
-        return self.store.put(step, gen, piece, self.io.received(refs), version, teacher)
+        return self.store.put(step, gen, piece, refs, version, teacher)
 
     async def take_piece(self, step: int, gen: int, piece: int, rank: int,
                          learner_version: int) -> dict | None:
@@ -171,7 +169,7 @@ class TrajectoryQueue:
         refs, version = found
         if not self.core.admissible(version, learner_version):
             return None
-        return self.io.sent({"refs": refs[rank], "depth": len(self.core.items)})
+        return {"refs": refs[rank], "depth": len(self.core.items)}
 
     async def seal(self, item: QueueItem, gen: int, pieces: int) -> bool:
         """Make the delivered pieces of `item.step` (generation `gen`) one item; False when
@@ -195,10 +193,9 @@ class TrajectoryQueue:
         if len(took) == self.store.world_size:
             del self.taking[step]
             self.store.forget(step)              # pieces delivered again after the seal
-        return self.io.sent({
-            "step": item.step, "batch_id": item.batch_id, "version": item.version,
-            "refs": list(item.refs[rank]), "samples": item.samples,
-            "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
+        return {"step": item.step, "batch_id": item.batch_id, "version": item.version,
+                "refs": list(item.refs[rank]), "samples": item.samples,
+                "generated_tokens": item.generated_tokens, "depth": len(self.core.items)}
 
     async def drop(self, step: int) -> None:
         """Forget a step's item after a learner rank could not fetch its rows (a worker that
@@ -212,7 +209,3 @@ class TrajectoryQueue:
 
     async def stats(self) -> dict:
         return {**self.core.stats(), "dropped_pieces": self.store.dropped}
-
-    async def io_stats(self) -> dict:
-        """Payload bytes received and sent (refs only: 0), peak RSS (actors/transport/iostats.py)."""
-        return self.io.stats()
