@@ -265,8 +265,8 @@ class Pipeline:
             self.elastic.tick()
 
     def _seal(self) -> None:
-        """Steps whose pieces are all delivered become queue items, in step order, while the
-        queue has room (backpressure: try again later)."""
+        """Steps whose pieces are all delivered become queue items, in step order (the planner
+        bounds how many there are: `distill.queue_capacity`)."""
         for s in sorted(self.planner.plans):
             step = self.planner.plans[s]
             if not step.sealable:
@@ -274,8 +274,7 @@ class Pipeline:
             item = QueueItem(step.step, step.batch_id, step.version, samples=step.samples,
                              generated_tokens=sum(p.delivered.generated_tokens
                                                   for p in step.pieces))
-            if not ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces)):
-                return
+            ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces))
             step.seal()
             self._hook("after_seal", step=step.step)
 

@@ -9,7 +9,10 @@ generated tokens); learner rank r then `take`s the item's rank-r refs for its st
 only its own rows.  The queue holds refs only (kept in lists, so Ray passes them through
 instead of resolving them): no trajectory passes through it or through the driver.
 
-- Backpressure: `seal` refuses (returns False) while `capacity` items wait.
+- No bound of its own: the driver plans a step only `distill.queue_capacity` steps ahead of the
+  learner (actors/driver/planner.py), so at most that many steps are ever sealed and not
+  trained.  The bound sits where work starts, not here: a refused seal would hold pieces that
+  were already made.
 - Strict on-policy (staleness 0): an item is handed out only at exactly the version that
   generated it.  Bounded staleness k: lag = learner_version − version in [0, k]; the lag of
   every sample handed out is counted (a histogram {lag: samples}).  Items that became too old
@@ -38,24 +41,17 @@ class QueueItem:
 class QueueCore:
     """The queue's bookkeeping of sealed items (no Ray, no waiting)."""
 
-    def __init__(self, capacity: int, staleness: int = 0):
-        if capacity < 1 or staleness < 0:
-            raise ValueError(f"capacity must be >= 1 and staleness >= 0, got {capacity}, {staleness}")
-        self.capacity, self.staleness = capacity, staleness
+    def __init__(self, staleness: int = 0):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
         self.items: list[QueueItem] = []
         self.lags: Counter[int] = Counter()  # {lag: samples handed out with that lag}
-        self.counts = {"put": 0, "refused": 0, "handed_out": 0, "expired": 0}
+        self.counts = {"put": 0, "handed_out": 0, "expired": 0}
 
-    def full(self) -> bool:
-        return len(self.items) >= self.capacity
-
-    def put(self, item: QueueItem) -> bool:
-        if self.full():
-            self.counts["refused"] += 1
-            return False
+    def put(self, item: QueueItem) -> None:
         self.items.append(item)
         self.counts["put"] += 1
-        return True
 
     def admissible(self, version: int, learner_version: int) -> bool:
         """Would a trajectory of policy `version` be consumed at `learner_version`?"""
@@ -78,7 +74,7 @@ class QueueCore:
         return item
 
     def stats(self) -> dict:
-        return {"depth": len(self.items), "capacity": self.capacity, "staleness": self.staleness,
+        return {"depth": len(self.items), "staleness": self.staleness,
                 "max_lag": max(self.lags, default=0), "samples": sum(self.lags.values()),
                 **self.counts}
 
@@ -134,15 +130,15 @@ class PieceStore:
 class TrajectoryQueue:
     """The queue as an async Ray actor (wrapped by `ray.remote` in actors/driver/cluster.py)."""
 
-    def __init__(self, capacity: int, staleness: int = 0, world_size: int = 1):
-        self.core = QueueCore(capacity, staleness)
+    def __init__(self, staleness: int = 0, world_size: int = 1):
+        self.core = QueueCore(staleness)
         self.store = PieceStore(world_size)
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
 
     def __repr__(self) -> str:
         return (f"TrajectoryQueue(opd/queue, version={self.version}, "
-                f"depth={len(self.core.items)}/{self.core.capacity})")
+                f"depth={len(self.core.items)})")
 
     async def info(self) -> dict:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
@@ -171,12 +167,10 @@ class TrajectoryQueue:
             return None
         return {"refs": refs[rank], "depth": len(self.core.items)}
 
-    async def seal(self, item: QueueItem, gen: int, pieces: int) -> bool:
-        """Make the delivered pieces of `item.step` (generation `gen`) one item; False when
-        full (refused: the pieces stay, seal again)."""
-        if not self.core.full():
-            item.refs = self.store.seal(item.step, gen, pieces)
-        return self.core.put(item)                   # counts a refusal
+    async def seal(self, item: QueueItem, gen: int, pieces: int) -> None:
+        """Make the delivered pieces of `item.step` (generation `gen`) one item."""
+        item.refs = self.store.seal(item.step, gen, pieces)
+        self.core.put(item)
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
         """Learner rank `rank`'s rows of the item of `step` at `learner_version`: its refs (one
