@@ -7,7 +7,7 @@ of every role's process (each rollout and teacher worker, learner rank, the queu
 evaluation worker: Ray names their processes `ray::<Class>`), the driver's RSS (this
 process) and the bytes of the objects some process still references (`object_store`; the
 store's own bytes in use are reported as `store_in_use`, not judged: they also count released
-objects Ray has yet to delete, scripts/ray_store.py).  Growth of any of them by more than
+objects Ray has yet to delete, actors/bench/memory.py).  Growth of any of them by more than
 `--bound` (5 %) between the last two samples fails the run (exit 1), naming the role.
 
     scripts/soak.sh --memory                         # the 2,000-step row (tens of minutes)
@@ -70,22 +70,6 @@ def sample(pids: dict[str, int]) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def growth(before: dict[str, float], after: dict[str, float], bound: float,
-           floor_mb: float = 32.0) -> list[str]:
-    """The roles whose figure grew by more than `bound` (a fraction) from `before` to `after`;
-    the object store is judged against `floor_mb` MiB at least: what it holds at a sample is
-    the step's pieces and weights in flight (0.4-5 MiB here), which come and go."""
-    bad = []
-    for k, b in before.items():
-        a = after.get(k)
-        if a is None:
-            continue
-        base = max(b, floor_mb) if k == "object_store" else b
-        if a - b > bound * base:
-            bad.append(f"{k}: {b:.1f} -> {a:.1f} MiB (+{100 * (a - b) / base:.1f} %)")
-    return bad
-
-
 def overrides(args, data_dir: str) -> list[str]:
     return [f"data.data_dir={data_dir}", f"distill.steps={args.steps}",
             "distill.phases=[{name: warm, steps: %d, objective: kd}, "
@@ -103,6 +87,7 @@ def run(args) -> dict:
 
 def soak(args, work: Path) -> dict:
     import ray
+    from actors.bench.memory import growth, referenced_bytes, store_usage
     from actors.driver.pipeline import run_distributed
     from opd.config.schema import load_config
     from opd.data import prepare_digits
@@ -116,7 +101,6 @@ def soak(args, work: Path) -> dict:
     in_use: dict[int, float] = {}
 
     def after_step(pipeline, step, row):
-        from scripts.ray_store import referenced_bytes, store_usage
         for s in at:              # the referenced floor over the last STORE_READS steps to s
             if s - STORE_READS < step + 1 <= s:
                 store.setdefault(s, []).append(referenced_bytes() / MB)

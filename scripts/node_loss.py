@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
 
+from launch.job_submit import ray_job_submit  # noqa: E402  (needs ROOT on the path)
+
 LOSS_TOL = 1e-5
 MEMORY_BOUND_MB = 32
 
@@ -126,7 +128,7 @@ class NodeFaults:
             self._remove("teacher", node, step)
 
     def after_step(self, pipeline, step: int, row: dict) -> None:
-        from scripts.ray_store import store_usage
+        from actors.bench.memory import store_usage
         if step == 0:                                     # where Ray placed the queue
             import ray._private.state as state
             self.queue_node = next(a["Address"]["NodeID"] for a in state.actors().values()
@@ -168,7 +170,7 @@ def nodes_scenario(args, data_dir: str, reference: list[dict], log) -> list[dict
         start = time.monotonic()
         rows = run_distributed(cfg, run_dir, progress=False, hooks=faults.hooks())
         seconds = time.monotonic() - start
-        from scripts.ray_store import store_usage
+        from actors.bench.memory import store_usage
         faults.memory["after"] = store_usage()
     finally:
         ray.shutdown()
@@ -254,21 +256,6 @@ def job(address: str, submission_id: str) -> dict:
     import urllib.request
     with urllib.request.urlopen(f"{address}/api/jobs/{submission_id}", timeout=10) as r:
         return json.loads(r.read())
-
-
-def ray_job_submit(argv: list[str], **run) -> subprocess.CompletedProcess:
-    """`ray job submit ARGV` (subprocess.run(..., **run), text output captured).  The job server
-    answers 500 "No available agent to submit job, please try again later" while the head node's
-    dashboard agent has not registered (it waits 10 s for it; a loaded machine takes longer):
-    that answer is retried, as it asks, for 3 min.  Other answers are returned as they are."""
-    deadline = time.time() + 180
-    while True:
-        proc = subprocess.run([str(BIN / "ray"), "job", "submit", *argv], capture_output=True,
-                              text=True, **run)
-        if (not proc.returncode or "No available agent" not in proc.stdout + proc.stderr
-                or time.time() > deadline):
-            return proc
-        time.sleep(2)
 
 
 def submit(address: str, env: dict, submission_id: str, *argv: str, cache: str) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from scripts import node_loss  # noqa: E402  (needs ROOT on the path)
-from scripts.ray_store import store_usage  # noqa: E402
+from actors.bench.memory import store_usage  # noqa: E402
 
 LOSS_TOL = 1e-5          # as tests/actors/test_pipeline.py
 MEMORY_BOUND_MB = 32     # object-store growth allowed over the first step's use

@@ -10,22 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from scripts import memory_soak
+from actors.bench.memory import growth
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_growth_names_the_role():
     before = {"teacher/0": 600.0, "driver": 900.0, "object_store": 0.5}
     after = {"teacher/0": 640.0, "driver": 910.0, "object_store": 2.0}
-    assert memory_soak.growth(before, after, 0.05) == ["teacher/0: 600.0 -> 640.0 MiB (+6.7 %)"]
-    assert memory_soak.growth(before, {**after, "object_store": 4.0}, 0.05) == [
+    assert growth(before, after, 0.05) == ["teacher/0: 600.0 -> 640.0 MiB (+6.7 %)"]
+    assert growth(before, {**after, "object_store": 4.0}, 0.05) == [
         "teacher/0: 600.0 -> 640.0 MiB (+6.7 %)", "object_store: 0.5 -> 4.0 MiB (+10.9 %)"]
 
 
 def test_a_held_object_counts_once_at_its_size_until_its_last_holder_lets_go(ray_session):
-    """What the soak judges the store by (scripts/ray_store.py): an object held by the driver
+    """What the soak judges the store by (actors/bench/memory.py): an object held by the driver
     and by an actor counts once, at its size, until the last holder releases it."""
     import numpy as np
-    from scripts.ray_store import referenced_objects
+    from actors.bench.memory import referenced_objects
     ray = ray_session
 
     @ray.remote(num_cpus=0)
@@ -56,7 +58,7 @@ def test_a_held_object_counts_once_at_its_size_until_its_last_holder_lets_go(ray
 def test_memory_stays_flat_over_2000_steps(opd_cache):
     """In a process of its own: it starts and measures a Ray of its own, which the session's
     (tests/conftest.py `ray_session`, started by the slow Ray tests before it) would refuse."""
-    script = Path(memory_soak.__file__)
+    script = ROOT / "scripts" / "memory_soak.py"
     done = subprocess.run([sys.executable, str(script), "--steps", "2000",
                            "--samples", "100,1000,2000"], cwd=script.parents[1],
                           capture_output=True, text=True, timeout=3000)

@@ -7,7 +7,8 @@ Per learner step k (the window from the end of step k − 1 to the end of step k
 on-policy mode holds exactly one weight publish, rollout, scoring and update):
 
 - row["io"][role] = {received_bytes, sent_bytes, peak_rss_bytes} for role in driver,
-  rollout/<i>, teacher/<j>, learner/<r>, queue.  Actors count the array bytes of the payloads
+  rollout/<i>, teacher/<j>, learner/<r> (the trajectory queue holds refs only: no payload to
+  count).  Actors count the array bytes of the payloads
   they receive and send (actors/transport/iostats.py, `io_stats()`); the driver counts the array bytes
   of everything `ray.get` returns to it while the run lasts (`DriverIO` wraps `ray.get`; the
   same `payload_nbytes` as the actors, not pickled sizes) and of what it `ray.put`s.  The rollout
@@ -125,8 +126,7 @@ def actor_io(groups, get=ray.get) -> dict[str, dict]:
     """{role: io_stats()} of every live actor of a run (`actors.driver.cluster.ActorGroups`)."""
     actors = {**{f"rollout/{i}": a for i, a in enumerate(groups.rollout)},
               **{f"teacher/{j}": a for j, a in enumerate(groups.teacher)},
-              **{f"learner/{r}": a for r, a in enumerate(groups.learners)},
-              "queue": groups.queue}
+              **{f"learner/{r}": a for r, a in enumerate(groups.learners)}}
     stats = get([a.io_stats.remote() for a in actors.values()])
     return dict(zip(actors, stats))
 

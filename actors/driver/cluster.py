@@ -251,7 +251,7 @@ class ActorGroups:
         self.queue = ray.remote(TrajectoryQueue).options(
             num_cpus=0, name=actor_name("queue"), namespace=self.namespace,
             scheduling_strategy=NodeAffinitySchedulingStrategy(infos[0]["node_id"], soft=False)
-        ).remote(cfg.distill.queue_capacity, cfg.distill.staleness, cfg.learner.world_size)
+        ).remote(cfg.distill.staleness, cfg.learner.world_size)
         loopback = len({i["node_id"] for i in infos}) == 1
         host, port = ray.get(self.learners[0].master_address.remote(loopback))
         call_all(self.learners, "setup", host, port)

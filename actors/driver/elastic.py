@@ -22,9 +22,9 @@ before anything else (actor calls run in order); it takes jobs once that load an
 carry their image ids and random keys, so which worker generates a part never changes its
 tokens: strict runs still equal the reference loop, and every batch id is still consumed once.
 
-The decisions read the wait through `ElasticRollout.rollout_wait(step, row)` (the row's
-measurement), so a test can give them a wait of its own and the step that grows or shrinks
-the pool follows from the test, not from how fast the machine is.
+The decisions read the wait from the step's row after the run's `after_step` hook has seen it
+(actors/driver/pipeline.py), so a test's hook can set the row's `rollout_wait` and the step that
+grows or shrinks the pool follows from the test, not from how fast the machine is.
 
 It works on what it is given: the run's actor groups (placement groups, new workers), the
 dispatcher (its rollout pool; it waits on placements) and the weight publisher (a new
@@ -75,15 +75,10 @@ class ElasticRollout:
 
     # -- decisions (after every learner step) ------------------------------------------------
 
-    def rollout_wait(self, step: int, row: dict) -> float:
-        """The learner's wait on step `step`'s rollouts that the decisions read: its row's
-        measurement."""
-        return row["rollout_wait"]
-
     def after_step(self, step: int, row: dict) -> None:
         o = self.cfg.rollout
         self.step = step
-        wait = self.rollout_wait(step, row)
+        wait = row["rollout_wait"]
         self.grow_streak = self.grow_streak + 1 if wait >= o.elastic_grow_wait else 0
         self.idle_streak = self.idle_streak + 1 if wait < o.elastic_shrink_wait else 0
         n = self.workers()

@@ -84,7 +84,7 @@ class Pipeline:
     its worker lists `rollout`, `teacher`, `learners`, the `pools` and `reissued`."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, groups: ActorGroups, *,
-                 resume: bool = False, stop_after: int | None = None, progress: bool = True,
+                 resume: bool = False, progress: bool = True,
                  hooks: dict[str, Callable] | None = None, interrupt=None):
         self.cfg, self.run_dir, self.groups = cfg, Path(run_dir), groups
         self.hooks = hooks or {}
@@ -109,8 +109,8 @@ class Pipeline:
             state = self.records.load_checkpoint(path)
             batcher.load_state_dict(state["data"])
         start = int(state["step"])
-        self.steps = StepLog(cfg, self.run_dir, start=start, stop_after=stop_after,
-                             resume=resume, desc="opd ray", progress=progress)
+        self.steps = StepLog(cfg, self.run_dir, start=start, stop_after=None, resume=resume,
+                             desc="opd ray", progress=progress)
         self.state = DriverState(start, self.steps.end)
         self.state.consumed.update(state.get("consumed", []))
         self.planner = StepPlanner(cfg, batcher, train.seq_len, start)
@@ -265,8 +265,8 @@ class Pipeline:
             self.elastic.tick()
 
     def _seal(self) -> None:
-        """Steps whose pieces are all delivered become queue items, in step order, while the
-        queue has room (backpressure: try again later)."""
+        """Steps whose pieces are all delivered become queue items, in step order (the planner
+        bounds how many there are: `distill.queue_capacity`)."""
         for s in sorted(self.planner.plans):
             step = self.planner.plans[s]
             if not step.sealable:
@@ -274,8 +274,7 @@ class Pipeline:
             item = QueueItem(step.step, step.batch_id, step.version, samples=step.samples,
                              generated_tokens=sum(p.delivered.generated_tokens
                                                   for p in step.pieces))
-            if not ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces)):
-                return
+            ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces))
             step.seal()
             self._hook("after_seal", step=step.step)
 
@@ -497,14 +496,15 @@ class Pipeline:
 
 
 def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
-                    resume: bool = False, stop_after: int | None = None,
-                    hooks: dict[str, Callable] | None = None, interrupt=None) -> list[dict]:
+                    resume: bool = False, hooks: dict[str, Callable] | None = None,
+                    interrupt=None) -> list[dict]:
     """Run cfg.distill.steps OPD steps on Ray; returns the per-step metric rows (also in
     run_dir/metrics.parquet), like `opd.run.reference.run_reference`.  `resume` continues from the
-    run's latest checkpoint; `stop_after` ends after that many steps; `hooks` maps event names
+    run's latest checkpoint; `hooks` maps event names
     ("after_submit" (kind, step, worker, its pool, and part or piece), "after_piece" (a rollout call handed
     out a piece), "after_part" (a rollout call ended), "after_scored" (a piece delivered by its
-    teacher worker), "after_seal" (a step's pieces all in the queue), "after_step") to
+    teacher worker), "after_seal" (a step's pieces all in the queue), "after_step" (its row, before
+    the elastic policy reads it)) to
     callables(pipeline, **info) (tests inject faults there);
     `interrupt` (opd.run.interrupt.GracefulInterrupt) defers Ctrl-C to a checkpoint: the run then
     raises opd.run.reference.RunInterrupted (also on a plain KeyboardInterrupt)."""
@@ -516,8 +516,8 @@ def run_distributed(cfg: RunConfig, run_dir: str | Path, *, progress: bool = Tru
     groups, pipeline = ActorGroups(), None
     try:
         groups = ActorGroups.start(cfg, run_dir, progress=progress)
-        pipeline = Pipeline(cfg, run_dir, groups, resume=resume, stop_after=stop_after,
-                            progress=progress, hooks=hooks, interrupt=interrupt)
+        pipeline = Pipeline(cfg, run_dir, groups, resume=resume, progress=progress, hooks=hooks,
+                            interrupt=interrupt)
         return pipeline.run()
     finally:
         if pipeline is not None and pipeline.elastic is not None:

@@ -3,7 +3,9 @@
 It owns the data cursor (the batcher's state before each planned step's batch, for
 checkpoints), the plans of steps issued and not trained yet, and plan generations.  A step is
 planned when the queue bound allows (`distill.queue_capacity` steps ahead of the learner) and,
-for student rollouts, the staleness bound (`distill.staleness` versions behind the step).  A step
+for student rollouts, the staleness bound (`distill.staleness` versions behind the step).  The
+queue bound is checked here only, where work starts: a step beyond it costs nothing yet, so at
+most that many steps' pieces wait for the learner (the queue itself refuses nothing).  A step
 that trains on a buffered rollout (opd/distill/reuse.py) draws no prefix batch: it is planned
 once the step that made the rollout has trained, from that step's plan (kept in `buffer` while
 the rollout is buffered; the learner ranks hold the rows).

@@ -29,14 +29,6 @@ from opd.config.schema import RunConfig
 CONSUMED_FILE = "consumed.json"
 
 
-def lag_histogram(record: dict) -> dict[int, int]:
-    """{lag: samples} of a consumed.json record; also reads the older list of one lag per sample."""
-    lags = record.get("lags", {})
-    if isinstance(lags, list):
-        return {lag: lags.count(lag) for lag in sorted(set(lags))}
-    return {int(k): n for k, n in lags.items()}
-
-
 class LearnerFailure(RuntimeError):
     """The learner group failed and the run stopped; `checkpoint` is the last one written."""
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import ray
 
 from actors.workers.base import Worker
-from opd.models import precision
 from opd.config.schema import RunConfig
 from opd.eval.tracking import Evaluator, has_row, is_eval_step, quality_log
 from opd.distill.ensemble import load_teacher

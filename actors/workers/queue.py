@@ -9,8 +9,10 @@ generated tokens); learner rank r then `take`s the item's rank-r refs for its st
 only its own rows.  The queue holds refs only (kept in lists, so Ray passes them through
 instead of resolving them): no trajectory passes through it or through the driver.
 
-- Backpressure: `seal` refuses (returns False) while `capacity` items wait, or waits up to
-  `timeout` seconds for room.
+- No bound of its own: the driver plans a step only `distill.queue_capacity` steps ahead of the
+  learner (actors/driver/planner.py), so at most that many steps are ever sealed and not
+  trained.  The bound sits where work starts, not here: a refused seal would hold pieces that
+  were already made.
 - Strict on-policy (staleness 0): an item is handed out only at exactly the version that
   generated it.  Bounded staleness k: lag = learner_version − version in [0, k]; the lag of
   every sample handed out is counted (a histogram {lag: samples}).  Items that became too old
@@ -21,11 +23,9 @@ instead of resolving them): no trajectory passes through it or through the drive
 """
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.transport.iostats import IOCounter
 
 
 @dataclass
@@ -41,24 +41,17 @@ class QueueItem:
 class QueueCore:
     """The queue's bookkeeping of sealed items (no Ray, no waiting)."""
 
-    def __init__(self, capacity: int, staleness: int = 0):
-        if capacity < 1 or staleness < 0:
-            raise ValueError(f"capacity must be >= 1 and staleness >= 0, got {capacity}, {staleness}")
-        self.capacity, self.staleness = capacity, staleness
+    def __init__(self, staleness: int = 0):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
         self.items: list[QueueItem] = []
         self.lags: Counter[int] = Counter()  # {lag: samples handed out with that lag}
-        self.counts = {"put": 0, "refused": 0, "handed_out": 0, "expired": 0}
+        self.counts = {"put": 0, "handed_out": 0, "expired": 0}
 
-    def full(self) -> bool:
-        return len(self.items) >= self.capacity
-
-    def put(self, item: QueueItem) -> bool:
-        if self.full():
-            self.counts["refused"] += 1
-            return False
+    def put(self, item: QueueItem) -> None:
         self.items.append(item)
         self.counts["put"] += 1
-        return True
 
     def admissible(self, version: int, learner_version: int) -> bool:
         """Would a trajectory of policy `version` be consumed at `learner_version`?"""
@@ -81,7 +74,7 @@ class QueueCore:
         return item
 
     def stats(self) -> dict:
-        return {"depth": len(self.items), "capacity": self.capacity, "staleness": self.staleness,
+        return {"depth": len(self.items), "staleness": self.staleness,
                 "max_lag": max(self.lags, default=0), "samples": sum(self.lags.values()),
                 **self.counts}
 
@@ -137,17 +130,15 @@ class PieceStore:
 class TrajectoryQueue:
     """The queue as an async Ray actor (wrapped by `ray.remote` in actors/driver/cluster.py)."""
 
-    def __init__(self, capacity: int, staleness: int = 0, world_size: int = 1):
-        self.core = QueueCore(capacity, staleness)
+    def __init__(self, staleness: int = 0, world_size: int = 1):
+        self.core = QueueCore(staleness)
         self.store = PieceStore(world_size)
-        self._room = asyncio.Condition()
         self.taking: dict[int, tuple[QueueItem, set[int]]] = {}   # step -> item, ranks that took it
         self.version: int | None = None      # the learner version of the last `take`
-        self.io = IOCounter()                 # refs only: stays 0 (the scale dry run shows it)
 
     def __repr__(self) -> str:
         return (f"TrajectoryQueue(opd/queue, version={self.version}, "
-                f"depth={len(self.core.items)}/{self.core.capacity})")
+                f"depth={len(self.core.items)})")
 
     async def info(self) -> dict:
         return {"role": "queue", "version": self.version, "repr": repr(self)}
@@ -157,7 +148,7 @@ class TrajectoryQueue:
         """A worker delivers piece `piece` of `step` (generation `gen`, policy `version`), or
         teacher `teacher`'s share of it: one ref per learner rank.  False: dropped (its step was
         handed out)."""
-        return self.store.put(step, gen, piece, self.io.received(refs), version, teacher)
+        return self.store.put(step, gen, piece, refs, version, teacher)
 
     async def take_piece(self, step: int, gen: int, piece: int, rank: int,
                          learner_version: int) -> dict | None:
@@ -174,43 +165,31 @@ class TrajectoryQueue:
         refs, version = found
         if not self.core.admissible(version, learner_version):
             return None
-        return self.io.sent({"refs": refs[rank], "depth": len(self.core.items)})
+        return {"refs": refs[rank], "depth": len(self.core.items)}
 
-    async def seal(self, item: QueueItem, gen: int, pieces: int, timeout: float = 0.0) -> bool:
-        """Make the delivered pieces of `item.step` (generation `gen`) one item; when full, wait
-        up to `timeout` seconds for room, then refuse (False: the pieces stay, seal again)."""
-        async with self._room:
-            if self.core.full() and timeout > 0:
-                try:
-                    await asyncio.wait_for(self._room.wait_for(lambda: not self.core.full()), timeout)
-                except asyncio.TimeoutError:
-                    pass
-            if self.core.full():
-                return self.core.put(item)           # counts the refusal
-            item.refs = self.store.seal(item.step, gen, pieces)
-            return self.core.put(item)
+    async def seal(self, item: QueueItem, gen: int, pieces: int) -> None:
+        """Make the delivered pieces of `item.step` (generation `gen`) one item."""
+        item.refs = self.store.seal(item.step, gen, pieces)
+        self.core.put(item)
 
     async def take(self, step: int, learner_version: int, rank: int) -> dict | None:
         """Learner rank `rank`'s rows of the item of `step` at `learner_version`: its refs (one
         per piece, each its shares' refs) and the batch's totals; None if no admissible item."""
         self.version = learner_version
-        async with self._room:
-            if step not in self.taking:
-                item = self.core.get(learner_version, step)
-                self._room.notify_all()
-                if item is None:
-                    return None
-                self.taking[step] = (item, set())
-                self.store.handed_out_below = max(self.store.handed_out_below, step + 1)
-            item, took = self.taking[step]
-            took.add(rank)
-            if len(took) == self.store.world_size:
-                del self.taking[step]
-                self.store.forget(step)              # pieces delivered again after the seal
-            return self.io.sent({
-                "step": item.step, "batch_id": item.batch_id, "version": item.version,
+        if step not in self.taking:
+            item = self.core.get(learner_version, step)
+            if item is None:
+                return None
+            self.taking[step] = (item, set())
+            self.store.handed_out_below = max(self.store.handed_out_below, step + 1)
+        item, took = self.taking[step]
+        took.add(rank)
+        if len(took) == self.store.world_size:
+            del self.taking[step]
+            self.store.forget(step)              # pieces delivered again after the seal
+        return {"step": item.step, "batch_id": item.batch_id, "version": item.version,
                 "refs": list(item.refs[rank]), "samples": item.samples,
-                "generated_tokens": item.generated_tokens, "depth": len(self.core.items)})
+                "generated_tokens": item.generated_tokens, "depth": len(self.core.items)}
 
     async def drop(self, step: int) -> None:
         """Forget a step's item after a learner rank could not fetch its rows (a worker that
@@ -224,7 +203,3 @@ class TrajectoryQueue:
 
     async def stats(self) -> dict:
         return {**self.core.stats(), "dropped_pieces": self.store.dropped}
-
-    async def io_stats(self) -> dict:
-        """Payload bytes received and sent (refs only: 0), peak RSS (actors/transport/iostats.py)."""
-        return self.io.stats()

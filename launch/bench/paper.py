@@ -19,19 +19,22 @@ A preset (configs/bench/*.yaml) fixes the model, the workload and which ablation
       execution: {workloads: 2}
       window: {values: [4, 8, 16, 24]}
 
-Every ablation also takes batch, repeats, warmup and workloads.  Variants run interleaved
-(launch.bench.common.interleave); a row has rounds, tokens per image-round, rejection rate,
+Every ablation also takes batch, repeats, warmup and workloads.  Its variants on its workloads
+are one engine grid (launch/bench/grid.py: interleaved, greedy tokens checked against Cached
+AR's); a row has rounds, tokens per image-round, rejection rate,
 latency mean, std, min, max and P95 over repeats x workloads, and the speedup over the row's
 baseline: the ratio of means, with the min / max of the per-round paired ratios.  Rounds and
 commit lengths do not depend on timing: two runs agree on them exactly (`committed_digest`).
 
-Over 400 lines: it holds the paper's whole table of ablations, one short builder each, beside
-the preset schema they read; measuring is in paper_measure.py, the report in paper_report.py.
+It holds the paper's whole table of ablations, one short builder each, beside the preset schema
+they read; its models and
+measuring are in paper_measure.py (over launch/bench/grid.py), the report in
+paper_report.py.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -39,13 +42,9 @@ import torch
 from pydantic import Field
 
 from launch.bench import common
-from launch.bench.common import DTYPES
-from launch.bench.paper_measure import AR, Variant, measure, verifier_bytes
-from opd.config.loader import ConfigError, strict_schema
-from rollout.calibrate import ensure_calibration
-
-JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")
-
+from launch.bench.grid import AR, ModelPreset, check_model_preset, fail
+from launch.bench.paper_measure import Context, Variant, measure, verifier_bytes
+from opd.config.loader import strict_schema
 
 @dataclass
 class Ablation:
@@ -72,61 +71,21 @@ def ablation(key: str, number: int, title: str, *, note: str, paper: str, **opti
 
 @strict_schema
 @dataclass
-class PaperBench:
-    """A preset of `opd bench paper` (configs/bench/*.yaml; the module docstring shows one)."""
+class PaperBench(ModelPreset):
+    """A preset of `opd bench paper` (configs/bench/*.yaml; the module docstring shows one): the
+    shared keys of `launch.bench.grid.ModelPreset` (pretrain_config and pretrain_overrides also
+    make the snapshots of the checkpoints ablation) and the ablations."""
 
-    model: str = "GPT-digits-S"
-    """opd.models preset of the benchmarked student."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """ModelArgs overrides (e.g. grid_size: 24)."""
-    checkpoint: str | None = None
-    """Weights file, run or checkpoints/step_N directory, "pretrained" (opd pretrain's cached
-    digits student) or null (random init, see random_init_std)."""
-    random_init_std: float = 0.02
-    """Std of the normal random init of every matrix (checkpoint: null)."""
-    pretrain_config: str | None = None
-    """Run config whose pretraining makes the student of checkpoint: pretrained (and the
-    snapshots of the checkpoints ablation); null = the default run config."""
-    pretrain_overrides: list[str] = field(default_factory=list)
-    """Dotted overrides of that run config (e.g. model.grid_size=16)."""
-    device: str = "cpu"
-    """cpu or cuda[:N]."""
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16 | float64 (launch.bench.common.DTYPES)."""
-    threads: int | None = None
-    """torch intra-op threads; null or 0 = torch's default."""
-    prefix: Literal["data", "random"] = "random"
-    """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
     prefix_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
     """Fraction of the sequence given as the prefix; the engines generate the rest."""
     batch: Annotated[int, Field(ge=1)] = 16
     """Images per engine call (every ablation's default)."""
     W: Annotated[int, Field(ge=1)] = 16
     """Jacobi window."""
-    H: Annotated[int, Field(ge=1)] | None = None
-    """Draft-initialization history offset; null = one grid row."""
     decoding: Literal["greedy", "sample"] = "greedy"
     """Verification of the Jacobi engines (and Cached AR's decoding)."""
-    cfg_scale: float | None = 2.0
-    """Classifier-free guidance scale; null or 1.0 = no guidance."""
-    temperature: Annotated[float, Field(gt=0.0)] = 1.0
-    """Sampling temperature (sample decoding)."""
-    top_k: Annotated[int, Field(ge=0)] = 0
-    """Top-k filter; 0 = off."""
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    """Nucleus mass; 1.0 = off."""
-    gamma: Annotated[int, Field(ge=0)] | Literal["measure"] = "measure"
-    """Hybrid threshold: measure = rollout.calibrate's gamma per (batch, W), or an int."""
-    repeats: Annotated[int, Field(ge=1)] = 3
-    """Timed rounds per variant (interleaved)."""
-    warmup: Annotated[int, Field(ge=0)] = 1
-    """Untimed rounds first."""
     workloads: Annotated[int, Field(ge=1)] = 1
     """Distinct input batches per variant."""
-    calibration_repeats: Annotated[int, Field(ge=1)] = 3
-    """Timed verifier forwards per (active count, mode) when calibrating gamma."""
-    seed: int = 0
-    """Seed of the inputs and of sampling."""
     bandwidth_gbs: Annotated[float, Field(gt=0.0)] | None = None
     """Memory bandwidth (GB/s) for the floor of a verifier round; null = no floor table."""
     budget_s: Annotated[float, Field(gt=0.0)] | None = None
@@ -140,10 +99,6 @@ class PaperBench:
 
 # ---- preset ----------------------------------------------------------------------------------
 
-def _fail(key: str, value, need: str) -> ConfigError:
-    return ConfigError(f"bench preset key {key}={value!r}: {need}", key)
-
-
 def _int(v, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
@@ -151,20 +106,17 @@ def _int(v, lo: int) -> bool:
 def check_paper(b: PaperBench) -> PaperBench:
     """What the schema's types and ranges do not say; normalises ablations to an ordered
     {key: full options}.  ConfigError naming the key of the first bad value."""
-    if b.dtype not in DTYPES:
-        raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
-    if b.device != "cpu" and not b.device.startswith("cuda"):
-        raise _fail("device", b.device, "must be cpu or cuda[:N]")
+    check_model_preset(b)
     abl = list(ABLATIONS) if b.ablations is None else b.ablations
     if isinstance(abl, list):
         abl = {k: {} for k in abl}
     if not abl:
-        raise _fail("ablations", b.ablations, f"must name some of {', '.join(ABLATIONS)}")
+        raise fail("ablations", b.ablations, f"must name some of {', '.join(ABLATIONS)}")
     common.check_known(abl, list(ABLATIONS), "ablations", "ablations.")
     out = {}
     for key, opts in abl.items():
         if not isinstance(opts, (dict, type(None))):
-            raise _fail(f"ablations.{key}", opts, "must be a mapping of options (or null)")
+            raise fail(f"ablations.{key}", opts, "must be a mapping of options (or null)")
         opts = dict(opts or {})
         a = ABLATIONS[key]
         common.check_known(opts, [*COMMON, *a.options], f"ablation {key}", f"ablations.{key}.")
@@ -172,10 +124,10 @@ def check_paper(b: PaperBench) -> PaperBench:
                 "workloads": b.workloads, **a.options, **opts}
         for k, lo in (("batch", 1), ("repeats", 1), ("warmup", 0), ("workloads", 1)):
             if not _int(full[k], lo):
-                raise _fail(f"ablations.{key}.{k}", full[k], f"must be an int >= {lo}")
+                raise fail(f"ablations.{key}.{k}", full[k], f"must be an int >= {lo}")
         v = full.get("values", [])
         if "values" in a.options and v is not None and not (isinstance(v, list) and v):
-            raise _fail(f"ablations.{key}.values", v, "must be a non-empty list (or null)")
+            raise fail(f"ablations.{key}.values", v, "must be a non-empty list (or null)")
         out[key] = full
     b.ablations = out
     return b
@@ -184,59 +136,6 @@ def check_paper(b: PaperBench) -> PaperBench:
 def load_paper_bench(path: str | Path, overrides: dict | None = None) -> PaperBench:
     """Read and validate a paper-bench preset (unknown keys named, with a suggestion)."""
     return check_paper(common.load_preset(PaperBench, path, overrides))
-
-
-# ---- models, gamma, variants -----------------------------------------------------------------
-
-class Context:
-    """The preset's models (loaded on first use) and gamma calibrations (per batch and W)."""
-
-    def __init__(self, b: PaperBench):
-        self.b = b
-        self.cfg = b.cfg_scale is not None and b.cfg_scale != 1.0
-        self.models = {"main": self._load(b.checkpoint)}
-        self.calibrations: dict[tuple[int, int], dict] = {}
-        self.H = b.H or self.models["main"].grid_size
-
-    def _load(self, checkpoint: str | None, overrides: tuple = ()):
-        b = self.b
-        return common.build_model(b.model, b.overrides, checkpoint, seed=b.seed,
-                                  random_init_std=b.random_init_std, device=b.device,
-                                  dtype=b.dtype, run_config=b.pretrain_config,
-                                  run_overrides=[*b.pretrain_overrides, *overrides])
-
-    def model(self, key: str):
-        if key not in self.models:
-            if key.startswith("pretrain:"):
-                steps = key.split(":", 1)[1]
-                self.models[key] = self._load("pretrained", (f"pretrain.student_steps={steps}",))
-            else:
-                self.models[key] = self._load(key)      # a file or a run's checkpoint directory
-        return self.models[key]
-
-    def gamma(self, B: int, W: int) -> int:
-        """The preset's gamma, or the calibrated one for (batch B, window W): the entry of the
-        calibration file ($OPD_CACHE/calibration.json), measured and saved if it has none."""
-        if self.b.gamma != "measure":
-            return int(self.b.gamma)
-        if (B, W) not in self.calibrations:
-            self.calibrations[B, W] = ensure_calibration(
-                self.models["main"], [B], W, cfg=self.cfg,
-                repeats=self.b.calibration_repeats)[B]
-        return int(self.calibrations[B, W]["gamma"])
-
-    def variant(self, label: str, engine: str, *, B: int, ratio: float | None = None,
-                decoding: str | None = None, W: int | None = None, H: int | None = None,
-                execution: str = "hybrid", gamma: int | None = None, **row) -> Variant:
-        options = {"decoding": decoding or self.b.decoding}
-        if engine in JACOBI:
-            options.update(window=W or self.b.W, history_offset=H or self.H)
-        if engine == "hbsjd":
-            options["execution"] = execution
-            if execution == "hybrid":
-                options["gamma"] = self.gamma(B, options["window"]) if gamma is None else gamma
-        ratio = self.b.prefix_ratio if ratio is None else ratio
-        return Variant(label, engine, options, B, ratio, **row)
 
 
 def _x(v: float) -> str:
@@ -283,7 +182,7 @@ def _prefix_ratio(c: Context, o: dict) -> list[Variant]:
     out = []
     for r in o["values"]:
         if not (isinstance(r, (int, float)) and 0 <= r < 1):
-            raise _fail("ablations.prefix_ratio.values", r, "ratios must be in [0, 1)")
+            raise fail("ablations.prefix_ratio.values", r, "ratios must be in [0, 1)")
         base = f"Cached AR r={r}"
         out += [c.variant(base, AR, B=o["batch"], ratio=r),
                 c.variant(f"HB-SJD r={r}", "hbsjd", B=o["batch"], ratio=r, baseline=base,
@@ -300,7 +199,7 @@ def _batch(c: Context, o: dict) -> list[Variant]:
     out = []
     for B in o["values"]:
         if not _int(B, 1):
-            raise _fail("ablations.batch.values", B, "batch sizes must be ints >= 1")
+            raise fail("ablations.batch.values", B, "batch sizes must be ints >= 1")
         base = f"Cached AR B={B}"
         out += [c.variant(base, AR, B=B),
                 c.variant(f"HB-SJD B={B}", "hbsjd", B=B, baseline=base,
@@ -319,7 +218,7 @@ def _window(c: Context, o: dict) -> list[Variant]:
     out = [c.variant("Cached AR", AR, B=o["batch"])]
     for W in o["values"]:
         if not _int(W, 1):
-            raise _fail("ablations.window.values", W, "windows must be ints >= 1")
+            raise fail("ablations.window.values", W, "windows must be ints >= 1")
         text, sp, tok = paper.get(W, ("—", None, None))
         out.append(c.variant(f"HB-SJD W={W}", "hbsjd", B=o["batch"], W=W, baseline="Cached AR",
                              paper=text, paper_speedup=sp, paper_committed=tok))
@@ -336,7 +235,7 @@ def _history(c: Context, o: dict) -> list[Variant]:
     out = [c.variant("Cached AR", AR, B=o["batch"])]
     for H in values:
         if not _int(H, 1):
-            raise _fail("ablations.history.values", H, "offsets must be ints >= 1")
+            raise fail("ablations.history.values", H, "offsets must be ints >= 1")
         text = "one row (H=24)" if H == g else ("within 1% of one row"
                                                 if 2 * g / 3 <= H <= 4 * g / 3 else "—")
         out.append(c.variant(f"HB-SJD H={H}", "hbsjd", B=o["batch"], H=H, baseline="Cached AR",
@@ -355,7 +254,7 @@ def _gamma(c: Context, o: dict) -> list[Variant]:
     scales = o["scales"]
     for i, s in enumerate(scales):
         if not (isinstance(s, (int, float)) and s > 0):
-            raise _fail("ablations.gamma.scales", s, "scales must be numbers > 0")
+            raise fail("ablations.gamma.scales", s, "scales must be numbers > 0")
         g = min(max(1, round(g0 * s)), B + 1)          # equal gammas stay: they show the noise
         paper = f"γ={(30, 38, 46)[i]}: ≈1.18×" if len(scales) == 3 else "≈1.18×"
         out.append(c.variant(f"Hybrid γ×{s}", "hbsjd", B=B, gamma=g, baseline="Full",
@@ -374,7 +273,7 @@ def _checkpoints(c: Context, o: dict) -> list[Variant]:
     values = o["values"]
     if values is None:
         if c.b.checkpoint != "pretrained":
-            raise _fail("ablations.checkpoints.values", None, "give pretraining step counts "
+            raise fail("ablations.checkpoints.values", None, "give pretraining step counts "
                         "or checkpoint paths (null only works with checkpoint: pretrained)")
         from opd.config.schema import load_config
         n = load_config(c.b.pretrain_config, list(c.b.pretrain_overrides)).pretrain.student_steps
@@ -387,7 +286,7 @@ def _checkpoints(c: Context, o: dict) -> list[Variant]:
         elif isinstance(v, str) and Path(v).exists():
             key, name = v, Path(v).name if Path(v).is_dir() else Path(v).stem
         else:
-            raise _fail("ablations.checkpoints.values", v, "items must be pretraining step "
+            raise fail("ablations.checkpoints.values", v, "items must be pretraining step "
                         "counts (ints >= 1) or existing checkpoint paths")
         sp, text = paper.get(i, (None, "")) if len(values) == 3 else (None, "")
         base = f"Cached AR {name}"

@@ -1,6 +1,7 @@
-"""Measuring the variants of one `opd bench paper` ablation: every variant on every workload,
-interleaved, one row each (rounds, commit lengths, latency spread, speedup over the row's
-baseline), and the memory-bandwidth floor of a verifier round.
+"""Measuring the variants of one `opd bench paper` ablation: the preset's models and gamma
+calibrations (`Context`), every variant on every workload measured as one engine grid
+(launch/bench/grid.py), one row each (rounds, commit lengths, latency spread, speedup over the
+row's baseline), and the memory-bandwidth floor of a verifier round.
 
     rows = measure(context, variants, options)     # options: batch, repeats, warmup, workloads
 """
@@ -8,24 +9,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from launch.bench import common
-from launch.bench.common import interleave, make_inputs
+from launch.bench import common, grid
+from launch.bench.common import make_inputs
+from launch.bench.grid import AR, preset_model
 from rollout import make_engine
+from rollout.calibrate import ensure_calibration
 
-
-class Models(Protocol):
-    """What `measure` needs of `launch.bench.paper.Context` (which imports this module): the
-    preset `b` and its models by key ("main", "pretrain:<steps>", a checkpoint)."""
-    b: Any
-
-    def model(self, key: str) -> torch.nn.Module: ...
-
-AR = "cached_ar"
+JACOBI = ("sjd_sync", "sjd_independent", "hbsjd")
 
 
 @dataclass
@@ -43,53 +37,90 @@ class Variant:
     paper_committed: float | None = None     # the paper's mean committed tokens, where given
 
 
+class Context:
+    """The preset's models (loaded on first use) and gamma calibrations (per batch and W); `b`
+    is the preset (launch.bench.paper.PaperBench)."""
+
+    def __init__(self, b):
+        self.b = b
+        self.cfg = b.cfg_scale is not None and b.cfg_scale != 1.0
+        self.models = {"main": self._load(b.checkpoint)}
+        self.calibrations: dict[tuple[int, int], dict] = {}
+        self.H = b.H or self.models["main"].grid_size
+
+    def _load(self, checkpoint: str | None, overrides: tuple = ()):
+        return preset_model(self.b, checkpoint, overrides)
+
+    def model(self, key: str):
+        if key not in self.models:
+            if key.startswith("pretrain:"):
+                steps = key.split(":", 1)[1]
+                self.models[key] = self._load("pretrained", (f"pretrain.student_steps={steps}",))
+            else:
+                self.models[key] = self._load(key)      # a file or a run's checkpoint directory
+        return self.models[key]
+
+    def gamma(self, B: int, W: int) -> int:
+        """The preset's gamma, or the calibrated one for (batch B, window W): the entry of the
+        calibration file ($OPD_CACHE/calibration.json), measured and saved if it has none."""
+        if self.b.gamma != "measure":
+            return int(self.b.gamma)
+        if (B, W) not in self.calibrations:
+            self.calibrations[B, W] = ensure_calibration(
+                self.models["main"], [B], W, cfg=self.cfg,
+                repeats=self.b.calibration_repeats)[B]
+        return int(self.calibrations[B, W]["gamma"])
+
+    def variant(self, label: str, engine: str, *, B: int, ratio: float | None = None,
+                decoding: str | None = None, W: int | None = None, H: int | None = None,
+                execution: str = "hybrid", gamma: int | None = None, **row) -> Variant:
+        options = {"decoding": decoding or self.b.decoding}
+        if engine in JACOBI:
+            options.update(window=W or self.b.W, history_offset=H or self.H)
+        if engine == "hbsjd":
+            options["execution"] = execution
+            if execution == "hybrid":
+                options["gamma"] = self.gamma(B, options["window"]) if gamma is None else gamma
+        ratio = self.b.prefix_ratio if ratio is None else ratio
+        return Variant(label, engine, options, B, ratio, **row)
+
 
 # ---- measuring -------------------------------------------------------------------------------
 
-def measure(c: Models, variants: list[Variant], o: dict) -> list[dict]:
-    """Every variant on every workload, interleaved; one row per variant."""
+def measure(c: Context, variants: list[Variant], o: dict) -> list[dict]:
+    """Every variant on every workload, interleaved (one grid); one row per variant."""
     b, nw = c.b, o["workloads"]
-    engines = [make_engine(v.engine, **v.options) for v in variants]
     inputs: dict[tuple, tuple] = {}
-
-    def call(i: int, w: int):
-        v, model = variants[i], c.model(variants[i].model)
-        key = (v.batch, v.prefix_ratio, w)
-        if key not in inputs:
-            inputs[key] = make_inputs(model, v.batch, v.prefix_ratio, b.prefix,
-                                      b.seed + v.batch + 1000 * w, b.device)
-        labels, prefix = inputs[key]
-        res = engines[i].generate(model, labels, prefix, model.block_size - prefix.shape[1],
-                                  cfg_scale=b.cfg_scale, temperature=b.temperature,
-                                  top_k=b.top_k, top_p=b.top_p, seed=b.seed + w)
-        return res.wall_time, res
-
-    pairs = [(i, w) for i in range(len(variants)) for w in range(nw)]
-    samples = interleave([lambda i=i, w=w: call(i, w) for i, w in pairs], o["repeats"],
-                         o["warmup"])
-    times = {i: [] for i in range(len(variants))}
-    results = {i: [] for i in range(len(variants))}
-    for r in range(o["repeats"]):
-        for (i, w), s in zip(pairs, samples):
-            times[i].append(s[r][0])
-    for (i, w), s in zip(pairs, samples):
-        results[i].append(s[-1][1])
+    calls = []
+    for v in variants:
+        model = c.model(v.model)
+        engine = make_engine(v.engine, **v.options)
+        for w in range(nw):
+            key = (v.model, v.batch, v.prefix_ratio, w)
+            if key not in inputs:
+                inputs[key] = make_inputs(model, v.batch, v.prefix_ratio, b.prefix,
+                                          b.seed + v.batch + 1000 * w, b.device)
+            labels, prefix = inputs[key]
+            calls.append(grid.Call(v.engine, engine, model, labels, prefix,
+                                   model.block_size - prefix.shape[1],
+                                   grid.sampling(b, seed=b.seed + w), inputs=key,
+                                   decoding=v.options["decoding"]))
+    cells = grid.measure(calls, o["repeats"], o["warmup"], exact=("greedy",))
     by_label = {v.label: i for i, v in enumerate(variants)}
+    times = [[cells[i * nw + w].times[r] for r in range(o["repeats"]) for w in range(nw)]
+             for i in range(len(variants))]
     rows = []
     for i, v in enumerate(variants):
-        ar = next((j for j, u in enumerate(variants) if u.engine == AR and u.model == v.model
-                   and u.batch == v.batch and u.prefix_ratio == v.prefix_ratio
-                   and u.options["decoding"] == "greedy"), None)
-        equal = None
-        if v.options["decoding"] == "greedy" and ar is not None and ar != i:
-            equal = all(torch.equal(x.tokens, y.tokens) for x, y in zip(results[i], results[ar]))
+        mine = cells[i * nw:(i + 1) * nw]
+        checked = [m.equal_ar for m in mine]
+        equal = None if v.engine == AR or None in checked else all(checked)
         base = by_label.get(v.baseline)
-        rows.append(make_row(c, v, times[i], results[i], None if base is None else times[base],
-                             equal))
+        rows.append(make_row(c, v, times[i], [m.result for m in mine],
+                             None if base is None else times[base], equal))
     return rows
 
 
-def make_row(c: Models, v: Variant, times: list[float], results: list, base: list[float] | None,
+def make_row(c: Context, v: Variant, times: list[float], results: list, base: list[float] | None,
              equal_ar: bool | None) -> dict:
     committed = sum(int(r.committed.sum()) for r in results)
     image_rounds = sum(int(r.image_rounds.sum()) for r in results)

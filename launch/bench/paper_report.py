@@ -7,8 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from launch.bench import common
-
-AR = "cached_ar"
+from launch.bench.grid import AR
 
 COLUMNS = ["variant", "B", "P+N", "W", "H", "exec", "verify", "rounds", "image rounds",
            "tok/rnd", "rej %", "mean ± std ms", "min–max ms", "P95 ms", "speedup [min–max]",

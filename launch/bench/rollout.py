@@ -40,15 +40,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
 from launch.bench import common
-from launch.bench.common import DTYPES
-from opd.config.loader import ConfigError, strict_schema
+from launch.bench.grid import (Call, ModelPreset, check_model_preset, fail, measure, preset_model,
+                               sampling)
+from opd.config.loader import strict_schema
 from rollout import make_engine
 from rollout.calibrate import ensure_calibration
 from rollout.options import DECODINGS
@@ -67,64 +68,20 @@ baseline and always runs."""
 
 @strict_schema
 @dataclass
-class RolloutBench:
-    """A preset of `opd bench rollout` (configs/bench/*.yaml)."""
+class RolloutBench(ModelPreset):
+    """A preset of `opd bench rollout` (configs/bench/*.yaml): the shared keys of
+    `launch.bench.grid.ModelPreset` and the sweep."""
 
-    model: str = "GPT-digits-S"
-    """opd.models preset of the benchmarked student."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """ModelArgs overrides (e.g. grid_size: 24)."""
-    checkpoint: str | None = None
-    """Weights file, run or checkpoints/step_N directory (its student.pt), "pretrained" (opd
-    pretrain's cached digits student) or null (random init, see random_init_std)."""
-    pretrain_config: str | None = None
-    """Run config whose pretraining makes the student of checkpoint: pretrained (null: the
-    default run config)."""
-    pretrain_overrides: list[str] = field(default_factory=list)
-    """Dotted overrides of that run config (checkpoint: pretrained), e.g. the 16x16 student:
-    [model.grid_size=16, data.data_dir=data/digits16]; the student is trained on first use."""
-    random_init_std: float = 0.02
-    """Std of the normal random init of every matrix (checkpoint: null)."""
-    device: str = "cpu"
-    """cpu or cuda[:N]."""
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16 | float64 (launch.bench.common.DTYPES)."""
-    threads: int | None = None
-    """torch intra-op threads; null or 0 = torch's default."""
-    prefix: Literal["data", "random"] = "random"
-    """data: real digits prefixes and labels (digits-shaped models only); random: uniform tokens."""
-    prefix_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.25
-    """Fraction of the sequence given as the prefix; the engines generate the rest."""
     batch_sizes: list[Annotated[int, Field(ge=1)]] = field(default_factory=lambda: [1, 4, 16])
     """Batch sizes swept (images per engine call)."""
     windows: list[int | Literal["auto"]] = field(default_factory=lambda: [2, 4, 8, 16])
     """Jacobi windows W swept; auto: HB-SJD's window policy (rollout/window.py), its rows
     report the chosen windows (`windows` column: W:rounds)."""
-    H: Annotated[int, Field(ge=1)] | None = None
-    """Draft-initialization history offset; null = one grid row."""
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))
     """Engine variants (VARIANTS); Cached AR is the baseline and always runs."""
     decodings: list[str] = field(default_factory=lambda: ["greedy"])
     """Decodings (rollout/options.py DECODINGS): greedy, sample (the keyed Gumbel-max rule)
     and / or speculative (speculative sampling)."""
-    cfg_scale: float | None = 2.0
-    """Classifier-free guidance scale; null or 1.0 = no guidance."""
-    temperature: Annotated[float, Field(gt=0.0)] = 1.0
-    """Sampling temperature (sample and speculative decoding)."""
-    top_k: Annotated[int, Field(ge=0)] = 0
-    """Top-k filter; 0 = off."""
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    """Nucleus mass; 1.0 = off."""
-    gamma: Annotated[int, Field(ge=0)] | Literal["measure"] = "measure"
-    """Hybrid threshold: measure = the calibration file's gamma per (batch, W), or an int."""
-    repeats: Annotated[int, Field(ge=1)] = 3
-    """Timed rounds per configuration (interleaved)."""
-    warmup: Annotated[int, Field(ge=0)] = 1
-    """Untimed rounds first."""
-    calibration_repeats: Annotated[int, Field(ge=1)] = 3
-    """Timed verifier forwards per (active count, mode) when calibrating."""
-    seed: int = 0
-    """Seed of the inputs and of sampling."""
     refreshes: list[str] = field(default_factory=lambda: ["coupled"])
     """Speculative drafts after the commit point: coupled and / or resample (rollout/jacobi.py)."""
     candidates: list[int] = field(default_factory=lambda: [0])
@@ -135,39 +92,32 @@ class RolloutBench:
     all of the batch's images at once."""
 
 
-def _fail(key: str, value, need: str) -> ConfigError:
-    return ConfigError(f"bench preset key {key}={value!r}: {need}", key)
-
-
 def check_bench(b: RolloutBench) -> RolloutBench:
     """What the schema's types and ranges do not say; ConfigError naming the key."""
     for key in ("batch_sizes", "windows"):
         if not getattr(b, key):
-            raise _fail(key, getattr(b, key), "must be a non-empty list of ints >= 1")
+            raise fail(key, getattr(b, key), "must be a non-empty list of ints >= 1")
     if any(W != "auto" and (not isinstance(W, int) or W < 1) for W in b.windows):
-        raise _fail("windows", b.windows, "must be ints >= 1 or auto")
+        raise fail("windows", b.windows, "must be ints >= 1 or auto")
     if "auto" in b.windows and any(e in ("sjd_sync", "sjd_independent") for e in b.engines):
-        raise _fail("windows", b.windows, "auto is HB-SJD's policy: drop sjd_sync and "
-                    "sjd_independent from engines, or auto from windows")
+        raise fail("windows", b.windows, "auto is HB-SJD's policy: drop sjd_sync and "
+                   "sjd_independent from engines, or auto from windows")
     for key, allowed in (("engines", VARIANTS), ("decodings", DECODINGS),
                          ("refreshes", ("coupled", "resample"))):
         v = getattr(b, key)
         if not v or any(x not in allowed for x in v):
-            raise _fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
+            raise fail(key, v, f"must be a non-empty list of {', '.join(allowed)}")
     if not b.candidates or any(k < 0 or k == 1 for k in b.candidates):
-        raise _fail("candidates", b.candidates, "must be a non-empty list of 0 (off) or ints "
-                    ">= 2")
-    if b.dtype not in DTYPES:
-        raise _fail("dtype", b.dtype, f"must be one of {', '.join(DTYPES)}")
-    if b.device != "cpu" and not b.device.startswith("cuda"):
-        raise _fail("device", b.device, "must be cpu or cuda[:N]")
+        raise fail("candidates", b.candidates, "must be a non-empty list of 0 (off) or ints "
+                   ">= 2")
+    check_model_preset(b)
     if b.checkpoint == "pretrained" and b.overrides and not b.pretrain_overrides:
-        raise _fail("overrides", b.overrides, "does not reach checkpoint: pretrained (the "
-                    "run config's student); set pretrain_overrides too, e.g. "
-                    "[model.grid_size=16,data.data_dir=data/digits16]")
+        raise fail("overrides", b.overrides, "does not reach checkpoint: pretrained (the "
+                   "run config's student); set pretrain_overrides too, e.g. "
+                   "[model.grid_size=16,data.data_dir=data/digits16]")
     if (b.pretrain_overrides or b.pretrain_config) and b.checkpoint != "pretrained":
-        raise _fail("pretrain_overrides", b.pretrain_overrides, "applies to checkpoint: "
-                    "pretrained only")
+        raise fail("pretrain_overrides", b.pretrain_overrides, "applies to checkpoint: "
+                   "pretrained only")
     return b
 
 
@@ -181,11 +131,7 @@ def load_bench(path: str | Path, overrides: dict | None = None) -> RolloutBench:
 
 # ---- model and inputs ------------------------------------------------------------------------
 
-def build_model(b: RolloutBench):
-    """The preset's model on its device and dtype, in eval mode."""
-    return common.build_model(b.model, b.overrides, b.checkpoint, seed=b.seed,
-                              random_init_std=b.random_init_std, device=b.device, dtype=b.dtype,
-                              run_config=b.pretrain_config, run_overrides=b.pretrain_overrides)
+build_model = preset_model
 
 
 def make_inputs(model, b: RolloutBench, B: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,24 +179,15 @@ def run_bench(b: RolloutBench, log=print) -> dict:
         N = model.block_size - prefix.shape[1]
         configs = _engines(b, B, gammas)
         engines = [make_engine(**kw) for *_, kw in configs]
-
-        def once(i):
-            res = engines[i].generate(model, labels, prefix, N, cfg_scale=b.cfg_scale,
-                                      temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
-                                      seed=b.seed, slots=b.slots)
-            return res.wall_time, res
-        samples = common.interleave([lambda i=i: once(i) for i in range(len(configs))],
-                                    b.repeats, b.warmup)
-        times = [[t for t, _ in s] for s in samples]
-        last = [s[-1][1] for s in samples]
-        base = {d: (np.median(times[i]), last[i].tokens, last[i].rounds) for i, (lab, d, _, _) in
-                enumerate(configs) if lab == "cached_ar"}
+        grid = measure([Call(kw["name"], e, model, labels, prefix, N,
+                             dict(sampling(b), slots=b.slots), decoding=d)
+                        for (_, d, _, kw), e in zip(configs, engines)], b.repeats, b.warmup)
+        base = {d: (np.median(m.times), m.result.rounds) for (lab, d, _, _), m in
+                zip(configs, grid) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
-            res, t = last[i], np.asarray(times[i])
+            res, t = grid[i].result, np.asarray(grid[i].times)
             cost = ({} if label == "cached_ar" or N < 2 or W == "auto" else
-                    round_costs(model, engines[i], labels, prefix, N, cfg_scale=b.cfg_scale,
-                                temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
-                                seed=b.seed))
+                    round_costs(model, engines[i], labels, prefix, N, **sampling(b)))
             rows.append({
                 "batch": B, "engine": label, "verification": d, "W": W,
                 "execution": kw.get("execution", "sync" if label == "sjd_sync" else "full"),
@@ -259,7 +196,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "candidates": (kw.get("candidates", 0) if label not in ("cached_ar", "sjd_sync")
                                else None),
                 "slots": b.slots, "rounds": res.rounds,
-                "round_ratio": res.rounds / base[d][2], "prefills": res.prefills,
+                "round_ratio": res.rounds / base[d][1], "prefills": res.prefills,
                 "longest_single_run": int(res.longest_single_run.max()),
                 "mean_committed": round(res.mean_committed, 3),
                 "latency_ms": float(t.mean() * 1e3),
@@ -267,8 +204,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
                 "time_ratio": float(np.median(t) / base[d][0]),
                 "speedup": float(base[d][0] / np.median(t)),
-                "equal_ar": (bool(torch.equal(res.tokens, base[d][1]))
-                             if d != "speculative" else None),
+                "equal_ar": grid[i].equal_ar,
                 "compact_rounds": sum(m == "compact" for m in res.modes),
                 "verify_ops": cost.get("verify_ops"), "forward_ms": cost.get("forward_ms"),
                 "verify_ms": cost.get("verify_ms"),

@@ -4,7 +4,7 @@ actor, object-store use and the step's time split (rows made by actors/bench/io.
     summary = io_summary(rows)        # None when no row carries "io" (reference mode)
     text = format_io_markdown(report) # one table per (mode, engine) that has a summary
 
-A row's "io" maps a role (driver, rollout/<i>, teacher/<j>, learner/<r>, queue) to the payload
+A row's "io" maps a role (driver, rollout/<i>, teacher/<j>, learner/<r>) to the payload
 bytes it received and sent during that step and its peak RSS so far; "object_store" holds the
 plasma store's peak use in that step (see actors/bench/io.py for what is counted where).
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from launch.bench import common
 
-ROLE_ORDER = ("driver", "rollout", "teacher", "learner", "queue")
+ROLE_ORDER = ("driver", "rollout", "teacher", "learner")
 SPLIT = ("rollout_s", "teacher_s", "learner_s", "weight_sync_s", "step_s")
 MIB = 2 ** 20
 

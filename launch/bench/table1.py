@@ -15,11 +15,12 @@ A preset (configs/bench/table1_*.yaml) lists workloads; each is a run config who
 
 Per workload and mode, Cached AR and the run's engine roll out the same labels and prefixes
 (`data.batch_size` images, `data.prefix_ratio` of each image given, not `prefix_ratios`)
-`warmup` times, then `repeats` times interleaved (launch.bench.common.interleave).  A row reports
-the mean and P95 of those rollout times, the speedup (Cached AR's mean over the row's, same
+`warmup` times, then `repeats` times interleaved (one engine grid, launch/bench/grid.py).  A row
+reports the mean and P95 of those rollout times, the speedup (Cached AR's mean over the row's, same
 mode), rounds, tokens per round (all images' generated tokens / rounds), tokens per image-round,
 the aten operators of one verification step (`rollout.roundcost`, Jacobi engines) and the first
-call's time (the compile, in compiled mode).  Compiled mode sets `rollout.compile` and turns
+call's time (the compile, in compiled mode) and whether the tokens equal Cached AR's (greedy
+and keyed sampling).  Compiled mode sets `rollout.compile` and turns
 `rollout.candidates` off (the compiled verifier has no tree window), so eager mode also runs the
 run's engine without candidates where it has them: that row and the compiled one differ only in
 the compile.  Workloads whose rollouts are identical (GKD and VarKD presets differ only in the
@@ -40,7 +41,8 @@ from typing import Annotated, Callable, Literal
 import torch
 from pydantic import Field
 
-from launch.bench import common
+from launch.bench import common, grid
+from launch.bench.grid import check_device
 from opd.config.schema import RunConfig, load_config
 from opd.config.loader import ConfigError, strict_schema
 
@@ -104,9 +106,7 @@ def load_table1_bench(name: str, overrides: dict | None = None) -> Table1Bench:
     if len(set(names)) != len(names) or not all(names):
         raise ConfigError(f"bench preset key workloads: every workload needs its own name, got "
                           f"{names}", "workloads")
-    if b.device != "cpu" and not b.device.startswith("cuda"):
-        raise ConfigError(f"bench preset key device={b.device!r}: must be cpu or cuda[:N]",
-                          "device")
+    check_device(b.device)
     return b
 
 
@@ -173,28 +173,20 @@ def measure(b: Table1Bench, s: Shape, model, mode: str) -> list[dict]:
     engines = [build_engine(cfg, name) for name, cfg in configs]
     kwargs = dict(cfg_scale=r.cfg_scale, temperature=r.temperature, top_k=r.top_k or None,
                   top_p=r.top_p, seed=b.seed, slots=r.slots or None)
-    first: list[float | None] = [None] * len(engines)
-
-    def once(i):
-        res = engines[i].generate(model, labels, prefix, s.new_tokens, **kwargs)
-        if first[i] is None:
-            first[i] = res.wall_time
-        return res.wall_time, res
-    samples = common.interleave([lambda i=i: once(i) for i in range(len(engines))],
-                                b.repeats, b.warmup)
+    cells = grid.measure([grid.Call(name, engine, model, labels, prefix, s.new_tokens, kwargs,
+                                    decoding=r.decoding)
+                          for (name, _), engine in zip(configs, engines)], b.repeats, b.warmup)
     rows = []
-    for i, ((name, cfg), engine) in enumerate(zip(configs, engines)):
-        times = [t for t, _ in samples[i]]
-        res = samples[i][-1][1]
+    for (name, cfg), engine, m in zip(configs, engines, cells):
         ops = None
         if name != "cached_ar" and s.new_tokens >= 2:
             ops = round_costs(model, engine, labels, prefix, s.new_tokens,
                               **{k: v for k, v in kwargs.items() if k != "slots"})["verify_ops"]
-        rows.append({"engine": engine_label(name, cfg), "times_s": times,
-                     **common.spread(times), "rounds": res.rounds,
-                     "tokens_per_round": s.batch * s.new_tokens / res.rounds,
-                     "tokens_per_image_round": res.mean_committed, "verify_ops": ops,
-                     "first_call_s": first[i]})
+        rows.append({"engine": engine_label(name, cfg), "times_s": m.times,
+                     **common.spread(m.times), "rounds": m.result.rounds,
+                     "tokens_per_round": s.batch * s.new_tokens / m.result.rounds,
+                     "tokens_per_image_round": m.result.mean_committed, "verify_ops": ops,
+                     "first_call_s": m.first_s, "equal_ar": m.equal_ar})
     for row in rows:
         row["speedup"] = rows[0]["mean_ms"] / row["mean_ms"]
     return rows
@@ -271,7 +263,14 @@ COLUMNS = [("mean_ms", "mean ms", "{:.1f}"), ("p95_ms", "P95 ms", "{:.1f}"),
            ("speedup", "speedup", "{:.2f}×"), ("rounds", "rounds", "{}"),
            ("tokens_per_round", "tok/rnd", "{:.2f}"),
            ("tokens_per_image_round", "tok/img-rnd", "{:.2f}"),
-           ("verify_ops", "ops/rnd", "{}"), ("first_call_s", "1st call s", "{:.1f}")]
+           ("verify_ops", "ops/rnd", "{}"), ("first_call_s", "1st call s", "{:.1f}"),
+           ("equal_ar", "=AR", "{}")]
+
+
+def _cell(v, fmt: str) -> str:
+    if v is None:
+        return "-"
+    return ("yes" if v else "NO") if isinstance(v, bool) else fmt.format(v)
 
 
 def format_markdown(report: dict) -> str:
@@ -284,7 +283,7 @@ def format_markdown(report: dict) -> str:
         if r["status"]:
             cells += [r["status"]] + [""] * (len(COLUMNS) - 1)
         else:
-            cells += ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
+            cells += [_cell(r[k], f) for k, _, f in COLUMNS]
         body.append(cells)
     env = report["environment"]
     lines = [f"Rollout time per batch (mean and P95 of {report['config']['repeats']} rollouts "
@@ -293,7 +292,8 @@ def format_markdown(report: dict) -> str:
     lines += [f"- {n}" for n in report["notes"]]
     lines.append("- speedup: Cached AR's mean time over the row's, same workload and mode; "
                  "tok/rnd: all images' generated tokens / rounds; ops/rnd: aten operators of "
-                 "one verification step (rollout/roundcost.py); compiled rows run without "
+                 "one verification step (rollout/roundcost.py); =AR: the tokens equal Cached AR's "
+                 "(greedy and keyed sampling); compiled rows run without "
                  "candidates (no tree window when compiled), as the eager row without K does")
     return "\n".join(lines) + "\n"
 

@@ -163,15 +163,19 @@ def _overrides(items: list[str]) -> dict:
     return out
 
 
+def _preset_out(args: argparse.Namespace) -> Path:
+    """--out, else runs/bench/<preset name>."""
+    from launch.bench.common import resolve_bench_preset
+    return Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+
+
 def run_rollout(args: argparse.Namespace) -> int:
-    from launch.bench.rollout import format_table, load_bench, resolve_bench_preset, run_bench, \
-        save_figures
+    from launch.bench.rollout import format_table, load_bench, run_bench, save_figures
 
     bench = load_bench(args.config, _overrides(args.overrides))
     report = run_bench(bench)
     print(format_table(report["rows"]))
-    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
-    for path in save_figures(report, out):
+    for path in save_figures(report, _preset_out(args)):
         print(f"wrote {path}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -181,12 +185,11 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def run_paper(args: argparse.Namespace) -> int:
-    from launch.bench.common import resolve_bench_preset
     from launch.bench.paper import load_paper_bench, run_paper
     from launch.bench.paper_report import format_markdown, save_plots
 
     bench = load_paper_bench(args.config, _overrides(args.overrides))
-    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+    out = _preset_out(args)
     report = run_paper(bench)
     out.mkdir(parents=True, exist_ok=True)
     text = format_markdown(report)
@@ -199,11 +202,10 @@ def run_paper(args: argparse.Namespace) -> int:
 
 
 def run_table1(args: argparse.Namespace) -> int:
-    from launch.bench.common import resolve_bench_preset
     from launch.bench.table1 import format_markdown, load_table1_bench, run_table1
 
     bench = load_table1_bench(args.config, _overrides(args.overrides))
-    out = Path(args.out or Path("runs") / "bench" / resolve_bench_preset(args.config).stem)
+    out = _preset_out(args)
     report = run_table1(bench)
     out.mkdir(parents=True, exist_ok=True)
     text = format_markdown(report)

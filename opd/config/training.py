@@ -143,7 +143,8 @@ class DistillConfig:
     most data.batch_size / learner.world_size (a row per rank each).  Both run modes cut a step
     the same way."""
     queue_capacity: Annotated[int, Field(ge=1)] = 4
-    """Prefix batches buffered between rollout/teacher workers and the learner (Ray pipeline backpressure)."""
+    """Steps the Ray pipeline plans ahead of the learner (backpressure: a step beyond it is not
+    started, so at most this many steps' pieces wait in the trajectory queue)."""
     objective_options: dict[str, Any] = field(default_factory=dict)
     """Objective-specific options (e.g. VarKD gates), validated by the objective."""
     phases: list[PhaseConfig] = field(default_factory=lambda: [

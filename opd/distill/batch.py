@@ -19,27 +19,20 @@ carry it (source "student"); the learner recomputes it with its own weights to p
 on-policy (`opd/distill/onpolicy.py`).  4 · B · N bytes: 8 KiB a step at the digits shape (B 32,
 N 64), 36 KiB at the paper's (B 32, L 576, P 288).
 
-In memory the batch holds torch tensors.  Two wire formats:
-
-- `to_numpy_dict()` / `from_numpy_dict()`: a flat dict of numpy arrays and Python scalars,
-  which Ray's object store ships zero-copy to readers on the same node.  The tensors that
-  `from_numpy_dict` builds share memory with the arrays (read-only when they come from the
-  object store: copy before writing in place, or pass `copy=True`).
-- `to_arrow()` / `from_arrow()`: a pyarrow Table with one row per image (nested fixed-size
-  list columns) and the batch scalars in the schema metadata, for Parquet logs and datasets.
-
-Both round trips are exact (values, dtypes, shapes).
+In memory the batch holds torch tensors.  On the wire (`to_numpy_dict()` /
+`from_numpy_dict()`) it is a flat dict of numpy arrays and Python scalars, which Ray's object
+store ships zero-copy to readers on the same node.  The tensors that `from_numpy_dict` builds
+share memory with the arrays (read-only when they come from the object store: copy before
+writing in place, or pass `copy=True`).  The round trip is exact (values, dtypes, shapes).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor
 
@@ -47,10 +40,8 @@ from opd.distill.rollout_stats import RolloutStats
 
 SOURCES = ("student", "data", "teacher")
 STATS_PREFIX = "rollout_stats/"
-ARROW_METADATA_KEY = b"opd.trajectory_batch"
 _TENSOR_FIELDS = ("labels", "tokens", "teacher_logprobs", "teacher_topk_values", "teacher_topk_indices",
                   "behaviour_logprobs")
-_ARROW_COLUMNS = {"labels": "label"}  # field name -> arrow column name (one row per image)
 
 Stat = int | float | str | bool | list[int]
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -217,40 +208,6 @@ class TrajectoryBatch:
                    policy_version=int(d["policy_version"]), source=str(d["source"]),
                    rollout_stats=RolloutStats.from_dict(stats), **tensors)
 
-    # -- arrow (Parquet logs, datasets) --------------------------------------------------------
-
-    def to_arrow(self) -> pa.Table:
-        """One row per image: `label` int64, `tokens` list<int64>[L], and per present teacher
-        field a nested fixed-size list [L][V] or [L][k].  The batch scalars and rollout_stats
-        are JSON in the schema metadata under `opd.trajectory_batch`."""
-        columns: dict[str, pa.Array] = {}
-        for name in _TENSOR_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                columns[_ARROW_COLUMNS.get(name, name)] = _to_fixed_list(_to_numpy(name, value))
-        meta = {**self._scalars(), "rollout_stats": self.rollout_stats.to_dict()}
-        return pa.table(columns, metadata={ARROW_METADATA_KEY: json.dumps(meta).encode()})
-
-    @classmethod
-    def from_arrow(cls, table: pa.Table | pa.RecordBatch, copy: bool = False) -> TrajectoryBatch:
-        """Inverse of `to_arrow` (a Table, possibly chunked, or one RecordBatch)."""
-        metadata = table.schema.metadata or {}
-        if ARROW_METADATA_KEY not in metadata:
-            raise ValueError(f"arrow data has no {ARROW_METADATA_KEY.decode()!r} schema metadata: "
-                             "it was not written by TrajectoryBatch.to_arrow")
-        meta = json.loads(metadata[ARROW_METADATA_KEY])
-        tensors = {}
-        for name in _TENSOR_FIELDS:
-            col = _ARROW_COLUMNS.get(name, name)
-            if col in table.column_names:
-                arr = table.column(col)
-                if isinstance(arr, pa.ChunkedArray):
-                    arr = arr.combine_chunks()
-                tensors[name] = _to_tensor(_from_fixed_list(arr), copy)
-        return cls(batch_id=meta["batch_id"], prefix_len=meta["prefix_len"],
-                   policy_version=meta["policy_version"], source=meta["source"],
-                   rollout_stats=RolloutStats.from_dict(meta["rollout_stats"]), **tensors)
-
 
 def _to_numpy(name: str, t: Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
@@ -262,7 +219,7 @@ def _to_tensor(a: np.ndarray, copy: bool) -> Tensor:
     a = np.asarray(a)
     if copy or not a.flags.c_contiguous:
         return torch.from_numpy(np.array(a, order="C", copy=True))
-    if not a.flags.writeable:  # object-store / arrow buffers: share them, read-only by contract
+    if not a.flags.writeable:  # object-store buffers: share them, read-only by contract
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(a)
@@ -276,20 +233,3 @@ def _py(v: Any) -> Stat:
     if isinstance(v, (list, tuple)):
         return [_py(x) for x in v]
     return v.item() if isinstance(v, np.generic) else v
-
-
-def _to_fixed_list(a: np.ndarray) -> pa.Array:
-    """(B, d1, ..., dn) array -> length-B arrow array of nested fixed-size lists (zero-copy)."""
-    arr: pa.Array = pa.array(a.reshape(-1))
-    for size in reversed(a.shape[1:]):
-        arr = pa.FixedSizeListArray.from_arrays(arr, size)
-    return arr
-
-
-def _from_fixed_list(arr: pa.Array) -> np.ndarray:
-    """Inverse of `_to_fixed_list`: shape from the list sizes, values zero-copy where possible."""
-    shape = [len(arr)]
-    while pa.types.is_fixed_size_list(arr.type):
-        shape.append(arr.type.list_size)
-        arr = arr.flatten()  # respects slicing offsets, unlike .values
-    return arr.to_numpy(zero_copy_only=False).reshape(shape)

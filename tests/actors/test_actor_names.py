@@ -38,7 +38,7 @@ def test_actors_carry_names_and_reprs_with_their_version(ray_session, tiny_overr
             "opd/rollout/1": "RolloutWorker(opd/rollout/1, version=None)",
             "opd/teacher/default/0": "TeacherWorker(opd/teacher/default/0, version=None)",
             "opd/learner/0": "StudentLearner(opd/learner/0, version=0)",
-            "opd/queue": "TrajectoryQueue(opd/queue, version=None, depth=0/4)"}
+            "opd/queue": "TrajectoryQueue(opd/queue, version=None, depth=0)"}
 
         calls = [a.publish_weights.remote(0) for a in groups.learners]
         ray.get([a.load_weights.remote(0, calls[0][0]) for a in groups.rollout])

@@ -12,7 +12,7 @@ the losses equal the single-process reference (invariants 5 and 7).  In this ord
 
     a. the run's first rollout worker asks for `opd_rollout`: the autoscaler launches the
        first rollout node for it (none before the run), and the worker runs there;
-    b. rollouts hold the run up (`ElasticRollout.rollout_wait` says 1.0): the policy asks the
+    b. rollouts hold the run up (the row's `rollout_wait` says 1.0): the policy asks the
        autoscaler for a second worker's bundle (`request_resources`), the autoscaler
        launches a second node, the new worker runs there;
     c. then every step is idle (0.0): the policy retires the added worker and lowers its
@@ -147,12 +147,8 @@ def drive(args: dict) -> None:
                 wait_until(lambda: len(rollout_nodes(ray)) == 1, WAIT_S,    # (c)
                            "the idle rollout node going back")
                 seen["node_back"] = {"step": step, "t": time.monotonic()}
+            row["rollout_wait"] = 0.0 if "switched" in seen else 1.0    # what the policy reads
 
-        def wait(elastic, step, row):
-            return 0.0 if "switched" in seen else 1.0
-
-        from actors.driver.elastic import ElasticRollout
-        ElasticRollout.rollout_wait = wait                  # this subprocess only
         t0, out["t0_wall"] = time.monotonic(), time.time()
         rows = run_distributed(cfg, args["run_dir"], progress=False,
                                hooks={"after_step": after_step})

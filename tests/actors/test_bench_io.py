@@ -28,7 +28,7 @@ def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
     report = json.loads((out / "step.json").read_text())
     (res,) = report["results"]
     io = res["io"]
-    roles = ["driver", "rollout/0", "teacher/0", "learner/0", "queue"]
+    roles = ["driver", "rollout/0", "teacher/0", "learner/0"]
     assert list(io["roles"]) == roles and io["steps"] == [1, 2]
     B, L, k = 4, 16, 4
     itemsize = torch.empty(0, dtype=index_dtype(11)).element_size()     # int16: 2
@@ -40,7 +40,6 @@ def test_scale_dry_run_reports_bytes_by_role(ray_session, tmp_path):
         step_io = row["io"]
         assert step_io["learner/0"]["received_bytes"] == scored
         assert step_io["teacher/0"]["sent_bytes"] == scored
-        assert step_io["queue"]["received_bytes"] == step_io["queue"]["sent_bytes"] == 0
         assert step_io["driver"]["received_bytes"] == 0                 # reports and counts only
         student = create_model("GPT-tiny", vocab_size=11, num_classes=4, grid_size=4)
         weights = sum(v.numel() * 4 for v in student.state_dict().values())

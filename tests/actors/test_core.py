@@ -212,3 +212,19 @@ def test_the_planner_plans_a_reused_step_from_its_trained_origin_without_a_batch
     assert planner.buffer == {}
     three = planner.plan(3, 3, 7)
     assert (three.step, three.batch_id, three.origin) == (3, 1, None)
+
+
+def test_the_planner_holds_the_queue_bound(tiny_overrides):
+    """KD on data (no staleness bound): `distill.queue_capacity` steps are planned ahead of the
+    learner, the next one once the learner's version moves up; the queue refuses nothing, so
+    this is the only bound."""
+    from opd.data import PrefixBatcher
+    from opd.data.splits import open_dataset
+    cfg = load_config("tiny", [*tiny_overrides, "distill.objective=kd", "distill.steps=7",
+                               "distill.queue_capacity=3"])
+    train = open_dataset(cfg, "train")
+    planner = StepPlanner(cfg, PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed),
+                          train.seq_len, 0)
+    assert [planner.plan(0, 0, 7).step for _ in range(3)] == [0, 1, 2]
+    assert planner.plan(0, 0, 7) is None                   # 3 steps ahead of version 0
+    assert planner.plan(1, 0, 7).step == 3 and planner.plan(1, 0, 7) is None

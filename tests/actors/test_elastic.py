@@ -9,9 +9,9 @@ the single-process reference and every batch id is consumed once (invariants 5 a
 Retiring (on the session's local Ray): an added worker left idle is killed, down to min.
 The two-node run is marked slow; the retire run, which grows first, is in the default run.
 
-The runs do not depend on how fast the machine is: the policy's wait comes from the pipeline
-wait they give `ElasticRollout.rollout_wait` (1.0 = the learner waited all step, 0.0 = not at
-all) instead of the measured `rollout_wait`, and `settle` holds a step until a worker being
+The runs do not depend on how fast the machine is: the policy's wait is the `rollout_wait` that
+their after_step hook writes into the step's row (1.0 = the learner waited all step, 0.0 = not
+at all) over the measured one (the pipeline calls the hook before the policy reads the row), and `settle` holds a step until a worker being
 added has its bundle and its weights, so the pool grows within a bounded number of steps however slowly workers
 start.  The measurement (`actors.driver.core.rollout_wait_fraction`) and the decisions (`after_step`
 on fake groups, dispatcher and publisher) are tested on their own below, with made-up numbers.
@@ -63,12 +63,6 @@ def settle(pipeline) -> None:
         ray.get(pipeline.rollout[i].info.remote(), timeout=300)
 
 
-def always_waiting(elastic, step, row) -> float:
-    """The wait the grow run's pool reads (`ElasticRollout.rollout_wait`): every step the
-    learner waited all along."""
-    return 1.0
-
-
 def drive(args: dict) -> None:
     """The subprocess: start the cluster, run, add a node after step ADD_AT, write the rows."""
     import ray
@@ -90,9 +84,8 @@ def drive(args: dict) -> None:
             if step == ADD_AT:
                 cluster.add_node(num_cpus=1, resources={"opd_rollout": 2})
             settle(pipeline)
+            row["rollout_wait"] = 1.0          # the pool reads: the learner waited all along
 
-        from actors.driver.elastic import ElasticRollout
-        ElasticRollout.rollout_wait = always_waiting       # this subprocess only
         rows = run_distributed(cfg, args["run_dir"], progress=False,
                                hooks={"after_step": add_node})
         Path(args["out"]).write_text(json.dumps(rows))
@@ -154,7 +147,7 @@ def test_elastic_run_equals_the_reference(elastic_run, digits_dir, tmp_path):
         [(k, k, 0) for k in range(STEPS)]
 
 
-def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, tmp_path, monkeypatch):
+def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, tmp_path):
     """Grow to 2 on the session's local Ray (the wait says 1.0), then every step is idle
     (0.0 from the step whose row first shows 2 workers up): after elastic_idle_steps=2 idle
     steps the added worker is retired and killed."""
@@ -170,12 +163,8 @@ def test_idle_added_worker_is_retired_down_to_min(ray_session, digits_dir, tmp_p
             seen["states"] = list(pipeline.pools["rollout"].state)
             with pytest.raises(ray_session.exceptions.RayActorError):
                 ray_session.get(pipeline.rollout[1].info.remote(), timeout=30)
+        row["rollout_wait"] = 0.0 if "switched" in seen else 1.0      # what the pool reads
 
-    def wait(elastic, step, row):
-        return 0.0 if "switched" in seen else 1.0
-
-    from actors.driver.elastic import ElasticRollout
-    monkeypatch.setattr(ElasticRollout, "rollout_wait", wait)
     cfg = load_config("tiny", overrides(digits_dir, f"distill.steps={RETIRE_STEPS}",
                                         "rollout.num_workers=1..2", "rollout.elastic_patience=1",
                                         "rollout.elastic_idle_steps=2"))
@@ -421,26 +410,6 @@ def test_autoscaler_request_follows_the_pool_and_is_withdrawn_when_idle(policy, 
     assert events(e)[-1] == (8, "request", 1) and e.requested == 1
     steps(e, [0.0] * 5)                           # nothing more to withdraw
     assert asked == [2, 3, 1, 2, 1] and e.pool.state == ["up", "retired"]
-
-
-def test_the_decisions_read_the_wait_through_rollout_wait(policy, monkeypatch):
-    """The seam the run tests use: what `rollout_wait` returns is the wait decided on; by
-    default the row's measurement."""
-    plain = policy(1, 2, "rollout.elastic_patience=2")
-    assert plain.rollout_wait(0, {"rollout_wait": 0.25}) == 0.25
-    steps(plain, [0.0, 0.0])
-    assert events(plain) == []
-    calls = []
-
-    def signal(self, step, row):
-        calls.append((step, row["rollout_wait"]))
-        return 1.0
-
-    import actors.driver.elastic as elastic
-    monkeypatch.setattr(elastic.ElasticRollout, "rollout_wait", signal)
-    e = policy(1, 2, "rollout.elastic_patience=2")
-    steps(e, [0.0, 0.0])                          # measured: idle; the wait read: waiting
-    assert calls == [(0, 0.0), (1, 0.0)] and events(e) == [(1, "place", 2)]
 
 
 if __name__ == "__main__":

@@ -10,18 +10,23 @@ Over 400 lines: its tests share one Ray session and the reference runs they comp
 (module fixtures); split, those references would run twice.
 """
 import json
+import os
 import re
+import shutil
+import signal
 import time
 import urllib.request
 
 import pytest
 
 from actors.driver.pipeline import run_distributed
-from actors.driver.records import CONSUMED_FILE, LearnerFailure, RunRecords, lag_histogram
+from actors.driver.records import CONSUMED_FILE, LearnerFailure, RunRecords
 from opd.run import checkpoints as ckpt
 from opd.config.schema import load_config
 from opd.run.metrics_log import read_metrics
 from opd.distill.onpolicy import STRICT_BOUND
+from opd.run.interrupt import GracefulInterrupt
+from opd.run.loop import RunInterrupted
 from opd.run.reference import run_reference
 
 STEPS = 5
@@ -44,6 +49,22 @@ def losses(rows):
 
 def consumed(run_dir):
     return json.loads((run_dir / CONSUMED_FILE).read_text())
+
+
+def stopped_after(cfg, run_dir, steps: int) -> list[dict]:
+    """The rows of a run stopped by Ctrl-C (the path of `opd train`) once `steps` steps are
+    trained; on its way out the run checkpoints step `steps`."""
+    rows = []
+
+    def ctrl_c(pipeline, step, row):
+        rows.append(row)
+        if step == steps - 1:
+            os.kill(os.getpid(), signal.SIGINT)          # deferred to the end of the step
+
+    with GracefulInterrupt(notice=False) as interrupt, pytest.raises(RunInterrupted):
+        run_distributed(cfg, run_dir, progress=False, hooks={"after_step": ctrl_c},
+                        interrupt=interrupt)
+    return rows
 
 
 def assert_on_policy(rows):
@@ -329,7 +350,7 @@ def test_bounded_staleness_runs_ahead_and_records_lags(ray_session, tiny_overrid
     cfg = cfg_for(tiny_overrides, "distill.staleness=1")
     rows = run_distributed(cfg, tmp_path, progress=False)
     assert_each_batch_once(rows, tmp_path)
-    lags = lag_histogram(consumed(tmp_path))
+    lags = {int(lag): n for lag, n in consumed(tmp_path)["lags"].items()}      # {lag: samples}
     assert sum(lags.values()) == STEPS * 4 and set(lags) == {0, 1}  # ran one version ahead
     assert [r["policy_lag"] for r in rows] == [r["step"] - r["policy_version"] for r in rows]
     for r in rows:      # the on-policy check measures the lag: float round-off only without one
@@ -379,12 +400,13 @@ def test_other_sources_equal_the_reference(objective, ray_session, tiny_override
 
 @pytest.mark.slow
 def test_resume_is_exact(ray_session, tiny_overrides, reference, tmp_path, monkeypatch):
-    """Stopped after 3 steps (checkpoint at 2 in the layout of opd/run/checkpoints.py; a step-3
+    """Stopped by Ctrl-C after 3 steps (checkpoint at 2 in the layout of opd/run/checkpoints.py; a step-3
     checkpoint whose writing did not finish is left behind) and resumed: DeepSpeed restores
     from step_000002/optimizer and the losses are the uninterrupted run's."""
     cfg = cfg_for(tiny_overrides, "run.checkpoint_every=2")
-    first = run_distributed(cfg, tmp_path, progress=False, stop_after=3)     # checkpoint at 2
+    first = stopped_after(cfg, tmp_path, 3)                   # checkpoints at 2 and 3
     assert losses(first) == pytest.approx(losses(reference)[:3], rel=0, abs=LOSS_TOL)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000003")   # as if killed while writing it
     two = tmp_path / "checkpoints" / "step_000002"
     assert sorted(p.relative_to(two).as_posix() for p in two.rglob("*")) == [
         "optimizer", "optimizer/mp_rank_00_model_states.pt", "state.json", "student.pt"]

@@ -9,7 +9,8 @@ from opd.config.loader import ConfigError
 from opd.distill.phases import phase_at
 from opd.distill.reuse import ReuseSchedule, max_lag
 from opd.run.reference import run_reference
-from tests.actors.test_pipeline import LOSS_TOL, cfg_for, consumed, kill_and_wait, losses
+from tests.actors.test_pipeline import (LOSS_TOL, cfg_for, consumed, kill_and_wait, losses,
+                                        stopped_after)
 
 REUSE = ("distill.reuse=3", "distill.reuse_buffer=2", "distill.reuse_fresh=0.3",
          "rollout.num_workers=2", "teacher.num_workers=2", "learner.world_size=2",
@@ -84,11 +85,11 @@ def test_resume_is_exact_where_the_buffer_is_empty_and_refused_where_it_is_not(
     resumes with the uninterrupted run's losses; after step 1 it holds step 0's rollout, which no
     checkpoint holds: resuming at 2 is refused in one line."""
     cfg = cfg_for(tiny_overrides, *REUSE, "run.checkpoint_every=3")
-    first = run_distributed(cfg, tmp_path / "at3", progress=False, stop_after=3)
+    first = stopped_after(cfg, tmp_path / "at3", 3)
     assert losses(first) == pytest.approx(losses(reference)[:3], rel=0, abs=LOSS_TOL)
     resumed = run_distributed(cfg, tmp_path / "at3", progress=False, resume=True)
     assert_reuse_accounted(resumed, reference, tmp_path / "at3", cfg)
     cfg = cfg_for(tiny_overrides, *REUSE, "run.checkpoint_every=2")
-    run_distributed(cfg, tmp_path / "at2", progress=False, stop_after=2)
+    stopped_after(cfg, tmp_path / "at2", 2)
     with pytest.raises(ConfigError, match=r"^cannot resume at step 2: the rollouts of steps \[0\]"):
         run_distributed(cfg, tmp_path / "at2", progress=False, resume=True)

@@ -48,6 +48,8 @@ def test_times_speedups_and_rounds_follow_the_samples(tiny):
                 assert r["speedup"] == ar["mean_ms"] / r["mean_ms"]
                 assert r["tokens_per_round"] == generated / r["rounds"]
             assert all(r["rounds"] <= ar["rounds"] and r["verify_ops"] > 0 for r in jacobi)
+            exact = ar["decoding"] in ("greedy", "sample")      # one token per key: AR's tokens
+            assert all(r["equal_ar"] is (True if exact else None) for r in (ar, *jacobi))
 
 
 def test_rows_measure_the_run_configs_engine(tiny):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from opd.run.metrics_log import read_metrics
-from scripts.node_loss import ray_job_submit
+from launch.job_submit import ray_job_submit
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

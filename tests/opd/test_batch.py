@@ -5,8 +5,6 @@ import pickle
 import warnings
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -86,32 +84,6 @@ def test_numpy_dict_is_zero_copy():
     owned = TrajectoryBatch.from_numpy_dict(d, copy=True)
     assert owned.teacher_logprobs.data_ptr() != batch.teacher_logprobs.data_ptr()
     assert_same(owned, batch)
-
-
-@pytest.mark.parametrize("transport", [None, "full", "topk"])
-def test_arrow_round_trip_exact(transport):
-    batch = make(transport)
-    table = batch.to_arrow()
-    assert table.num_rows == B
-    assert table.column("label").to_pylist() == [5, 0, 999]
-    assert table.column("tokens").to_pylist()[1] == batch.tokens[1].tolist()
-    if transport == "full":
-        assert table.schema.field("teacher_logprobs").type == pa.list_(pa.list_(pa.float32(), V), L)
-    assert table.schema.field("behaviour_logprobs").type == pa.list_(pa.float32(), L - P)
-    assert_same(TrajectoryBatch.from_arrow(table), batch)
-    assert_same(TrajectoryBatch.from_arrow(table.to_batches()[0]), batch)
-
-
-def test_arrow_chunked_and_parquet(tmp_path):
-    batch = make("topk")
-    table = batch.to_arrow()
-    chunked = pa.concat_tables([table.slice(0, 1), table.slice(1)])
-    assert chunked.column("tokens").num_chunks == 2
-    assert_same(TrajectoryBatch.from_arrow(chunked), batch)
-    pq.write_table(table, tmp_path / "batch.parquet")
-    assert_same(TrajectoryBatch.from_arrow(pq.read_table(tmp_path / "batch.parquet")), batch)
-    with pytest.raises(ValueError, match="not written by TrajectoryBatch.to_arrow"):
-        TrajectoryBatch.from_arrow(pa.table({"label": [1]}))
 
 
 def test_with_teacher_and_to_copy():

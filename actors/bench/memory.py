@@ -1,5 +1,8 @@
-"""What Ray's object store holds on this (one-node) Ray: the reading the soaks sample
-(scripts/soak.py, scripts/node_loss.py, scripts/memory_soak.py)."""
+"""What a Ray run holds in memory, as the soaks read and judge it (scripts/soak.py,
+scripts/node_loss.py, scripts/memory_soak.py): the object store of this (one-node) Ray, the
+objects some process still references, and which figure grew past a bound between two samples.
+"""
+from __future__ import annotations
 
 
 def store_usage() -> dict:
@@ -35,3 +38,19 @@ def referenced_objects() -> dict[bytes, int]:
 def referenced_bytes() -> int:
     """The bytes of `referenced_objects`."""
     return sum(referenced_objects().values())
+
+
+def growth(before: dict[str, float], after: dict[str, float], bound: float,
+           floor_mb: float = 32.0) -> list[str]:
+    """The roles whose figure grew by more than `bound` (a fraction) from `before` to `after`;
+    the object store is judged against `floor_mb` MiB at least: what it holds at a sample is
+    the step's pieces and weights in flight (0.4-5 MiB here), which come and go."""
+    bad = []
+    for k, b in before.items():
+        a = after.get(k)
+        if a is None:
+            continue
+        base = max(b, floor_mb) if k == "object_store" else b
+        if a - b > bound * base:
+            bad.append(f"{k}: {b:.1f} -> {a:.1f} MiB (+{100 * (a - b) / base:.1f} %)")
+    return bad
