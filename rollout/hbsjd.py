@@ -90,7 +90,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
                               low if slots.waiting == B else req.prefix_len):
             paused = time.perf_counter()
-            yield slots.span(st, a, b)
+            yield slots.span(st, a, b, A > 0)
             log.times[-1] += time.perf_counter() - paused
             spanned = b
         # 0. and the images the last round completed

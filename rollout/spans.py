@@ -25,11 +25,13 @@ from torch import Tensor
 @dataclass
 class Span:
     """Tokens [start, stop) of every image of a streaming call, in batch order: exactly the
-    columns start..stop-1 of the whole call's result."""
+    columns start..stop-1 of the whole call's result; `midway`: the call still had rounds to
+    run when it went out (what a teacher scores of it then runs beside the rollout)."""
     start: int
     stop: int
     tokens: Tensor        # (B, stop - start) int64
     logprobs: Tensor      # (B, stop - start) float32 behaviour log-probs of those tokens
+    midway: bool = False
 
 
 def span_cuts(prefix_len: int, total: int, span: int, handed: int,

@@ -143,6 +143,8 @@ class RolloutConfig:
     """Every this many prefix batches (batch id divisible by it), a student rollout call is run again by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); 0 = never (the default: on Ray the rerun delays the call's report past its pieces, which the driver does not yet wait for)."""
     slots: int = bounded(0, ge=0)
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
+    span: int = bounded(0, ge=0)
+    """Stream a student rollout call by position span too: every row's next this many tokens once every row of the call has committed them, which the teacher scores at once with a KV cache per row, so that at the call's end only the last span is left to score (rollout/spans.py, opd/distill/span_scoring.py, docs/STREAMING.md); the same scores as one full forward up to float summation order; 0 = off (a piece is scored once its rows are complete).  run.mode=reference only for now."""
     compile: bool = ENGINE_DEFAULTS["compile"]
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
     candidates: int = bounded(ENGINE_DEFAULTS["candidates"], ge=0)
@@ -633,6 +635,14 @@ def _pieces(cfg: RunConfig) -> None:
                           f"learner.world_size={R} ranks has at most {B // max(R, 1)} pieces (a "
                           f"row per rank each); lower distill.pieces or set 0 (auto)",
                           "distill.pieces")
+
+
+@cross_check
+def _span(cfg: RunConfig) -> None:
+    if cfg.rollout.span and cfg.run.mode != "reference":
+        raise ConfigError(f"rollout.span={cfg.rollout.span}: scoring by span runs in the reference "
+                          f"loop only so far; set run.mode=reference or rollout.span=0",
+                          "rollout.span")
 
 
 @cross_check

@@ -283,13 +283,14 @@ def test_config_hash_values_are_pinned():
     classes and weight moved a35a6b5a83b1 / 3e0639e6adcc / 99edee1ca044; rollout.compare_every,
     distill.reuse, reuse_buffer, reuse_fresh
     and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
-    8939349c977c / fb43b848f976)."""
+    8939349c977c / fb43b848f976; rollout.span moved 2c6dd197f869 / 02d777ec0dbf /
+    a2b22c3d2f09)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "2c6dd197f869"
-    assert config_hash(RunConfig()) == "02d777ec0dbf"
+    assert config_hash(tiny) == "b787c1acfa25"
+    assert config_hash(RunConfig()) == "868de183b6b1"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "a2b22c3d2f09"
+                                          "distill.objective_options.gate=0.5"])) == "cb8815e30def"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------

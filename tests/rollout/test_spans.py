@@ -93,3 +93,13 @@ def test_a_span_goes_out_in_the_round_its_slowest_image_committed_it(tiny, batch
         first = int(torch.nonzero(held.min(1).values >= stop)[0])
         assert round_ == first, (stop, round_, first)
     assert seen[0][1] < stream.result.committed.shape[0] - 1    # before the call's last round
+
+
+def test_midway_marks_the_spans_out_before_the_calls_last_round(tiny, batch):
+    model = tiny()
+    labels, prefix = batch(model, 5, 2)
+    for name, midway in (("hbsjd", [True, True, True, False]), ("cached_ar", [False] * 4)):
+        engine = make_engine(name, window=4, decoding="sample") if name == "hbsjd" else \
+            make_engine(name, decoding="sample")
+        spans, _ = split(engine.stream(model, labels, prefix, 14, seed=1, span=4))
+        assert [s.midway for s in spans] == midway, name
