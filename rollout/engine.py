@@ -27,6 +27,7 @@ from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, 
                              engine_options)
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
                               sample_from, token_logprob, uniform, uses_cfg, warp)
+from rollout.spans import Span, whole_spans
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
@@ -87,6 +88,7 @@ class Request:
     ids: Tensor           # (B,) int64 RNG image id of each image
     keys: Tensor          # (B,) int64 image_key(seed, id): every uniform hashes it
     slots: int | None = None  # physical rows (continuous batching); None = B
+    span: int = 0         # stream spans of this many tokens too (rollout/spans.py); 0 = off
 
     @property
     def batch(self) -> int:
@@ -107,7 +109,8 @@ class Request:
         """The request for the images `images` (in that order), every image keeping its key."""
         return Request(self.labels[images], self.prefix[images], self.num_new, self.cfg_scale,
                        self.temperature, self.top_k, self.top_p, self.decoding,
-                       self.seeds[images], self.ids[images], self.keys[images], self.slots)
+                       self.seeds[images], self.ids[images], self.keys[images], self.slots,
+                       self.span)
 
     @property
     def prefix_len(self) -> int:
@@ -143,7 +146,7 @@ def _is_int(x) -> bool:
 
 def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: int, *,
                  cfg_scale, temperature, top_k, top_p, seed, image_ids, decoding: str,
-                 slots: int | None = None) -> Request:
+                 slots: int | None = None, span: int = 0) -> Request:
     """Check a generate call against the model; ValueError naming the bad argument."""
     if not (torch.is_tensor(labels) and labels.dim() == 1 and labels.numel() >= 1):
         raise ValueError(f"labels must be a non-empty (B,) tensor, got "
@@ -174,11 +177,13 @@ def make_request(model, labels: Tensor, prefix: Tensor | None, num_new_tokens: i
                    decoding != "greedy")
     if slots is not None and not (_is_int(slots) and slots >= 1):
         raise ValueError(f"slots must be None or an int >= 1 (physical rows), got {slots!r}")
+    if not (_is_int(span) and span >= 0):
+        raise ValueError(f"span must be an int >= 0 (tokens per span; 0 = off), got {span!r}")
     seeds = _per_image("seed", seed, B, device)
     ids = (torch.arange(B, device=device) if image_ids is None
            else _per_image("image_ids", image_ids, B, device))
     return Request(labels, prefix, num_new_tokens, cfg_scale, temperature, top_k, top_p,
-                   decoding, seeds, ids, image_key(seeds, ids), slots)
+                   decoding, seeds, ids, image_key(seeds, ids), slots, span)
 
 
 def model_device(model, default: torch.device) -> torch.device:
@@ -304,13 +309,14 @@ class Engine:
                cfg_scale: float | None = None, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,
                seed: int | Tensor = 0, image_ids: Tensor | None = None,
-               slots: int | None = None) -> RolloutStream:
+               slots: int | None = None, span: int = 0) -> RolloutStream:
         """`generate`'s call as a `RolloutStream`: iterating it runs the rollout and yields each
-        group of images as soon as they are complete (`Finished`), while the others go on
+        group of images as soon as they are complete (`Finished`; with `span` S > 0 also each
+        `Span` of S positions once every image has committed it), while the others go on
         decoding; its `result` is then generate's.  Arguments are checked here (ValueError)."""
         req = make_request(model, labels, prefix, num_new_tokens, cfg_scale=cfg_scale,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           image_ids=image_ids, decoding=self.decoding, slots=slots)
+                           image_ids=image_ids, decoding=self.decoding, slots=slots, span=span)
         self.check_model(model, req)
         if self.compiles and not hasattr(model, "static_cache"):
             raise ValueError("option compile needs a model with static_cache(on) (a fixed-"
@@ -327,11 +333,12 @@ class Engine:
     def run(self, model, req: Request) -> RolloutResult:
         raise NotImplementedError
 
-    def run_stream(self, model, req: Request) -> Iterator[Finished]:
-        """The rollout as a generator of `Finished` groups that returns its `RolloutResult`.
-        Here: `run` whole, then every image at once (Cached AR's images complete together);
-        Jacobi engines hand out images as they complete (rollout/hbsjd.py `run_jacobi`)."""
+    def run_stream(self, model, req: Request) -> Iterator[Finished | Span]:
+        """The rollout as a generator of `Finished` groups (and `Span`s) that returns its
+        `RolloutResult`.  Here: `run` whole, then every span and image at once (Cached AR's images
+        complete together); Jacobi engines hand them out as they commit (hbsjd.py `run_jacobi`)."""
         result = self.run(model, req)
+        yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
         yield Finished(torch.arange(req.batch, device=result.tokens.device), result.tokens,
                        result.logprobs)
         return result
@@ -348,7 +355,8 @@ class Finished:
 
 class RolloutStream:
     """One rollout call, iterated: `Finished` groups in the order their images complete
-    (images completing in the same round form one group, in batch order); once exhausted,
+    (images completing in the same round form one group, in batch order), and with a span the
+    `Span`s in position order, each before the round's group; once exhausted,
     `result` is the call's `RolloutResult` (its wall_time: the seconds spent in the engine,
     not in the consumer between groups).  The model is in eval mode, without autograd, while
     the engine runs."""
@@ -357,7 +365,7 @@ class RolloutStream:
         self.engine, self.model, self.req = engine, model, req
         self.result: RolloutResult | None = None
 
-    def __iter__(self) -> Iterator[Finished]:
+    def __iter__(self) -> Iterator[Finished | Span]:
         engine, model, req = self.engine, self.model, self.req
         was_training = bool(getattr(model, "training", False))
         if was_training:

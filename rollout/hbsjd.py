@@ -35,6 +35,7 @@ from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_upda
                             rewindow, window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
+from rollout.spans import span_cuts, whole_spans
 from rollout.stats import RoundLog
 from rollout.window import WINDOWS, WindowPolicy
 
@@ -57,12 +58,14 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     window (`execution`), 3. the round (`full_round` / `compact_round`), 4. tally
     (`RoundLog.add`).
 
-    A generator (`Engine.run_stream`): after a round's sync, the images it completed are
-    handed out (`Finished`) before their rows are refilled; returns the `RolloutResult`."""
+    A generator (`Engine.run_stream`): after a round's sync, the spans every image has now
+    committed (`req.span`, rollout/spans.py), then the images it completed (`Finished`) are
+    handed out, before their rows are refilled; returns the `RolloutResult`."""
     B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
     log = RoundLog(B, dev)
     if req.num_new == 1:
         result = single_token(model, req, log.times)
+        yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
         yield Finished(torch.arange(B, device=dev), result.tokens, result.logprobs)
         return result
     slots = Slots(req)
@@ -74,16 +77,24 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         st = hold(st)
     full, compact = full or full_round, compact or compact_round
     handed, n_handed = torch.zeros(R, dtype=torch.bool, device=dev), 0   # rows handed out
+    spanned = req.prefix_len             # tokens handed out as spans
     counts = started = None              # the last round's counts and start (policy only)
     while True:
         live = st.cur < T
-        if started is None:
-            A = int(live.sum())                                                    # sync
+        if started is None:     # sync: the active rows, the least committed row's tokens
+            A, low = torch.stack([live.sum(), st.cur.min()]).tolist()
         else:       # the round's committed tokens ride the same sync, then its seconds
-            A, tokens, rows = torch.stack([live.sum(), (counts[0] * room).sum(),
-                                           room.sum()]).tolist()
+            A, tokens, rows, low = torch.stack([live.sum(), (counts[0] * room).sum(), room.sum(),
+                                                st.cur.min()]).tolist()
             policy.observe(tokens, rows, time.perf_counter() - started)
-        # 0. hand out the images the last round completed
+        # 0. hand out the spans every image has committed (waiting images have none yet)
+        for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
+                              low if slots.waiting == B else req.prefix_len):
+            paused = time.perf_counter()
+            yield slots.span(st, a, b, A > 0)
+            log.times[-1] += time.perf_counter() - paused
+            spanned = b
+        # 0. and the images the last round completed
         if R - A > n_handed:
             paused = time.perf_counter()
             yield slots.finished(st, (~live & ~handed).nonzero().squeeze(1), req)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from rollout.engine import Finished, Request, prefill_token, synchronize
 from rollout.jacobi import JacobiState, Plan, init_state
+from rollout.spans import Span
 from rollout.stats import RolloutResult
 
 
@@ -61,6 +62,16 @@ class Slots:
         rows = rows[order]
         T = req.total
         return Finished(images, st.seq[rows, :T].clone(), st.logp[rows, req.prefix_len:T].clone())
+
+    def span(self, st: JacobiState, start: int, stop: int, midway: bool) -> Span:
+        """Tokens [start, stop) of every image, once every image is admitted and has committed
+        them (streaming, rollout/spans.py): copies, in batch order."""
+        seq, logp = st.seq[:, start:stop], st.logp[:, start:stop]
+        if self.waiting == self.img.shape[0]:          # no row refilled: row b holds image b
+            return Span(start, stop, seq.clone(), logp.clone(), midway)
+        tokens, logprobs = self.out[:, start:stop].clone(), self.out_logp[:, start:stop].clone()
+        tokens[self.img], logprobs[self.img] = seq, logp
+        return Span(start, stop, tokens, logprobs, midway)
 
     def collect(self, st: JacobiState) -> tuple[Tensor, Tensor]:
         """-> every image's tokens (B, T) int64 and behaviour log-probs (B, T) float32."""

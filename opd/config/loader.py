@@ -11,7 +11,7 @@ validating: `build` validates a nested dict against the root with `pydantic.Type
 strict JSON mode, the rules of a YAML file (an int field takes only an int, a float field an int
 or a float, a bool only true/false, a tuple a list, a section a mapping; unknown keys refused,
 `extra="forbid"`).  A range is the type's: `Annotated[int, Field(ge=1)]`, also inside a tuple or
-a union; a "min..max" span is a type with its validator (`span`); the rules between fields are
+a union; a "min..max" pair is a type with its validator (`min_max`); the rules between fields are
 the root's `model_validator`s, which raise ConfigError.  Before pydantic, the few spellings YAML
 and the command line allow are read as the field's type (opd/config/spelling.py).
 
@@ -57,24 +57,24 @@ def choices(names: Any) -> Any:
     return Literal[tuple(names)]
 
 
-_SPAN = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+_MIN_MAX = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
 
-def read_span(value: Any) -> Any:
-    """A span as written: "2..6" -> (2, 6), [2, 6] -> (2, 6); anything else as it is."""
-    if isinstance(value, str) and (m := _SPAN.match(value)):
+def read_min_max(value: Any) -> Any:
+    """A (min, max) pair as written: "2..6" -> (2, 6), [2, 6] -> (2, 6); anything else as it is."""
+    if isinstance(value, str) and (m := _MIN_MAX.match(value)):
         return int(m.group(1)), int(m.group(2))
     return tuple(value) if isinstance(value, list) else value
 
 
-def span(item: Any) -> Any:
+def min_max(item: Any) -> Any:
     """The type of a (min, max) pair of `item`, also written "min..max" (`rollout.num_workers`)."""
-    return Annotated[tuple[item, item], BeforeValidator(read_span)]
+    return Annotated[tuple[item, item], BeforeValidator(read_min_max)]
 
 
-def is_span(tp: Any) -> bool:
+def is_min_max(tp: Any) -> bool:
     return get_origin(tp) is Annotated and any(
-        isinstance(m, BeforeValidator) and m.func is read_span for m in get_args(tp)[1:])
+        isinstance(m, BeforeValidator) and m.func is read_min_max for m in get_args(tp)[1:])
 
 
 def bounds(tp: Any) -> dict[str, float]:
@@ -288,7 +288,7 @@ def describe(tp: Any) -> str:
     """A type as the error messages name it: `int`, `a list of 2 floats`, `one of 'a', 'b'`."""
     origin, args = get_origin(tp), get_args(tp)
     if origin is Annotated:
-        return describe(args[0]) + (" or a 'min..max' string" if is_span(tp) else "")
+        return describe(args[0]) + (" or a 'min..max' string" if is_min_max(tp) else "")
     if tp is type(None):
         return "null"
     if origin in (Union, types.UnionType):

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from opd.config.loader import choices, span
+from opd.config.loader import choices, min_max
 from rollout.options import DECODINGS, ENGINE_OPTIONS, EXECUTIONS, REFRESHES, option_defaults
 
 EngineName = choices(ENGINE_OPTIONS)
@@ -44,7 +44,7 @@ class RolloutConfig:
 
     engine: EngineName = "hbsjd"
     """Rollout engine: HB-SJD, Cached AR, batch-synchronous SJD or independent batched SJD."""
-    num_workers: Workers | span(Workers) = 1
+    num_workers: Workers | min_max(Workers) = 1
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
     window: Annotated[int, Field(ge=1)] | Literal["auto"] = RUN_CHOICES["window"]
     """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) by a bandit rule on the tokens per second it measures in this process (docs/WINDOW_POLICY.md); greedy and sample tokens do not depend on it."""
@@ -58,6 +58,8 @@ class RolloutConfig:
     """Every this many prefix batches (batch id divisible by it), a student rollout call is also run by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); timed before the call itself, so its report still follows its last piece at once; 0 = never."""
     slots: Annotated[int, Field(ge=0)] = 0
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
+    span: Annotated[int, Field(ge=0)] = 0
+    """Stream a student rollout call by position span too: every row's next this many tokens once every row of the call has committed them, which the teacher scores at once with a KV cache per row, so that at the call's end only the last span is left to score (rollout/spans.py, opd/distill/span_scoring.py, docs/STREAMING.md); the same scores as one full forward up to float summation order; 0 = off (a piece is scored once its rows are complete).  run.mode=reference only for now."""
     compile: bool = ENGINE_DEFAULTS["compile"]
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
     candidates: Annotated[int, Field(ge=0)] = ENGINE_DEFAULTS["candidates"]

@@ -35,7 +35,7 @@ Adding a field is one line plus its docstring: `name: type = default`, with a nu
 the type: `name: Annotated[int, Field(ge=1)] = default` (pydantic's own constraints; also a
 tuple's items, `tuple[Annotated[float, Field(ge=0.0)], ...]`, or a union's member). Supported
 types: bool, int, float, str, `Literal[...]`, `X | None`, unions, `tuple[...]`, `list[X]`,
-`span(X)` (a pair, also written "min..max"), `dict[str, Any]` (free-form, validated by its
+`min_max(X)` (a pair, also written "min..max"), `dict[str, Any]` (free-form, validated by its
 user), and a list of sections (`list[PhaseConfig]`: each entry validated like a section, errors
 name `distill.phases[1].lam`; one entry's key set on the command line as
 `distill.phases.1.lam=0.5`). A rule between keys is a function of opd/config/root.py

@@ -12,6 +12,11 @@ after each round); pieces completing in the same round come in piece order.  Whi
 holds never depends on the engine, its window or the machine, so a step's gradient is summed in
 the same order whatever decoded it: HB-SJD and Cached AR train bit-identical runs, and both run
 modes cut the same pieces.  A "data" job runs no model: its pieces come in order.
+
+With `span` S > 0 the stream also hands out the call's spans (rollout/spans.py `Span`, on the
+CPU): every row's next S tokens as soon as every row has committed them, in position order,
+each before the pieces of the same round; a teacher scores them as they come
+(opd/distill/span_scoring.py), so only the last span is left when the call ends.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
 from opd.distill.steps import (RolloutJob, ar_seconds, engine_call, generate, rollout_stats,
                                trajectory)
+from rollout.spans import Span
 
 
 @dataclass
@@ -42,20 +48,20 @@ class Piece:
 class PartStream:
     """`job`'s rollout by `model` (the student, or the teacher for SeqKD) at `policy_version`,
     cut into pieces of `sizes` rows (contiguous runs summing to the job's rows), each handed out
-    as soon as its rows are complete."""
+    as soon as its rows are complete (and with `span`, each span as soon as it is committed)."""
 
     def __init__(self, model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int,
-                 sizes: list[int]):
+                 sizes: list[int], span: int = 0):
         if sum(sizes) != int(job.labels.shape[0]):
             raise ValueError(f"pieces of {sizes} rows do not cut a rollout call of "
                              f"{int(job.labels.shape[0])} rows")
         self.model, self.engine, self.job, self.cfg = model, engine, job, cfg
-        self.version, self.sizes = policy_version, list(sizes)
+        self.version, self.sizes, self.span = policy_version, list(sizes), span
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         self.rows = [torch.arange(a, a + n) for a, n in zip(starts, sizes)]
         self.stats: RolloutStats | None = None
 
-    def __iter__(self) -> Iterator[Piece]:
+    def __iter__(self) -> Iterator[Piece | Span]:
         job = self.job
         if job.source == "data":
             whole = generate(None, None, job, self.cfg, self.version)
@@ -65,12 +71,16 @@ class PartStream:
             return
         ar = ar_seconds(self.model, job, self.cfg)
         args, kwargs = engine_call(self.model, job, self.cfg)
-        stream = self.engine.stream(*args, **kwargs)
+        stream = self.engine.stream(*args, **kwargs, span=self.span)
         B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
         tokens = logprobs = None                       # (B, T), (B, N): rows as they complete
         complete = torch.zeros(B, dtype=torch.bool)
         waiting = list(range(len(self.sizes)))         # pieces not handed out yet
         for done in stream:
+            if isinstance(done, Span):
+                yield Span(done.start, done.stop, done.tokens.cpu(), done.logprobs.cpu(),
+                           done.midway)
+                continue
             if tokens is None:
                 tokens = done.tokens.new_empty(B, done.tokens.shape[1])
                 logprobs = done.logprobs.new_empty(B, N)

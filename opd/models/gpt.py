@@ -234,6 +234,16 @@ class GPT(nn.Module):
             layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.max_batch = max_batch
 
+    def swap_cache(self, cache: list | None) -> list:
+        """Install `cache` (what an earlier swap_cache returned; None: none, so the next
+        `setup_cache` makes a fresh one) and return the KV caches it replaces: a caller that
+        keeps caches of its own (a teacher scoring several rollout calls span by span,
+        opd/distill/span_scoring.py) swaps them in around its forwards."""
+        old = [(layer.attention.k_cache, layer.attention.v_cache) for layer in self.layers]
+        for layer, (k, v) in zip(self.layers, cache or [(None, None)] * len(self.layers)):
+            layer.attention.k_cache, layer.attention.v_cache = k, v
+        return old
+
     def static_cache(self, on: bool) -> None:
         """Cached forwards attend over every cache position (masked past each query) instead
         of up to the batch's last position: one shape per (rows, window), what a compiled

@@ -289,13 +289,13 @@ def test_config_hash_values_are_pinned():
     and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
     8939349c977c / fb43b848f976; rollout.compare_every 10 by default moved 2c6dd197f869 /
     02d777ec0dbf / a2b22c3d2f09, then distill.cache_data_scores 42640019f946 / 7ceb120d5165 /
-    a7e52e29f6db)."""
+    a7e52e29f6db, then rollout.span 365fb5e30f8a / c9f626166b1f / b0a8ceb6f7e4)."""
     tiny = load_config("tiny")
-    assert config_hash(tiny) == "365fb5e30f8a"
-    assert config_hash(RunConfig()) == "c9f626166b1f"
+    assert config_hash(tiny) == "b6f692a1cb10"
+    assert config_hash(RunConfig()) == "d7db4d73a90a"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "b0a8ceb6f7e4"
+                                          "distill.objective_options.gate=0.5"])) == "c4f48e669e89"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------
