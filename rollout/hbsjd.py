@@ -81,11 +81,13 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     counts = started = None              # the last round's counts and start (policy only)
     while True:
         live = st.cur < T
-        if started is None:     # sync: the active rows, the least committed row's tokens
-            A, low = torch.stack([live.sum(), st.cur.min()]).tolist()
+        # sync: the active rows, the least committed row's tokens, the tokens left to commit
+        if started is None:
+            A, low, left = torch.stack([live.sum(), st.cur.min(), (T - st.cur).sum()]).tolist()
         else:       # the round's committed tokens ride the same sync, then its seconds
-            A, tokens, rows, low = torch.stack([live.sum(), (counts[0] * room).sum(), room.sum(),
-                                                st.cur.min()]).tolist()
+            A, low, left, tokens, rows = torch.stack([
+                live.sum(), st.cur.min(), (T - st.cur).sum(), (counts[0] * room).sum(),
+                room.sum()]).tolist()
             policy.observe(tokens, rows, time.perf_counter() - started)
         # 0. hand out the spans every image has committed (waiting images have none yet)
         for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
@@ -104,6 +106,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         if A < R and slots.waiting < B:
             new = slots.refill(model, req, st, live, plan)
             log.admit(new)
+            left += new.shape[0] * req.num_new
             A, live = A + new.shape[0], st.cur < T
             handed, n_handed = ~live, R - A
         log.tick()
@@ -112,7 +115,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         # 2. Full or Compact, and the window
         if policy is not None:
             started = time.perf_counter()
-        is_compact, st, plan = execution(A, gamma, policy, st, plan, plan_for,
+        is_compact, st, plan = execution(A, left / A, gamma, policy, st, plan, plan_for,
                                          hold if compiled else None)
         if policy is not None:      # the rows with a whole window left (policy.observe)
             room = (st.cur <= T - plan.W).long()
@@ -131,14 +134,15 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 
 
-def execution(active: int, gamma: int, policy: WindowPolicy | None, st: JacobiState,
-              plan: Plan, plan_for, hold) -> tuple[bool, JacobiState, Plan]:
+def execution(active: int, left: float, gamma: int, policy: WindowPolicy | None,
+              st: JacobiState, plan: Plan, plan_for, hold) -> tuple[bool, JacobiState, Plan]:
     """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
-    (W "auto") `policy.choose`'s window and mode for the active count, `st` re-windowed to it
-    (and held again when hold is given: compiled rounds)."""
+    (W "auto") `policy.choose`'s window and mode for the active count and the tokens `left`
+    per active row, `st` re-windowed to it (and held again when hold is given: compiled
+    rounds)."""
     if policy is None:
         return active < gamma, st, plan
-    W, compact = policy.choose(active)
+    W, compact = policy.choose(active, left)
     if W != plan.W:
         st = rewindow(st, plan, plan_for(W))
         plan = plan_for(W)

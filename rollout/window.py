@@ -13,8 +13,13 @@ rule:
              active; once rows finish, Full and Compact at the window Full rates best and the
              windows beside it (each rows band then has a few Compact arms to learn, not one
              per window).
-    rate     tokens committed per second of an arm with A active rows:
-                 A * tokens(W) / seconds(W, compact, rows)
+    rate     tokens committed per second of an arm with A active rows, L the tokens left per
+             active row (their mean):
+                 A * L / (max(1, L / tokens(W) + 1/2) * seconds(W, compact, rows))
+             the seconds of the rounds that commit what is left (a row commits at most what
+             it has left, so its last round is part-empty, half on average: near a call's
+             end that weighs against wide windows; far from it, the rate is about
+             A * tokens(W) / seconds).
              tokens(W): tokens committed per row by a round of window W, counted over the rows
              that had a whole window left (a row nearer its end commits at most what it has
              left whatever W is, which would price wide windows by a call's last rounds), in
@@ -45,9 +50,9 @@ rule:
 A fixed W runs no policy (its Full / Compact switch is gamma's, rollout/hbsjd.py).  The policy
 lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls: a
 rollout worker's first calls explore, its later ones exploit.  Its bookkeeping is a few floats a
-round on the host; a round's committed count and rows with a whole window left ride the device
-sync the round loop already makes (rollout/hbsjd.py `run_jacobi`), so it adds no
-synchronisation on a GPU.
+round on the host; a round's committed count, its rows with a whole window left and the tokens
+left ride the device sync the round loop already makes (rollout/hbsjd.py `run_jacobi`), so it
+adds no synchronisation on a GPU.
 
 The windows change time only: with greedy or "sample" decoding every window commits the same
 tokens (docs/ROLLOUTS.md, one seed one sample), so a measured choice keeps a run reproducible and
@@ -120,7 +125,7 @@ class WindowPolicy:
 
     modes: of ("full", "compact"), what the execution option allows; rows: the call's physical
     rows R; bucket: active rows -> the rows a compiled Compact round runs (None: the active
-    rows).  Per call: `start(windows)`, then per round `choose(active)` and, after the round's
+    rows).  Per call: `start(windows)`, then per round `choose(active, left)` and, after the round's
     sync, `observe(tokens, seconds)`."""
 
     def __init__(self, modes: tuple = ("full", "compact"), rows: int = 1, bucket=None):
@@ -150,7 +155,7 @@ class WindowPolicy:
             return 0
         return (self.bucket(active) if self.bucket else active).bit_length()
 
-    def _arms(self, active: int) -> list[tuple[int, bool]]:
+    def _arms(self, active: int, left: float) -> list[tuple[int, bool]]:
         """Full only: every window.  Compact only: every window, per band.  Both (hybrid):
         every window while all rows are active; once rows finish, Full and Compact at the
         window Full rounds rate best and those beside it (`near`; the ranking of Full arms
@@ -159,14 +164,17 @@ class WindowPolicy:
         if self.modes != ("full", "compact") or active == self.rows:
             return [(W, self.modes == ("compact",)) for W in self.windows]
         rated = [(e[0], 0.0, (W, False)) for W in self.windows
-                 if (e := self.estimate(W, False, active)) is not None]
+                 if (e := self.estimate(W, False, active, left)) is not None]
         Ws = ([x[2][0] for x in near(rated, max(rated)[2], self.windows)]
               if len(rated) == len(self.windows) else self.windows)
         return [(W, c) for W in Ws for c in (False, True)]
 
-    def estimate(self, W: int, compact: bool, active: int) -> tuple[float, float] | None:
-        """(estimated tokens per second of arm (W, compact) at `active` rows, its discounted
-        observations), None while unmeasured.  A Compact arm not yet measured in this rows band
+    def estimate(self, W: int, compact: bool, active: int,
+                 left: float = math.inf) -> tuple[float, float] | None:
+        """(estimated tokens per second of arm (W, compact) at `active` rows with `left` tokens
+        left per row: those tokens over the seconds of the whole rounds that commit them (a
+        row commits at most what it has left, so near a call's end a wide window's last round
+        is part-empty), its discounted observations), None while unmeasured.  A Compact arm not yet measured in this rows band
         takes Full's seconds at W as a prior of weight PRIOR (a round of fewer rows costs at
         most about what one of all rows does): it rates as Full does, its index higher, so it
         is the band's best and tried, and its first measurement decides."""
@@ -181,12 +189,16 @@ class WindowPolicy:
             if full is None or not full.weight:
                 return None
             seconds, n = full.mean, PRIOR
-        return active * tok.mean / seconds, n
+        if left == math.inf:
+            return active * tok.mean / seconds, n
+        rounds = max(1.0, left / tok.mean + 0.5)     # to commit what is left, the last
+        return active * left / (rounds * seconds), n   # part-empty: half a round on average
 
-    def choose(self, active: int) -> tuple[int, bool]:
-        """-> (W, compact) for the next round with `active` rows (module docstring, choice)."""
+    def choose(self, active: int, left: float) -> tuple[int, bool]:
+        """-> (W, compact) for the next round with `active` rows, `left` tokens left to commit
+        per active row (module docstring, choice)."""
         self.round += 1
-        arms = self._arms(active)
+        arms = self._arms(active, left)
         explore = False                                     # exploring a measured arm
         if self.hold is not None and self.hold[0] in arms:
             arm, explore = self.hold
@@ -194,7 +206,7 @@ class WindowPolicy:
             rated, top = [], None
             log_t = math.log(min(self.clock, HORIZON) + 2)
             for W, c in arms:
-                e = self.estimate(W, c, active)
+                e = self.estimate(W, c, active, left)
                 if e is None:                       # never measured: try it first
                     top = (W, c)
                     break

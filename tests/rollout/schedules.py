@@ -34,7 +34,7 @@ def steer(schedule, also=()):
     """Within the block, every `WindowPolicy` chooses by `schedule`, among the call's windows
     (`HBSJD.policy`) and those of `also` (W 1 with speculative decoding, which the call's leave
     out)."""
-    def choose(self, active):
+    def choose(self, active, left):
         self.round += 1
         self.windows = tuple(sorted(set(self.windows) | set(also)))
         W, compact = schedule(self, active)

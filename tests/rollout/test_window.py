@@ -1,12 +1,11 @@
-"""The window policy (W="auto", rollout/window.py): its bandit rule on given seconds (a fake
-clock), greedy tokens equal to Cached AR's while W and Full / Compact change between rounds,
-execution-mode invariance for a given schedule, and a policy that peeks at the round it chooses
-for (the round's own acceptance) caught by the exact-enumeration statistics of
-tests/rollout/test_distribution.py.
+"""The window policy (W="auto", rollout/window.py) in the engine: greedy tokens equal to Cached
+AR's while W and Full / Compact change between rounds, execution-mode invariance for a given
+schedule, and a policy that peeks at the round it chooses for (the round's own acceptance)
+caught by the exact-enumeration statistics of tests/rollout/test_distribution.py.
 
-The rule's tests feed the policy seconds and tokens from functions, never from a timing; the
-engine tests steer the windows by schedules (tests/rollout/schedules.py) where they need them
-to change, so their choices are the same on every machine."""
+The tests steer the windows by schedules (tests/rollout/schedules.py) where they need them to
+change, so their choices are the same on every machine; the rule itself is tested on given
+seconds and tokens, never a timing, in tests/rollout/test_window_rule.py."""
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -17,144 +16,11 @@ import rollout.hbsjd
 from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
-from rollout.window import BUDGET, WINDOWS, WindowPolicy
 from tests.rollout.schedules import graded, steer, switching, widest
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
 
 T = 16
-
-
-# ---- the rule on a fake clock ------------------------------------------------------------------
-
-def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS):
-    """`calls` rollouts of `rows` rows through `policy`, a round's seconds and its tokens per
-    active row given by seconds(W, compact, rows run) and tokens(W) (no timing): each active
-    row commits tokens(W) (at most what it has left).  -> [(W, compact, active)] of every
-    round, in order."""
-    rounds = []
-    for _ in range(calls):
-        policy.start(windows)
-        left = [N] * rows
-        while any(left):
-            active = sum(x > 0 for x in left)
-            W, compact = policy.choose(active)
-            room = [x for x in left if x >= W]         # rows with a whole window left
-            left = [max(0, x - tokens(W)) for x in left]
-            policy.observe(tokens(W) * len(room), len(room),
-                           seconds(W, compact, active if compact else rows))
-            rounds.append((W, compact, active))
-    return rounds
-
-
-def cheapest_at_8(W, compact, rows):  # 1 ms a round, 0.1 ms a token of its forward
-    return 1e-3 + 1e-4 * rows * W
-
-
-def drafts(W):
-    """Tokens per row: 1 + 0.8 (W - 1) up to W 8, nothing more beyond (5.4 at W 8 and 16)."""
-    return round(1 + 0.8 * (min(W, 8) - 1), 1)
-
-
-def test_on_a_clock_where_w8_is_cheapest_the_policy_settles_on_w8():
-    """8 rows, Full: a round of W costs 1.8, 2.6, 4.2, 7.4, 13.8 ms and commits 1, 1.8, 3.4,
-    6.6, 6.6 tokens a row: 4.4, 5.5, 6.5, 7.1, 3.8 tokens / ms.  Every window is tried (two
-    rounds each, the first a warm-up; W 1 three, as a call's first two rounds' tokens do not
-    count) and W 8 holds from the twelfth round on but for exploration, whose seconds stay
-    within the budget."""
-    rates = {W: 8 * drafts(W) / cheapest_at_8(W, False, 8) for W in WINDOWS}
-    assert max(rates, key=rates.get) == 8, rates
-    policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
-    assert [W for W, *_ in rounds[:11]] == [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
-    # a call's last round (4.6 tokens a row, 64 = 9 * 6.6 + 4.6: less than a window left)
-    # does not count
-    assert policy.estimate(8, False, 8)[0] == pytest.approx(rates[8], rel=1e-6)
-    later = rounds[11:]
-    spent = sum(cheapest_at_8(W, c, 8) for W, c, _ in later if W != 8)
-    assert spent <= 2 * BUDGET * sum(cheapest_at_8(W, c, 8) for W, c, _ in later)
-    assert sum(W == 8 for W, *_ in later) >= 0.9 * len(later)
-
-
-def compute_bound(W, compact, rows):
-    """A round costs 0.1 ms per token of its forward: W 1 now gives 10 tokens / ms, W 2 9,
-    W 4 8.5, W 8 8.25, W 16 4.1."""
-    return 1e-4 * rows * W
-
-
-def test_on_a_clock_whose_costs_change_the_policy_follows_them():
-    """The machine changes under a settled policy (W 8's clock, then a compute-bound one):
-    within 200 rounds it runs W 1, and keeps to it."""
-    policy = WindowPolicy(("full",), 8)
-    simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
-    rounds = simulate(policy, compute_bound, drafts, calls=30, rows=8)
-    assert len(rounds) > 600
-    settled = [W for W, *_ in rounds[200:]]
-    assert settled.count(1) >= 0.9 * len(settled), settled
-
-
-def test_compact_arms_are_measured_per_rows_band_and_full_ones_reused():
-    """Rows finish one by one (the active count falls 8 -> 1 within each call): Full's
-    seconds, measured with every row active, serve every count; Compact's are kept per band
-    of active rows (1, 2-3, 4-7).  Compact costs its rows, Full all 8: below the full count
-    Compact W 8 wins and is what the policy runs once measured."""
-    policy = WindowPolicy(("full", "compact"), 8)
-
-    def staggered(W, compact, rows):
-        return 1e-3 + 1e-4 * rows * W
-
-    rounds = []
-    for _ in range(20):
-        policy.start(WINDOWS)
-        left = [8 * (i + 1) for i in range(8)]          # row i has 8 (i + 1) tokens to go
-        while any(left):
-            active = sum(x > 0 for x in left)
-            W, compact = policy.choose(active)
-            k = drafts(W)
-            room = [x for x in left if x >= W]
-            left = [max(0.0, x - k) for x in left]
-            policy.observe(k * len(room), len(room), staggered(W, compact, active if compact else 8))
-            rounds.append((W, compact, active))
-    assert {key[2] for key in policy.seconds if key[1]} == {1, 2, 3}
-    assert {key[2] for key in policy.seconds if not key[1]} == {0}
-    late = [(W, c) for W, c, a in rounds[-100:] if a < 8]
-    assert late.count((8, True)) >= 0.8 * len(late), late
-
-
-def test_a_first_round_that_compiles_is_not_held_against_its_window():
-    """The first round of every arm costs 1000 times more (a compile, an allocation): it is a
-    warm-up, so the policy still settles on W 8."""
-    seen = set()
-
-    def compiling(W, compact, rows):
-        first = (W, compact) not in seen
-        seen.add((W, compact))
-        return cheapest_at_8(W, compact, rows) * (1000 if first else 1)
-
-    policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, compiling, drafts, calls=12, rows=8)
-    assert sum(W == 8 for W, *_ in rounds[10:]) >= 0.9 * len(rounds[10:])
-
-
-def test_bursts_of_another_process_do_not_move_the_choice():
-    """One round in five runs 3 times slower (another process's burst on a shared machine, as
-    the ones that made this CPU's tables misprice windows): the policy still keeps to W 8."""
-    import random
-    rng = random.Random(0)
-
-    def bursty(W, compact, rows):
-        return cheapest_at_8(W, compact, rows) * (3.0 if rng.random() < 0.2 else 1.0)
-
-    policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, bursty, drafts, calls=12, rows=8)
-    assert sum(W == 8 for W, *_ in rounds[10:]) >= 0.9 * len(rounds[10:])
-
-
-def test_the_bookkeeping_is_a_few_floats_a_round():
-    """The policy keeps no tensor: its round is host floats (the count rides the loop's sync)."""
-    policy = WindowPolicy(("full", "compact"), 32)
-    simulate(policy, cheapest_at_8, drafts, calls=3, rows=32)
-    assert not any(isinstance(v, torch.Tensor) for v in vars(policy).values())
 
 
 def engines():
@@ -369,13 +235,13 @@ def peeking(monkeypatch, model) -> None:
         call["req"] = req
         return real_run(model, req, *args, **kw)
 
-    def execution(active, gamma, policy, st, plan, plan_for, hold):
+    def execution(active, left, gamma, policy, st, plan, plan_for, hold):
         big = plan_for(policy.largest)
         trial = rewindow(st.select(torch.arange(st.cur.shape[0])), plan, big)
         counts = full_round(model, trial, call["req"], big)
         W = 1 if bool(((counts[1] == 0) & (counts[2] == 1)).any()) else policy.largest
         chosen = SimpleNamespace(choose=lambda *_: (W, False), largest=policy.largest)
-        return real_execution(active, gamma, chosen, st, plan, plan_for, hold)
+        return real_execution(active, left, gamma, chosen, st, plan, plan_for, hold)
     monkeypatch.setattr(rollout.hbsjd, "run_jacobi", run_jacobi)
     monkeypatch.setattr(rollout.hbsjd, "execution", execution)
 
