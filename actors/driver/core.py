@@ -159,6 +159,7 @@ def step_metrics(plan: Step, done: StepDone, pools: PoolCounts, *, sync_seconds:
         "rollout_busy_s": t.busy["rollout"], "teacher_busy_s": t.busy["teacher"],
         "learner_busy_s": seconds["learner"], "learner_span_s": done.now - done.learner_start,
         "pieces": plan.layout.pieces,
+        "teacher_in_rollout_s": plan.spans.in_rollout if plan.spans is not None else 0.0,
         "rollout_workers": pools.rollout_up,
         "delivered_bytes": 0 if plan.origin is not None else sum(p.delivered.nbytes
                                                                  for p in plan.pieces),

@@ -62,15 +62,17 @@ class Dispatcher:
         if task.role in self.pools and task.kind is not TaskKind.PROBE:
             self.pools[task.role].busy[task.worker] += 1
 
-    def submit(self, task: Task, command, call: Callable, pool: str | None = None) -> int | None:
+    def submit(self, task: Task, command, call: Callable, pool: str | None = None,
+               pinned: int | None = None) -> int | None:
         """`call(actor)` on the least busy worker of `pool` (default: the task kind's) that is
-        up (returns its index), else keep `command` waiting (None: `waiting` gives it back)."""
+        up, or on worker `pinned` while it is up, or with -1 on any (`WorkerPool.pick`; returns
+        its index), else keep `command` waiting (None: `waiting` gives it back)."""
         role = pool or ROLE_OF[task.kind]
         pool = self.pools[role]
         if pool.exhausted:
             raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="
                                       f"{self.max_restarts} restarts each were used up)")
-        i = pool.pick()
+        i = pool.pick(pinned)
         if i is None:
             self.backlog.append((task, command))
             return None

@@ -55,10 +55,11 @@ from actors.driver.nodes import NodeWatch
 from actors.driver.planner import StepPlanner
 from actors.driver.publisher import WeightPublisher
 from actors.driver.records import RunRecords
-from actors.driver.step import Command, Generate, HandOut, Replan, Score, Step, Trained
+from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+from actors.driver.step import Step
 from actors.driver.tasks import Task, TaskKind
 from actors.ray_metrics import RoleMetrics
-from actors.transport.delivery import PartReport, PieceTag, hand_out
+from actors.transport.delivery import PartReport, PieceTag, SpanReport, hand_out
 from actors.transport.iostats import IOCounter
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
@@ -187,6 +188,8 @@ class Pipeline:
                 self._generate(step, c)
             elif isinstance(c, Score):
                 self._score(step, c)
+            elif isinstance(c, ScoreSpan):
+                self._score_span(step, c)
             elif isinstance(c, HandOut):
                 self._hand_out(step, c)
             elif isinstance(c, Replan):
@@ -197,12 +200,14 @@ class Pipeline:
     def _tag(self, step: Step, piece: int) -> PieceTag:
         return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
 
-    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None) -> None:
-        worker = self.dispatch.submit(task, command, call, pool)
+    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None,
+                pinned: int | None = None) -> int | None:
+        worker = self.dispatch.submit(task, command, call, pool, pinned)
         if worker is not None:
-            index = {"part": task.part} if task.kind.generates else {"piece": task.piece}
+            index = {"piece": task.piece} if task.piece is not None else {"part": task.part}
             self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
                        pool=task.role, **index)
+        return worker
 
     def _generate(self, step: Step, c: Generate) -> None:
         """Run rollout call `c.part`: its pieces stream to the teacher workers (or, unscored,
@@ -219,7 +224,7 @@ class Pipeline:
         if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
             task.kind, pool = TaskKind.TEACHER_ROLLOUT, self.planner.teachers.pool(0)
         self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
-            job, version, tags, queue, scored), pool)
+            job, version, tags, queue, scored, step.span), pool)
 
     def _score(self, step: Step, c: Score) -> None:
         """One teacher's share of a piece, scored from the payload its rollout call handed out
@@ -227,8 +232,33 @@ class Pipeline:
         payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
         task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen,
                     teacher=c.teacher)
-        self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue),
-                     self.planner.teachers.pool(c.teacher))
+        pool = self.planner.teachers.pool(c.teacher)
+        if step.spans is None:
+            self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
+            return
+        part = step.layout.part_of(c.piece)       # on the worker holding the call's spans
+        call, job, spans = (step.step, step.gen, part, c.issue), step.jobs[part], step.spans.refs(part, c.issue)
+        rows = step.layout.rows_in_part(c.piece)
+        self._pin(step, part, c.teacher, self._submit(
+            task, c, lambda actor: actor.score_spanned.remote(call, job, spans, payload, rows, tag,
+                                                              queue),
+            pool, step.spans.pins.get((part, c.teacher), -1)))
+
+    def _score_span(self, step: Step, c: ScoreSpan) -> None:
+        """One teacher scores the next span of a running rollout call, on the worker that
+        scores the call's spans and pieces (actors/driver/spans.py)."""
+        call, job = (step.step, step.gen, c.part, c.issue), step.jobs[c.part]
+        payload = step.spans.report(c.part, c.issue, c.span).payload
+        task = Task(TaskKind.SCORE_SPAN, step=step.step, part=c.part, issue=c.issue, gen=step.gen,
+                    teacher=c.teacher, span=c.span)
+        self._pin(step, c.part, c.teacher, self._submit(
+            task, c, lambda actor: actor.score_span.remote(call, job, payload),
+            self.planner.teachers.pool(c.teacher), step.spans.pins.get((c.part, c.teacher), -1)))
+
+    @staticmethod
+    def _pin(step: Step, part: int, teacher: int, worker: int | None) -> None:
+        if worker is not None:
+            step.spans.pins[part, teacher] = worker
 
     def _hand_out(self, step: Step, c: HandOut) -> None:
         """Hand one piece to every learner rank (they train in piece order)."""
@@ -261,6 +291,8 @@ class Pipeline:
                 self._generate(step, c)
             elif isinstance(c, Score):
                 self._execute(step, step.score_due(c.piece, c.issue, c.teacher))
+            elif isinstance(c, ScoreSpan) and c.issue == step.issues[c.part]:
+                self._score_span(step, c)
         if self.elastic is not None:
             self.elastic.tick()
 
@@ -394,6 +426,8 @@ class Pipeline:
             elif isinstance(e, StaleWeightsError):
                 self.publisher.load(task.worker)      # reload first (actor calls run in order)
                 self._failed(task)
+            elif task.kind is TaskKind.SCORE_SPAN and not isinstance(e, RayActorError):
+                pass                                  # a span lost: its pieces' scorings redo it
             elif answer.lost_input:                   # the piece it scored died with its worker
                 step = self.planner.current(task.step, task.gen)
                 if step is not None:
@@ -405,11 +439,13 @@ class Pipeline:
 
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
-        if task.kind.generates or task.kind is TaskKind.SCORE:
+        if task.kind.generates or task.kind in (TaskKind.SCORE, TaskKind.SCORE_SPAN):
             step = self.planner.current(task.step, task.gen)
             if step is None:
                 return                               # an answer of a step since re-planned
-            if task.kind is TaskKind.SCORE:
+            if task.kind is TaskKind.SCORE_SPAN:
+                step.span_scored(task.part, task.issue, task.span, value)
+            elif task.kind is TaskKind.SCORE:
                 step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
                 self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
             else:
@@ -429,7 +465,10 @@ class Pipeline:
             self._piece_trained(task, value)
 
     def _made(self, step: Step, task: Task, made, busy: float) -> None:
-        """An answer of a rollout call: a piece it handed out, or its end."""
+        """An answer of a rollout call: a span or a piece it handed out, or its end."""
+        if isinstance(made, SpanReport):
+            self._execute(step, step.span_made(task.part, task.issue, made))
+            return
         if isinstance(made, PartReport):
             step.part_made(task.part, task.issue, made, busy)
             self._hook("after_part", step=step.step, part=task.part, worker=task.worker)
@@ -466,6 +505,8 @@ class Pipeline:
         step = self.planner.current(task.step, task.gen)
         if step is None:
             return
+        if task.kind is TaskKind.SCORE_SPAN:
+            return                                    # its pieces' scorings score it again
         if task.kind.generates:
             commands = step.part_failed(task.part, task.issue, self.publisher.published.version)
         else:

@@ -65,7 +65,8 @@ class StepPlanner:
         step = self.plans[s] = Step(s, pb.batch_id, source, version,
                                     step_jobs(cfg, s, source, pb, self.seq_len, lay), lay,
                                     gen=next(self._gens), scored=needs_teacher_scores(objective),
-                                    phase=phase_at(cfg, s).name, teachers=self.teachers)
+                                    phase=phase_at(cfg, s).name, teachers=self.teachers,
+                                    span=cfg.rollout.span)
         self.next_step += 1
         return step
 

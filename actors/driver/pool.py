@@ -73,10 +73,15 @@ class WorkerPool:
     def exhausted(self) -> bool:
         return not self.alive()
 
-    def pick(self) -> int | None:
+    def pick(self, pinned: int | None = None) -> int | None:
         """The up worker with the fewest tasks in flight (taking turns on ties), or None; with
-        a `depth`, only a worker with fewer than `depth` tasks in flight."""
-        up = [i for i in self.up() if self.depth is None or self.busy[i] < self.depth]
+        a `depth`, only a worker with fewer than `depth` tasks in flight.  Work pinned to worker
+        `pinned` (a rollout call's spans and pieces: actors/driver/spans.py; -1, not placed
+        yet) goes to it while it is up, else to the least busy up worker, whatever the depth."""
+        if pinned is not None and pinned >= 0 and self.state[pinned] == UP:
+            return pinned
+        up = [i for i in self.up()
+              if self.depth is None or pinned is not None or self.busy[i] < self.depth]
         if not up:
             return None
         self._turn += 1

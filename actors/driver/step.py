@@ -13,6 +13,10 @@ order.  Its life, event by event (-> the commands it answers with):
                                      for each teacher its rows need (opd/distill/teachers.py),
                                      or nothing (delivered by the worker: no scores needed)
     part_made(part, issue, report)   the call ended: its statistics
+    span_made(part, issue, report)   the call handed out its next span (rollout.span) ->
+                                     ScoreSpan for each teacher of its rows; the last one ->
+                                     Score for its pieces made (none is scored before)
+    span_scored(part, issue, span, seconds)  a teacher scored that span
     piece_scored(piece, report, teacher)  that teacher's share delivered into the queue; the
                                      piece is delivered when every share it needs is
     part_failed(part, issue, ...)    the call's worker failed or held other weights
@@ -39,50 +43,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+from actors.driver.spans import CallSpans
 from actors.driver.tasks import StageTimer
-from actors.transport.delivery import PartReport, PieceReport
+from actors.transport.delivery import PartReport, PieceReport, SpanReport
 from opd.distill.pieces import Layout
-from opd.distill.results import LearnerResult, PieceAnswer
+from opd.distill.results import PieceAnswer
 from opd.distill.steps import RolloutJob
 from opd.distill.teachers import Teachers
 
 
-@dataclass(frozen=True)
-class Generate:
-    """Run rollout call `part` (its `issue`-th issue)."""
-    part: int
-    issue: int
-
-
-@dataclass(frozen=True)
-class Score:
-    """Teacher `teacher` scores its share of `piece` from the piece's latest payload (made by
-    issue `issue` of its part)."""
-    piece: int
-    issue: int
-    teacher: int = 0
-
-
-@dataclass(frozen=True)
-class HandOut:
-    """Hand `piece` to every learner rank (its `handing`-th hand-out)."""
-    piece: int
-    handing: int
-    prefetch: bool
-
-
-@dataclass(frozen=True)
-class Replan:
-    """Generate the whole step again at the published version (a new generation)."""
-
-
-@dataclass(frozen=True)
-class Trained:
-    """Every rank answered the step's last piece: their results, in rank order."""
-    results: list[LearnerResult]
-
-
-Command = Generate | Score | HandOut | Replan | Trained
 
 
 @dataclass
@@ -118,14 +88,17 @@ class Step:
 
     def __init__(self, step: int, batch_id: int, source: str, version: int,
                  jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool, phase: str,
-                 teachers: Teachers | None = None):
+                 teachers: Teachers | None = None, span: int = 0):
         self.step, self.batch_id, self.source = step, batch_id, source
         self.jobs, self.layout, self.scored, self.phase = jobs, layout, scored, phase
         self.version, self.gen = version, gen
         self.issues = [0] * len(jobs)                  # part -> its current issue
         self.generating: set[int] = set()              # parts with a call in flight
         self.made: dict[int, PartReport] = {}          # part -> the report of its call's end
-        self.scorers = piece_scorers(jobs, layout, teachers)
+        self.scorers = ([(0,)] * layout.pieces if teachers is None else
+                        teachers.piece_scorers([j.labels for j in jobs], layout))
+        self.span = span if scored and source != "data" else 0     # rollout.span
+        self.spans = CallSpans(jobs, self.span) if self.span else None
         self.pieces = [PieceState(s) for s in self.scorers]
         self.sealed = False
         self.training: Training | None = None
@@ -181,6 +154,7 @@ class Step:
         self.generating.clear()
         self.made.clear()
         self.pieces = [PieceState(s) for s in self.scorers]
+        self.spans = CallSpans(self.jobs, self.span) if self.span else None
         return self.start()
 
     def _generate(self, part: int) -> Generate:
@@ -203,10 +177,35 @@ class Step:
         if not self.scored:
             self._delivered(report.piece, report, 0.0)
             return []
-        # a share scored, or being scored from an earlier payload (if that one is lost,
-        # score_lost scores this one), is not scored again
-        return [self._score(report.piece, t) for t in ps.scorers
-                if t not in ps.scored and t not in ps.scoring]
+        return self._unscored(report.piece)
+
+    def _unscored(self, piece: int) -> list[Command]:
+        """Score the shares of `piece` not scored yet: a share scored, or being scored from an
+        earlier payload (if that one is lost, score_lost scores this one), is not scored again."""
+        ps = self.pieces[piece]
+        return self._scores(piece, [t for t in ps.scorers
+                                    if t not in ps.scored and t not in ps.scoring])
+
+    def span_made(self, part: int, issue: int, report: SpanReport) -> list[Command]:
+        """Issue `issue` of `part` handed out its next span: the teachers of the call's rows
+        score it now; once the call's spans are all in, its pieces made so far are scored."""
+        if self.spans is None or issue != self.issues[part] or not self.spans.add(part, issue,
+                                                                                 report):
+            return []
+        self.times.begin("teacher", time.perf_counter())
+        teachers = sorted({t for p in self.layout.parts[part] for t in self.pieces[p].scorers})
+        out: list[Command] = [ScoreSpan(part, issue, t, report.index) for t in teachers]
+        for p in self.layout.parts[part]:
+            ps = self.pieces[p]
+            if ps.made is not None and ps.delivered is None and ps.issue == issue:
+                out += self._unscored(p)
+        return out
+
+    def span_scored(self, part: int, issue: int, span: int, seconds: float) -> None:
+        """A teacher scored span `span` of issue `issue` of `part` in `seconds`."""
+        if self.spans is not None and (part, issue) in self.spans.made:
+            self.times.busy["teacher"] += seconds
+            self.spans.scored(part, issue, span, seconds)
 
     def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> None:
         """Issue `issue` of `part` ended (`busy`: seconds from its submission to its end; the
@@ -231,6 +230,15 @@ class Step:
         return [self._generate(part)]
 
     # -- scoring --------------------------------------------------------------------------------
+
+    def _scores(self, piece: int, teachers: list[int]) -> list[Command]:
+        """Score these teachers' shares of `piece`; with spans, only once every span of the
+        call that made its payload is in (`span_made` scores it then)."""
+        ps = self.pieces[piece]
+        if self.spans is not None and not self.spans.complete(self.layout.part_of(piece),
+                                                              ps.issue):
+            return []
+        return [self._score(piece, t) for t in teachers]
 
     def _score(self, piece: int, teacher: int) -> Score:
         ps = self.pieces[piece]
@@ -279,7 +287,7 @@ class Step:
         del ps.scoring[teacher]
         if ps.delivered is not None or teacher in ps.scored or ps.made is None:
             return []
-        return [self._score(piece, teacher)]
+        return self._scores(piece, [teacher])
 
     def score_failed(self, piece: int, teacher: int = 0) -> list[Command]:
         """The worker of `teacher`'s pool scoring `piece` failed: score that share again (its
@@ -288,7 +296,7 @@ class Step:
         ps.scoring.pop(teacher, None)
         if ps.delivered is not None or teacher in ps.scored or ps.made is None:
             return []                                  # delivered, or being made again
-        return [self._score(piece, teacher)]
+        return self._scores(piece, [teacher])
 
     def score_lost(self, piece: int, issue: int, teacher: int = 0) -> list[Command]:
         """The payload of `piece` from issue `issue` of its part was lost with the rollout
@@ -300,7 +308,7 @@ class Step:
         if ps.delivered is not None or teacher in ps.scored:
             return []
         if ps.made is not None and ps.issue > issue:
-            return [self._score(piece, teacher)]
+            return self._scores(piece, [teacher])
         ps.made = None
         return self._remake(self.layout.part_of(piece), issue)
 
@@ -370,7 +378,7 @@ class Step:
             lost = [t for k, t in enumerate(ps.scorers) if not shares or k in shares]
             for t in lost:
                 ps.scored.pop(t, None)
-            return [self._score(piece, t) for t in lost]
+            return self._scores(piece, lost)
         if not self.scored:                            # delivered by its rollout call's worker,
             for p in self.layout.parts[part]:          # with the rest of that call's pieces
                 if p >= piece:
@@ -384,17 +392,3 @@ class Step:
             return []
         return [self._generate(part)]
 
-
-def piece_scorers(jobs: list[RolloutJob], layout: Layout,
-                  teachers: Teachers | None) -> list[tuple[int, ...]]:
-    """For each piece of a step, the teachers that score its rows (routing: those that own one
-    of its rows' classes; else every teacher, or the one)."""
-    if teachers is None:
-        return [(0,)] * layout.pieces
-    out = []
-    for c, job in enumerate(jobs):
-        start = 0
-        for p, size in zip(layout.parts[c], layout.part_sizes(c)):
-            out.append((p, tuple(teachers.scorers(job.labels[start:start + size]))))
-            start += size
-    return [s for _, s in sorted(out)]

@@ -13,6 +13,7 @@ class TaskKind(enum.Enum):
     ROLLOUT = "rollout"                  # a student rollout call, streaming its pieces (rollout worker)
     TEACHER_ROLLOUT = "teacher-rollout"  # a teacher rollout call (SeqKD; teacher worker)
     SCORE = "score"                      # teacher scores of one piece (teacher worker)
+    SCORE_SPAN = "score-span"            # teacher scores of a span of a running call (rollout.span)
     LOAD = "load"                        # a rollout worker loads the published weights
     PROBE = "probe"                      # is a failed worker back?
     TRAIN = "train"                      # one learner rank's piece of a step
@@ -42,6 +43,7 @@ class Task:
     issue: int = -1
     gen: int = -1       # the step's plan generation when it was submitted
     teacher: int = 0    # a scoring: the teacher whose share it scores (its pool: `role`)
+    span: int = -1      # a span's scoring: the span of its call (`part`)
     submitted: float = field(default_factory=time.perf_counter)
 
 

@@ -5,8 +5,10 @@ its rows are complete: put whole into the object store for a teacher worker to s
 (`put_payload`), or, when the objective needs no scores, delivered straight into the trajectory
 queue (`deliver`).  Delivering cuts a piece into one object per learner rank — rank r's rows
 `PieceTag.cuts[r]` — put by the worker that delivers it (it owns them) and handed to the queue as
-refs; each rank fetches only its own rows.  The driver gets reports only (`PieceReport` for a
-piece, `PartReport` at the end of a call): counts, statistics and refs, never a payload.  If a
+refs; each rank fetches only its own rows.  With `rollout.span` a call also puts each position
+span as it comes (`put_span`), which the teacher workers score while the call runs.  The driver
+gets reports only (`SpanReport`, `PieceReport` for a piece, `PartReport` at the end of a call):
+counts, statistics and refs, never a payload.  If a
 worker dies, what it owns is lost; the driver makes those pieces again.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from actors.transport.iostats import payload_nbytes
 from opd.distill.batch import TrajectoryBatch
@@ -23,6 +26,7 @@ from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
 from opd.distill.stream import PartStream
 from opd.distill.teachers import Share, ShareMeasure, cut_share, share_to_numpy
+from rollout.spans import Span
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,31 @@ class PartReport:
     generated_tokens: int
     stats: RolloutStats
     seconds: float = 0.0
+
+
+@dataclass
+class SpanReport:
+    """Span `index` of a rollout call (rollout/spans.py: every row's tokens [start, stop)),
+    put whole for the teacher workers that score it as it comes (`payload`: its ref, owned by
+    the worker that put it); `midway`: the call still had rounds to run."""
+    index: int
+    start: int
+    stop: int
+    midway: bool
+    payload: object = None
+    nbytes: int = 0
+
+
+def put_span(span: Span, index: int) -> SpanReport:
+    payload = {"start": span.start, "stop": span.stop, "midway": span.midway,
+               "tokens": span.tokens.numpy(), "logprobs": span.logprobs.numpy()}
+    return SpanReport(index, span.start, span.stop, span.midway, ray.put(payload),
+                      payload_nbytes(payload))
+
+
+def span_from_payload(d: dict) -> Span:
+    return Span(int(d["start"]), int(d["stop"]), torch.from_numpy(d["tokens"]),
+                torch.from_numpy(d["logprobs"]), bool(d["midway"]))
 
 
 def put_payload(batch: TrajectoryBatch, piece: int) -> PieceReport:
@@ -119,16 +148,26 @@ def kept_payloads() -> deque[list]:
 
 
 def hand_out(stream: PartStream, tags: list[PieceTag], queue, scored: bool,
-             io, kept: deque[list] | None = None) -> Iterator[PieceReport | PartReport]:
+             io, kept: deque[list] | None = None
+             ) -> Iterator[SpanReport | PieceReport | PartReport]:
     """Run a rollout call and hand out each of its pieces as it completes (`tags`: the part's
     pieces, in order): put whole for a teacher to score (`scored`), else delivered into `queue`;
-    then the call's `PartReport`.  Bytes put are counted by `io` (IOCounter); the payloads put
+    a stream by span also puts each span as it comes (`SpanReport`, in order); then the call's
+    `PartReport`.  Bytes put are counted by `io` (IOCounter); the payloads put
     are held in `kept` (`kept_payloads`) by a worker that yields them."""
     rows = tokens = 0
     refs: list = []
     if kept is not None:
         kept.append(refs)
+    spans = 0
     for piece in stream:
+        if isinstance(piece, Span):
+            span = put_span(piece, spans)
+            spans += 1
+            refs.append(span.payload)
+            io.put(span.nbytes)
+            yield span
+            continue
         tag = tags[piece.index]
         made = put_payload(piece.batch, tag.piece) if scored else deliver(piece.batch, tag, queue)
         if made.payload is not None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from actors.transport.delivery import PartReport, PieceReport, PieceTag, hand_out, kept_payloads
+from actors.transport.delivery import (PartReport, PieceReport, PieceTag, SpanReport, hand_out,
+                                       kept_payloads)
 from actors.transport.weights import BroadcastGroup, Bucket
 from actors.workers.base import Worker
 from opd.models import precision
@@ -66,17 +67,18 @@ class RolloutWorker(Worker):
         return time.perf_counter() - start
 
     def generate(self, job: RolloutJob, version: int, tags: list[PieceTag], queue,
-                 scored: bool) -> Iterator[PieceReport | PartReport]:
+                 scored: bool, span: int = 0) -> Iterator[SpanReport | PieceReport | PartReport]:
         """The trajectory of `job` (one part) by the student of `version`, piece by piece as
         its rows complete (`tags`: the part's pieces, in order): each put whole for a teacher to
-        score (`scored`), else delivered into `queue`; then the part's report
+        score (`scored`), else delivered into `queue`; with `span` S > 0 also every S positions
+        of every row as they are committed; then the part's report
         (actors/transport/delivery.py `hand_out`)."""
         if self.version != version:
             raise StaleWeightsError(f"rollout worker {self.index} holds policy version {self.version}, "
                                     f"asked to generate batch {job.batch_id} at version {version}")
         self.io.received(job)
         stream = PartStream(self.model, self.engine, job, self.cfg, version,
-                            [t.rows for t in tags])
+                            [t.rows for t in tags], span)
         for made in hand_out(stream, tags, queue, scored, self.io, self.kept):
             if isinstance(made, PartReport):
                 self._report(made, job_tokens(job))

@@ -3,15 +3,25 @@ generates teacher rollouts with the configured engine, streamed piece by piece a
 worker's (actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
 (actors/transport/delivery.py); the driver gets reports only.  Each of the run's teachers
 (opd/distill/teachers.py) has its own pool, `opd/teacher/<name>/<i>`, whose workers score that
-teacher's share of a piece (routing: the rows of its classes; mixing, or one teacher: every
-row)."""
+teacher's share of a piece (routing: the rows of its classes; mixing: every row).
+
+With `rollout.span` a worker scores a rollout call's spans as they come (`score_span`, a KV
+cache per row: opd/distill/span_scoring.py) and then the call's pieces from them
+(`score_spanned`).  The driver sends one call's spans and pieces to one worker, in order; a
+worker that lacks some of a call's spans (it took over from one that failed, or dropped the
+call's scorer) scores them from their refs first, so the scores never depend on where they
+ran."""
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 
-from actors.transport.delivery import (PartReport, PieceReport, PieceTag, deliver_share, hand_out,
-                                       kept_payloads)
+import ray
+import torch
+
+from actors.transport.delivery import (PartReport, PieceReport, PieceTag, SpanReport,
+                                       deliver_share, hand_out, kept_payloads, span_from_payload)
 from actors.ray_metrics import RoleMetrics
 from actors.workers.base import Worker, actor_name
 from actors.workers.heap import release_free_heap
@@ -20,9 +30,14 @@ from opd.models import precision
 from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
+from opd.distill.span_scoring import PartScoring
 from opd.distill.steps import RolloutJob, build_engine, score
 from opd.distill.stream import PartStream
 from opd.distill.teachers import run_teachers, score_share
+
+
+KEPT_CALLS = 8
+"""How many rollout calls' span scorings (their KV caches) a teacher worker keeps."""
 
 
 class TeacherWorker(Worker):
@@ -41,6 +56,7 @@ class TeacherWorker(Worker):
             "teacher", self.device)
         self.engine = build_engine(self.cfg)
         self.kept = kept_payloads()           # what its rollout calls put: delivery.py
+        self.calls: OrderedDict[tuple, PartScoring] = OrderedDict()   # span scorings by call
 
     def section(self):
         """Its teacher's entry of cfg.teachers."""
@@ -69,13 +85,59 @@ class TeacherWorker(Worker):
         release_free_heap()          # its freed buffers, which glibc would keep (heap.py)
         return report
 
+    def score_span(self, call: tuple, job: RolloutJob, span: dict) -> float:
+        """Score the next span (its payload, put by the rollout worker) of rollout call `call`
+        ((step, gen, part, issue); `job` its rows and prefix); a span it has, or one after a
+        span it lacks, waits for `score_spanned`.  Returns the seconds it took."""
+        scoring = self._scoring(call, job)
+        if int(span["start"]) != scoring.stop:
+            return 0.0
+        start = time.perf_counter()
+        scoring.score(span_from_payload(self.io.received(span)))
+        return time.perf_counter() - start
+
+    def score_spanned(self, call: tuple, job: RolloutJob, spans: list[tuple[int, object]],
+                      traj: dict, rows: tuple[int, int], tag: PieceTag, queue) -> PieceReport:
+        """Deliver this teacher's share of the piece of call `call`'s rows [a, b) (its trajectory
+        `traj`, put by the rollout worker) into `queue`, from the call's scored spans: first
+        those of `spans` ((start, ref) of every span of the call, in order) it lacks."""
+        start = time.perf_counter()
+        scoring = self._scoring(call, job)
+        todo = [ref for a, ref in spans if a >= scoring.stop]
+        for d in ray.get(todo):
+            scoring.score(span_from_payload(self.io.received(d)))
+        batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
+        self.version = batch.policy_version
+        share = scoring.share(self.teacher, torch.arange(*rows), batch)
+        tokens = batch.batch_size * batch.seq_len
+        self.metrics.report(teacher_seconds=share.seconds, teacher_tokens=tokens,
+                            teacher_tokens_per_s=tokens / share.seconds if share.seconds else 0.0)
+        report = deliver_share(share, tag, queue, time.perf_counter() - start)
+        self.io.put(report.nbytes)
+        del batch, share
+        release_free_heap()
+        return report
+
+    def _scoring(self, call: tuple, job: RolloutJob) -> PartScoring:
+        """The span scoring of rollout call `call` on this worker: the last KEPT_CALLS calls'
+        are kept (an older one is scored again from its spans' refs if asked)."""
+        scoring = self.calls.get(call)
+        if scoring is None:
+            scoring = self.calls[call] = PartScoring({self.teacher: self.model}, self.cfg,
+                                                     self.teachers, job, only=[self.teacher])
+            while len(self.calls) > KEPT_CALLS:
+                self.calls.popitem(last=False)
+        self.calls.move_to_end(call)
+        return scoring
+
     def generate(self, job: RolloutJob, version: int, tags: list[PieceTag], queue,
-                 scored: bool) -> Iterator[PieceReport | PartReport]:
+                 scored: bool, span: int = 0) -> Iterator[SpanReport | PieceReport | PartReport]:
         """A teacher rollout (source "teacher", SeqKD), tagged with policy version `version`;
-        streamed piece by piece as `RolloutWorker.generate`."""
+        streamed piece by piece (and span by span) as `RolloutWorker.generate`."""
         self.version = version
         self.io.received(job)
-        stream = PartStream(self.model, self.engine, job, self.cfg, version, [t.rows for t in tags])
+        stream = PartStream(self.model, self.engine, job, self.cfg, version,
+                            [t.rows for t in tags], span)
         for made in hand_out(stream, tags, queue, scored, self.io, self.kept):
             if isinstance(made, PartReport):
                 seconds, tokens = made.seconds, job_tokens(job)

@@ -59,7 +59,7 @@ class RolloutConfig:
     slots: Annotated[int, Field(ge=0)] = 0
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     span: Annotated[int, Field(ge=0)] = 0
-    """Stream a student rollout call by position span too: every row's next this many tokens once every row of the call has committed them, which the teacher scores at once with a KV cache per row, so that at the call's end only the last span is left to score (rollout/spans.py, opd/distill/span_scoring.py, docs/STREAMING.md); the same scores as one full forward up to float summation order; 0 = off (a piece is scored once its rows are complete).  run.mode=reference only for now."""
+    """Stream a student rollout call by position span too: every row's next this many tokens once every row of the call has committed them, which the teacher scores at once with a KV cache per row, so that at the call's end only the last span is left to score (rollout/spans.py, opd/distill/span_scoring.py, docs/STREAMING.md); the same scores as one full forward up to float summation order; 0 = off (a piece is scored once its rows are complete).  Both run modes: on Ray one teacher worker per teacher scores a call's spans and then its pieces."""
     compile: bool = ENGINE_DEFAULTS["compile"]
     """torch.compile each rollout round, forward and verification, as one graph (CUDA graphs on a GPU; Compact rounds in a few bucketed shapes); on a CPU it speeds Cached AR up more than HB-SJD (docs/ROLLOUTS.md, "Compiled rounds"; figures in docs/RESULTS.md)."""
     candidates: Annotated[int, Field(ge=0)] = ENGINE_DEFAULTS["candidates"]

@@ -198,14 +198,6 @@ def _phases(cfg: RunConfig) -> None:
 
 
 @rule
-def _span(cfg: RunConfig) -> None:
-    if cfg.rollout.span and cfg.run.mode != "reference":
-        raise ConfigError(f"rollout.span={cfg.rollout.span}: scoring by span runs in the reference "
-                          f"loop only so far; set run.mode=reference or rollout.span=0",
-                          "rollout.span")
-
-
-@rule
 def _score_cache(cfg: RunConfig) -> None:
     if cfg.distill.cache_data_scores and cfg.run.mode != "reference":
         raise ConfigError(f"distill.cache_data_scores=true needs run.mode=reference (a Ray run's "

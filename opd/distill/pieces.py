@@ -135,6 +135,12 @@ class Layout:
         start = sum(self.sizes[p] for c in range(part) for p in self.parts[c])
         return start, start + sum(self.sizes[p] for p in self.parts[part])
 
+    def rows_in_part(self, piece: int) -> tuple[int, int]:
+        """The [start, stop) rows of `piece` within its rollout call's rows."""
+        part = self.part_of(piece)
+        start = sum(self.sizes[p] for p in self.parts[part] if p < piece)
+        return start, start + self.sizes[piece]
+
     def part_sizes(self, part: int) -> list[int]:
         """The rows of each piece of rollout call `part`, in piece order."""
         return [self.sizes[p] for p in self.parts[part]]

@@ -126,19 +126,27 @@ class SpanScorer:
 class PartScoring:
     """Every teacher's `SpanScorer` of one rollout call `job` (a part: its rows, real prefix
     and source), each over the rows it scores (opd/distill/teachers.py: routing, its classes'
-    rows; mixing, every row)."""
+    rows; mixing, every row).  `models` maps a teacher's index to its model: all of them in the
+    reference loop, its own in a Ray teacher worker (`only`: the teachers scored here, default
+    every one the call's rows need)."""
 
-    def __init__(self, models: list, cfg: RunConfig, teachers: Teachers, job: RolloutJob):
+    def __init__(self, models, cfg: RunConfig, teachers: Teachers, job: RolloutJob,
+                 only: list[int] | None = None):
         P, T = job.prefix_len, int(job.tokens.shape[1])
         self.teachers, self.student = teachers, job.source == "student"
         self.rows: dict[int, Tensor | None] = {}
         self.scorers: dict[int, SpanScorer] = {}
-        for i in teachers.scorers(job.labels):
+        for i in teachers.scorers(job.labels) if only is None else only:
             rows = teachers.share_rows(i, job.labels)
             pick = (lambda t: t) if rows is None else (lambda t, r=rows: t[r])
             self.rows[i] = rows
             self.scorers[i] = SpanScorer(models[i], cfg.teachers[i], cfg.rollout.cfg_scale,
                                          pick(job.labels), pick(job.tokens[:, :P]), T)
+
+    @property
+    def stop(self) -> int:
+        """Where the next span starts (every scorer has scored the tokens before it)."""
+        return min(s.stop for s in self.scorers.values())
 
     def score(self, span: Span) -> None:
         """Every teacher scores its rows of `span` (the call's next one)."""
@@ -152,21 +160,24 @@ class PartScoring:
     def seconds(self) -> float:
         return sum(s.seconds for s in self.scorers.values())
 
+    def share(self, i: int, rows: Tensor, batch: TrajectoryBatch) -> Share:
+        """Teacher i's share of the piece of the call's `rows` (n,) (its trajectory `batch`),
+        once every span is scored, as `opd.distill.teachers.score_share` makes it."""
+        mine = self.teachers.share_rows(i, batch.labels)          # rows of the piece, or None
+        called = rows if mine is None else rows[mine]             # rows of the call
+        have = self.rows[i]
+        at = called if have is None else torch.searchsorted(have, called)
+        scorer = self.scorers[i]
+        part = batch if mine is None else take_index(batch, mine)
+        kl, tokens = 0.0, 0                       # on-policy KL: sampled student tokens only
+        if self.student:
+            N = scorer.total - scorer.prefix.shape[1]
+            kl, tokens = float(scorer.kl[at].sum()), int(at.numel()) * N
+        return Share(i, mine, scorer.attach(part, at),
+                     scorer.seconds * int(at.numel()) / scorer.rows, kl, tokens)
+
     def piece(self, rows: Tensor, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, list[Share]]:
         """The scored piece of the call's `rows` (n,) (its trajectory `batch`), once every span
         is scored, and each teacher's share of it, as `opd.distill.teachers.score_piece`."""
-        shares = []
-        for i in self.teachers.scorers(batch.labels):
-            mine = self.teachers.share_rows(i, batch.labels)      # rows of the piece, or None
-            called = rows if mine is None else rows[mine]         # rows of the call
-            have = self.rows[i]
-            at = called if have is None else torch.searchsorted(have, called)
-            scorer = self.scorers[i]
-            part = batch if mine is None else take_index(batch, mine)
-            kl, tokens = 0.0, 0                   # on-policy KL: sampled student tokens only
-            if self.student:
-                N = scorer.total - scorer.prefix.shape[1]
-                kl, tokens = float(scorer.kl[at].sum()), int(at.numel()) * N
-            shares.append(Share(i, mine, scorer.attach(part, at),
-                                scorer.seconds * int(at.numel()) / scorer.rows, kl, tokens))
+        shares = [self.share(i, rows, batch) for i in self.teachers.scorers(batch.labels)]
         return merge_shares(self.teachers, shares), shares

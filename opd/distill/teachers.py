@@ -90,6 +90,17 @@ class Teachers:
             return list(range(len(self.entries)))
         return sorted(set(self.owners(labels).tolist()))
 
+    def piece_scorers(self, labels: list[Tensor], layout) -> list[tuple[int, ...]]:
+        """For each piece of a step (`layout`, opd/distill/pieces.py; `labels` its parts'
+        rows' classes), the teachers that score its rows (`scorers`)."""
+        out = []
+        for c, part in enumerate(labels):
+            start = 0
+            for p, size in zip(layout.parts[c], layout.part_sizes(c)):
+                out.append((p, tuple(self.scorers(part[start:start + size]))))
+                start += size
+        return [s for _, s in sorted(out)]
+
 
 def run_teachers(cfg: RunConfig) -> Teachers:
     """The teachers of a run config."""

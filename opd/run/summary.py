@@ -15,7 +15,10 @@ def summarize(rows: list[dict]) -> dict:
     against the rounds Cached AR needs for the same tokens (`rounds_vs_ar`) and, over the calls
     Cached AR ran again (`rollout.compare_every`), their seconds against Cached AR's
     (`rollout_vs_ar`, measured: below 1, the engine rolled out faster); with rollout reuse, the
-    steps on reused rollouts and their largest policy lag."""
+    steps on reused rollouts and their largest policy lag; with steps on data too, what an
+    update on student rollouts (fresh or reused) costs against one on data (`onpolicy_vs_data`,
+    mean step seconds); with rollout.span, the share of the teacher's seconds on fresh rollouts
+    that ran while their calls still decoded (`teacher_in_rollout`)."""
     if not rows:
         return {}
     col = lambda k: np.array([r.get(k) or 0.0 for r in rows], dtype=float)  # noqa: E731
@@ -44,6 +47,14 @@ def summarize(rows: list[dict]) -> dict:
             out["rollout_vs_ar"] = float(col("engine_rollout_s")[timed].sum()
                                          / col("ar_rollout_s")[timed].sum())
             out["rollout_vs_ar_calls"] = int(timed.sum())
+    onpolicy = np.array([r.get("source") == "student" for r in rows])
+    if onpolicy.any() and (~onpolicy).any():
+        step = col("step_s")
+        out["onpolicy_vs_data"] = float(step[onpolicy].mean() / max(step[~onpolicy].mean(), 1e-9))
+    early = col("teacher_in_rollout_s")[student].sum()
+    if early > 0:                        # rollout.span: the Ray rows' busy seconds, else teacher_s
+        busy = col("teacher_busy_s") if any("teacher_busy_s" in r for r in rows) else col("teacher_s")
+        out["teacher_in_rollout"] = float(early / max(busy[student].sum(), 1e-9))
     if reused.any():                     # rollout reuse (opd/distill/reuse.py): steps, their lag
         out.update({"reused_steps": int(reused.sum()),
                     "reused_lag_max": int(col("policy_lag")[reused].max())})

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from actors.driver.dispatch import Dispatcher
 from actors.driver.pool import WorkerPool
-from actors.driver.step import Score
+from actors.driver.commands import Score
 from actors.driver.tasks import Task, TaskKind
 
 

@@ -6,7 +6,8 @@ different indices here: 2 parts of 2 pieces each."""
 import pytest
 import torch
 
-from actors.driver.step import Generate, HandOut, Replan, Score, Step, Trained
+from actors.driver.commands import Generate, HandOut, Replan, Score, Trained
+from actors.driver.step import Step
 from actors.transport.delivery import PartReport, PieceReport
 from opd.distill.pieces import Layout
 from opd.distill.results import LearnerResult, PieceAnswer

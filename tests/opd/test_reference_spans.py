@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from opd.config.loader import ConfigError
 from opd.config.schema import load_config
 from opd.run.reference import run_reference
 
@@ -50,7 +49,3 @@ def test_spanned_runs_are_bit_identical_run_to_run_and_across_engines(tiny_overr
         assert [r[key] for r in runs[0]] == [r[key] for r in runs[2]], key
     assert all(r["teacher_in_rollout_s"] == 0.0 for r in runs[2])   # Cached AR: spans at the end
 
-
-def test_ray_mode_refuses_spans_until_it_scores_them(tiny_overrides):
-    with pytest.raises(ConfigError, match="rollout.span=4: scoring by span runs in the reference"):
-        load_config("tiny", [*tiny_overrides, "rollout.span=4"])

@@ -105,6 +105,21 @@ def test_summary_gives_the_measured_seconds_against_cached_ar_of_the_timed_calls
     assert "rollout_vs_ar" not in summarize(rows[1:2])
 
 
+def test_summary_gives_an_onpolicy_updates_cost_and_the_teachers_time_in_rollouts():
+    """onpolicy_vs_data: mean step seconds on student rollouts (fresh or reused) over those on
+    data; teacher_in_rollout: span-scored teacher seconds during the calls over all of them."""
+    from opd.run.summary import summarize
+    rows = [dict(_row(0, "w", "data"), step_s=0.1, teacher_busy_s=0.05),
+            dict(_row(1, "w", "data"), step_s=0.3, teacher_busy_s=0.05),
+            dict(_row(2, "on", "student", 20, 64, 256, 0.5), step_s=0.5, teacher_busy_s=0.2,
+                 teacher_in_rollout_s=0.15),
+            dict(_row(3, "on", "student"), step_s=0.1, reused=True, teacher_busy_s=0.0)]
+    s = summarize(rows)
+    assert s["onpolicy_vs_data"] == pytest.approx(0.3 / 0.2)
+    assert s["teacher_in_rollout"] == pytest.approx(0.75)
+    assert "teacher_in_rollout" not in summarize(rows[:2]) and "onpolicy_vs_data" not in summarize(rows[2:])
+
+
 def test_a_timed_call_runs_cached_ar_again_on_the_same_tokens(tiny_overrides):
     """`rollout.compare_every`: a due batch's stats carry Cached AR's seconds for the same call,
     others none; a Cached AR run times nothing."""
