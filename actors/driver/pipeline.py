@@ -8,7 +8,8 @@ step k, the reference's order of work:
     generate  RolloutWorker.generate(part job, k): one engine call per part, a Ray streaming
               generator that hands out each piece as its rows complete ("teacher": TeacherWorker;
               "data": no model, here)
-    score     TeacherWorker.score(piece) -> queue.put_piece  (each piece as soon as it is handed out)
+    score     TeacherWorker.score(piece) -> queue.put_piece  (each piece as soon as it is handed out;
+              with rollout.span each span as it comes, then the pieces: spans.py)
     train     StudentLearner.train_piece(k, version, piece)  (each piece as soon as it is in the
               queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every piece delivered; strict: version k only)
@@ -16,8 +17,8 @@ step k, the reference's order of work:
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
 payload.  Each step is a state machine (step.py) that takes the answers of its tasks as events
-and returns commands; `Pipeline` routes answers to their step and carries out the commands,
-with its parts: planner.py (steps, data cursor), core.py (what spans steps: the version, the
+and returns commands (commands.py); `Pipeline` routes answers to their step (router.py) and
+carries out the commands (executor.py), with its parts: planner.py (steps, data cursor), core.py (what spans steps: the version, the
 batches consumed, the step in training, its metrics row), dispatch.py (tasks, workers, probes),
 publisher.py (weights), records.py (checkpoints, consumed.json), elastic.py (an elastic rollout
 pool), evaluation.py (quality at evaluation steps); opd/run/loop.py (progress, rows, checkpoint
@@ -30,9 +31,6 @@ Ctrl-C (opd/run/interrupt.py): the step in training finishes, its checkpoint is 
 the run raises `RunInterrupted`.  Faults: failed workers are probed and their calls or pieces
 issued again (step.py); a learner failure stops the run and names the last checkpoint.  Every
 prefix batch id is consumed exactly once (consumed.json).
-
-Over 400 lines: the executor of every command and the router of every kind of answer and fault
-are kept in one class so the order in which the driver acts reads top to bottom in one file.
 """
 from __future__ import annotations
 
@@ -41,42 +39,36 @@ from pathlib import Path
 from typing import Callable
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
 from tqdm import tqdm
 
 from actors.driver import core
-from actors.driver.cluster import ActorGroups, bundle_node, check_distributed, connect
+from actors.driver.cluster import ActorGroups, check_distributed, connect
 from actors.driver.core import DriverState, PoolCounts
 from actors.driver.dispatch import Dispatcher
 from actors.driver.elastic import ElasticRollout
+from actors.driver.executor import CommandExecutor
 from actors.driver.group import fan_out
-from opd.run.interrupt import NoInterrupt
 from actors.driver.nodes import NodeWatch
 from actors.driver.planner import StepPlanner
 from actors.driver.publisher import WeightPublisher
 from actors.driver.records import RunRecords
-from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+from actors.driver.router import AnswerRouter
 from actors.driver.step import Step
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import TaskKind
 from actors.ray_metrics import RoleMetrics
-from actors.transport.delivery import PartReport, PieceTag, SpanReport, hand_out
-from actors.transport.iostats import IOCounter
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
-from actors.workers.rollout import StaleWeightsError
-from opd.run.checkpoints import latest_checkpoint
 from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
-from opd.run.loop import StepLog, check_objectives
-from opd.distill.results import LearnerResult, PieceAnswer
 from opd.data.splits import open_dataset
-from opd.distill.stream import PartStream
+from opd.distill.results import LearnerResult
 from opd.distill.teachers import teacher_metrics
+from opd.run.checkpoints import latest_checkpoint
+from opd.run.interrupt import NoInterrupt
+from opd.run.loop import StepLog, check_objectives
 
-WAIT_S = 30.0
 
-
-class Pipeline:
+class Pipeline(CommandExecutor, AnswerRouter):
     """One distributed run on started actor `groups`: the step loop, which carries out the
     commands of its steps (actors/driver/step.py) and of actors/driver/core.py.  Its parts: `planner` (actors/driver/planner.py), `dispatch`
     (actors/driver/dispatch.py), `publisher` (actors/driver/publisher.py), `records` (actors/driver/records.py),
@@ -181,120 +173,6 @@ class Pipeline:
         while (step := self.planner.plan(self.state.version, self.publisher.published.version,
                                          self.state.end)) is not None:
             self._execute(step, step.start())
-
-    def _execute(self, step: Step, commands: list[Command]) -> None:
-        for c in commands:
-            if isinstance(c, Generate):
-                self._generate(step, c)
-            elif isinstance(c, Score):
-                self._score(step, c)
-            elif isinstance(c, ScoreSpan):
-                self._score_span(step, c)
-            elif isinstance(c, HandOut):
-                self._hand_out(step, c)
-            elif isinstance(c, Replan):
-                self._replan(step)
-            elif isinstance(c, Trained):
-                self._step_done(step, c.results)
-
-    def _tag(self, step: Step, piece: int) -> PieceTag:
-        return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
-
-    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None,
-                pinned: int | None = None) -> int | None:
-        worker = self.dispatch.submit(task, command, call, pool, pinned)
-        if worker is not None:
-            index = {"piece": task.piece} if task.piece is not None else {"part": task.part}
-            self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
-                       pool=task.role, **index)
-        return worker
-
-    def _generate(self, step: Step, c: Generate) -> None:
-        """Run rollout call `c.part`: its pieces stream to the teacher workers (or, unscored,
-        into the queue) as their rows complete."""
-        job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
-        tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
-        task = Task(TaskKind.ROLLOUT, step=step.step, part=c.part, issue=c.issue, gen=step.gen)
-        if step.source == "data":               # no model: the suffix comes from the data
-            stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
-            for made in hand_out(stream, tags, queue, scored, IOCounter()):
-                self._made(step, task, made, 0.0)
-            return
-        pool = None
-        if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
-            task.kind, pool = TaskKind.TEACHER_ROLLOUT, self.planner.teachers.pool(0)
-        self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
-            job, version, tags, queue, scored, step.span), pool)
-
-    def _score(self, step: Step, c: Score) -> None:
-        """One teacher's share of a piece, scored from the payload its rollout call handed out
-        by a worker of that teacher's pool."""
-        payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
-        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen,
-                    teacher=c.teacher)
-        pool = self.planner.teachers.pool(c.teacher)
-        if step.spans is None:
-            self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
-            return
-        part = step.layout.part_of(c.piece)       # on the worker holding the call's spans
-        call, job, spans = (step.step, step.gen, part, c.issue), step.jobs[part], step.spans.refs(part, c.issue)
-        rows = step.layout.rows_in_part(c.piece)
-        self._pin(step, part, c.teacher, self._submit(
-            task, c, lambda actor: actor.score_spanned.remote(call, job, spans, payload, rows, tag,
-                                                              queue),
-            pool, step.spans.pins.get((part, c.teacher), -1)))
-
-    def _score_span(self, step: Step, c: ScoreSpan) -> None:
-        """One teacher scores the next span of a running rollout call, on the worker that
-        scores the call's spans and pieces (actors/driver/spans.py)."""
-        call, job = (step.step, step.gen, c.part, c.issue), step.jobs[c.part]
-        payload = step.spans.report(c.part, c.issue, c.span).payload
-        task = Task(TaskKind.SCORE_SPAN, step=step.step, part=c.part, issue=c.issue, gen=step.gen,
-                    teacher=c.teacher, span=c.span)
-        self._pin(step, c.part, c.teacher, self._submit(
-            task, c, lambda actor: actor.score_span.remote(call, job, payload),
-            self.planner.teachers.pool(c.teacher), step.spans.pins.get((c.part, c.teacher), -1)))
-
-    @staticmethod
-    def _pin(step: Step, part: int, teacher: int, worker: int | None) -> None:
-        if worker is not None:
-            step.spans.pins[part, teacher] = worker
-
-    def _hand_out(self, step: Step, c: HandOut) -> None:
-        """Hand one piece to every learner rank (they train in piece order)."""
-        job = step.jobs[0]
-        tokens = step.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
-        refs = fan_out(self.learners, "train_piece", step.step, self.state.version,
-                       step.training.gen, c.piece, step.layout.pieces, tokens, c.prefetch)
-        for r, ref in enumerate(refs):
-            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", step.step, piece=c.piece,
-                                          worker=r, issue=c.handing))
-
-    def _replan(self, step: Step) -> None:
-        """Generate the whole of `step` again at the published version (a new generation)."""
-        self.dispatch.forget_step(step.step)
-        if self.state.training == step.step:
-            self.state.training = None
-        version = core.replan_version(step, self.publisher.published.version)
-        self.metrics.inc("opd_reissued_jobs")
-        self.state.reissued += step.parts
-        self._execute(step, step.replanned(version, self.planner.new_generation()))
-
-    def _dispatch(self) -> None:
-        """Hand waiting commands to workers that are up (failed workers are probed when due);
-        those of a step re-planned or made since are dropped."""
-        for task, c in self.dispatch.waiting():
-            step = self.planner.current(task.step, task.gen)
-            if step is None:
-                continue
-            if isinstance(c, Generate) and c.issue == step.issues[c.part]:
-                self._generate(step, c)
-            elif isinstance(c, Score):
-                self._execute(step, step.score_due(c.piece, c.issue, c.teacher))
-            elif isinstance(c, ScoreSpan) and c.issue == step.issues[c.part]:
-                self._score_span(step, c)
-        if self.elastic is not None:
-            self.elastic.tick()
 
     def _seal(self) -> None:
         """Steps whose pieces are all delivered become queue items, in step order (the planner
@@ -411,124 +289,6 @@ class Pipeline:
             self._save_checkpoint()
         self._write_consumed()
         return self.steps.interrupted(self.state.version, self.records.last_checkpoint)
-
-    # -- answers and faults: each routed to its step --------------------------------------------
-
-    def _wait(self) -> None:
-        probe = self.dispatch.idle_for()
-        if not self.dispatch.tasks and probe is None and self.state.training is None:
-            raise RuntimeError(f"the pipeline stalled at step {self.state.version}: "
-                               f"nothing in flight")
-        for answer in self.dispatch.wait(min(WAIT_S, probe or WAIT_S), self.interrupt):
-            task, e = answer.task, answer.error
-            if e is None:
-                self._on_done(task, answer.ref, answer.value)
-            elif isinstance(e, StaleWeightsError):
-                self.publisher.load(task.worker)      # reload first (actor calls run in order)
-                self._failed(task)
-            elif task.kind is TaskKind.SCORE_SPAN and not isinstance(e, RayActorError):
-                pass                                  # a span lost: its pieces' scorings redo it
-            elif answer.lost_input:                   # the piece it scored died with its worker
-                step = self.planner.current(task.step, task.gen)
-                if step is not None:
-                    self._again(step, step.score_lost(task.piece, task.issue, task.teacher))
-            elif isinstance(e, RayActorError):
-                self._on_actor_error(task, answer.ref, e)
-            else:
-                raise e
-
-    def _on_done(self, task: Task, ref, value) -> None:
-        now = time.perf_counter()
-        if task.kind.generates or task.kind in (TaskKind.SCORE, TaskKind.SCORE_SPAN):
-            step = self.planner.current(task.step, task.gen)
-            if step is None:
-                return                               # an answer of a step since re-planned
-            if task.kind is TaskKind.SCORE_SPAN:
-                step.span_scored(task.part, task.issue, task.span, value)
-            elif task.kind is TaskKind.SCORE:
-                step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
-                self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
-            else:
-                self._made(step, task, value, now - task.submitted)
-        elif task.kind is TaskKind.PROBE:
-            self.nodes.placed(task.role, task.worker, value["node_id"], value["node_ip"])
-            if task.role == "rollout":
-                self.publisher.load(task.worker)     # before it gets any job
-            self.pools[task.role].probe_answered(task.worker)
-        elif task.kind is TaskKind.LOAD:
-            self.pools["rollout"].started(task.worker)
-            self.publisher.loaded(ref)
-        elif task.kind is TaskKind.PLACE:
-            i = self.elastic.placed(ref)
-            self.nodes.placed("rollout", i, bundle_node(self.elastic.added[i]))
-        elif task.kind is TaskKind.TRAIN:
-            self._piece_trained(task, value)
-
-    def _made(self, step: Step, task: Task, made, busy: float) -> None:
-        """An answer of a rollout call: a span or a piece it handed out, or its end."""
-        if isinstance(made, SpanReport):
-            self._execute(step, step.span_made(task.part, task.issue, made))
-            return
-        if isinstance(made, PartReport):
-            step.part_made(task.part, task.issue, made, busy)
-            self._hook("after_part", step=step.step, part=task.part, worker=task.worker)
-            return
-        commands = step.piece_made(task.part, task.issue, made)
-        self._hook("after_piece", step=step.step, piece=made.piece, worker=task.worker)
-        self._execute(step, commands)
-
-    def _piece_trained(self, task: Task, value: PieceAnswer) -> None:
-        if self.state.training != task.step:
-            return
-        step = self.planner.plans[task.step]
-        commands = step.piece_trained(task.piece, task.issue, task.worker, value,
-                                      len(self.learners))
-        self._again(step, commands)
-
-    def _on_actor_error(self, task: Task, ref, error: RayActorError) -> None:
-        if task.kind is TaskKind.TRAIN:
-            raise self.records.learner_failure("train", task.step, error) from error
-        pool = self.pools[task.role]
-        if task.kind is TaskKind.PROBE:
-            pool.probe_failed(task.worker, died=isinstance(error, ActorDiedError))
-            return
-        pool.failed(task.worker)
-        if task.role == "rollout":
-            self.publisher.fall_back_to_object_store()
-        if task.kind is TaskKind.LOAD:           # the probe that brings it back reloads it
-            self.publisher.loaded(ref)
-            return
-        self._failed(task)
-
-    def _failed(self, task: Task) -> None:
-        """A rollout call or a scoring failed: its step says what to do again."""
-        step = self.planner.current(task.step, task.gen)
-        if step is None:
-            return
-        if task.kind is TaskKind.SCORE_SPAN:
-            return                                    # its pieces' scorings score it again
-        if task.kind.generates:
-            commands = step.part_failed(task.part, task.issue, self.publisher.published.version)
-        else:
-            commands = step.score_failed(task.piece, task.teacher)
-        self._again(step, commands)
-
-    def _again(self, step: Step, commands: list[Command]) -> None:
-        """Carry out a step's answer to a fault, counting what is made again."""
-        again = sum(isinstance(c, (Generate, Score)) for c in commands)
-        if again:
-            self.metrics.inc("opd_reissued_jobs")
-            self.state.reissued += again
-        self._execute(step, commands)
-
-    def _watch_nodes(self) -> None:
-        """Workers on a node that was lost are out of the rotation until a probe answers (from
-        the node Ray restarted them on; a rollout worker then reloads the weights)."""
-        for role, i in self.nodes.poll(self.state.version):
-            if role in self.pools:
-                self.pools[role].failed(i)
-            if role == "rollout":
-                self.publisher.fall_back_to_object_store()
 
     def _hook(self, name: str, **info) -> None:
         fn = self.hooks.get(name)

@@ -1,0 +1,134 @@
+"""`CommandExecutor`: how the driver carries out the commands a step returns
+(actors/driver/commands.py) on the workers: a rollout call as a Ray streaming generator, a
+scoring on a worker of that teacher's pool (a call's spans and pieces on the one worker it is
+pinned to: actors/driver/spans.py), a hand-out to every learner rank, a re-plan.  Mixed into
+`Pipeline` (actors/driver/pipeline.py), whose constructor sets what it reads: `cfg`, `groups`,
+`dispatch`, `planner`, `state`, `publisher`, `metrics`, `elastic`, `learners`."""
+from __future__ import annotations
+
+from typing import Callable
+
+from actors.driver import core
+from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+from actors.driver.group import fan_out
+from actors.driver.step import Step
+from actors.driver.tasks import Task, TaskKind
+from actors.transport.delivery import PieceTag, hand_out
+from actors.transport.iostats import IOCounter
+from opd.distill.stream import PartStream
+
+
+class CommandExecutor:
+    def _execute(self, step: Step, commands: list[Command]) -> None:
+        for c in commands:
+            if isinstance(c, Generate):
+                self._generate(step, c)
+            elif isinstance(c, Score):
+                self._score(step, c)
+            elif isinstance(c, ScoreSpan):
+                self._score_span(step, c)
+            elif isinstance(c, HandOut):
+                self._hand_out(step, c)
+            elif isinstance(c, Replan):
+                self._replan(step)
+            elif isinstance(c, Trained):
+                self._step_done(step, c.results)
+
+    def _tag(self, step: Step, piece: int) -> PieceTag:
+        return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
+
+    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None,
+                pinned: int | None = None) -> int | None:
+        worker = self.dispatch.submit(task, command, call, pool, pinned)
+        if worker is not None:
+            index = {"piece": task.piece} if task.piece is not None else {"part": task.part}
+            self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
+                       pool=task.role, **index)
+        return worker
+
+    def _generate(self, step: Step, c: Generate) -> None:
+        """Run rollout call `c.part`: its pieces stream to the teacher workers (or, unscored,
+        into the queue) as their rows complete."""
+        job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
+        tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
+        task = Task(TaskKind.ROLLOUT, step=step.step, part=c.part, issue=c.issue, gen=step.gen)
+        if step.source == "data":               # no model: the suffix comes from the data
+            stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
+            for made in hand_out(stream, tags, queue, scored, IOCounter()):
+                self._made(step, task, made, 0.0)
+            return
+        pool = None
+        if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
+            task.kind, pool = TaskKind.TEACHER_ROLLOUT, self.planner.teachers.pool(0)
+        self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
+            job, version, tags, queue, scored, step.span), pool)
+
+    def _score(self, step: Step, c: Score) -> None:
+        """One teacher's share of a piece, scored from the payload its rollout call handed out
+        by a worker of that teacher's pool."""
+        payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
+        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen,
+                    teacher=c.teacher)
+        pool = self.planner.teachers.pool(c.teacher)
+        if step.spans is None:
+            self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
+            return
+        part = step.layout.part_of(c.piece)       # on the worker holding the call's spans
+        call, job, spans = (step.step, step.gen, part, c.issue), step.jobs[part], step.spans.refs(part, c.issue)
+        rows = step.layout.rows_in_part(c.piece)
+        self._pin(step, part, c.teacher, self._submit(
+            task, c, lambda actor: actor.score_spanned.remote(call, job, spans, payload, rows, tag,
+                                                              queue),
+            pool, step.spans.pins.get((part, c.teacher), -1)))
+
+    def _score_span(self, step: Step, c: ScoreSpan) -> None:
+        """One teacher scores the next span of a running rollout call, on the worker that
+        scores the call's spans and pieces (actors/driver/spans.py)."""
+        call, job = (step.step, step.gen, c.part, c.issue), step.jobs[c.part]
+        payload = step.spans.report(c.part, c.issue, c.span).payload
+        task = Task(TaskKind.SCORE_SPAN, step=step.step, part=c.part, issue=c.issue, gen=step.gen,
+                    teacher=c.teacher, span=c.span)
+        self._pin(step, c.part, c.teacher, self._submit(
+            task, c, lambda actor: actor.score_span.remote(call, job, payload),
+            self.planner.teachers.pool(c.teacher), step.spans.pins.get((c.part, c.teacher), -1)))
+
+    @staticmethod
+    def _pin(step: Step, part: int, teacher: int, worker: int | None) -> None:
+        if worker is not None:
+            step.spans.pins[part, teacher] = worker
+
+    def _hand_out(self, step: Step, c: HandOut) -> None:
+        """Hand one piece to every learner rank (they train in piece order)."""
+        job = step.jobs[0]
+        tokens = step.samples * (int(job.tokens.shape[1]) - job.prefix_len)   # the step's N
+        refs = fan_out(self.learners, "train_piece", step.step, self.state.version,
+                       step.training.gen, c.piece, step.layout.pieces, tokens, c.prefetch)
+        for r, ref in enumerate(refs):
+            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", step.step, piece=c.piece,
+                                          worker=r, issue=c.handing))
+
+    def _replan(self, step: Step) -> None:
+        """Generate the whole of `step` again at the published version (a new generation)."""
+        self.dispatch.forget_step(step.step)
+        if self.state.training == step.step:
+            self.state.training = None
+        version = core.replan_version(step, self.publisher.published.version)
+        self.metrics.inc("opd_reissued_jobs")
+        self.state.reissued += step.parts
+        self._execute(step, step.replanned(version, self.planner.new_generation()))
+
+    def _dispatch(self) -> None:
+        """Hand waiting commands to workers that are up (failed workers are probed when due);
+        those of a step re-planned or made since are dropped."""
+        for task, c in self.dispatch.waiting():
+            step = self.planner.current(task.step, task.gen)
+            if step is None:
+                continue
+            if isinstance(c, Generate) and c.issue == step.issues[c.part]:
+                self._generate(step, c)
+            elif isinstance(c, Score):
+                self._execute(step, step.score_due(c.piece, c.issue, c.teacher))
+            elif isinstance(c, ScoreSpan) and c.issue == step.issues[c.part]:
+                self._score_span(step, c)
+        if self.elastic is not None:
+            self.elastic.tick()
