@@ -4,7 +4,6 @@ A step's own life (its parts, pieces, faults and training) is its state machine,
 actors/driver/step.py.  What spans steps is here, tested without Ray (tests/actors/test_core.py):
 
     DriverState         the policy version, the batches consumed, the step in training
-    replan_version      the version a re-planned step is generated at
     start_training      the step the learner group trains next (one at a time, in step order)
     step_trained        the last piece trained: the step is done (what follows)
     step_metrics        the step's metrics.parquet row, from its reports and the ranks' results
@@ -37,12 +36,6 @@ class DriverState:
     @property
     def done(self) -> bool:
         return self.version >= self.end
-
-
-def replan_version(step: Step, published: int) -> int:
-    """The version a re-planned step is generated at: student rollouts at the published
-    version, other sources at their step's own."""
-    return published if step.source == "student" else step.version
 
 
 def start_training(state: DriverState, plans: dict[int, Step],

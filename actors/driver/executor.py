@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from actors.driver import core
 from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
 from actors.driver.group import fan_out
 from actors.driver.step import Step
@@ -112,7 +111,7 @@ class CommandExecutor:
         self.dispatch.forget_step(step.step)
         if self.state.training == step.step:
             self.state.training = None
-        version = core.replan_version(step, self.publisher.published.version)
+        version = step.version_at(self.publisher.published.version)
         self.metrics.inc("opd_reissued_jobs")
         self.state.reissued += step.parts
         self._execute(step, step.replanned(version, self.planner.new_generation()))

@@ -133,12 +133,16 @@ class Step:
     def sealable(self) -> bool:
         return self.complete and not self.sealed
 
+    def version_at(self, published: int) -> int:
+        """The version its trajectories can be made at now: a student rollout's is the
+        published one (rollout workers hold only that); other sources' are their step's own."""
+        return published if self.source == "student" else self.version
+
     def streamable(self, published: int) -> bool:
         """Whether the learner may train on it piece by piece as pieces arrive: only if a piece
-        lost on the way can be made again exactly as it was (trajectories of the published
-        version, or of no student).  Otherwise it trains once sealed, and a piece lost then
-        re-plans it."""
-        return self.source != "student" or self.version == published
+        lost on the way can be made again exactly as it was (`version_at`).  Otherwise it
+        trains once sealed, and a piece lost then re-plans it."""
+        return self.version == self.version_at(published)
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -219,13 +223,12 @@ class Step:
             self.times.end("rollout", time.perf_counter())
 
     def part_failed(self, part: int, issue: int, published: int) -> list[Command]:
-        """Issue `issue` of `part` failed (its worker died, or held other weights).  A student
-        rollout older than the published weights cannot be made again (workers hold only the
-        published version): the whole step is re-planned."""
+        """Issue `issue` of `part` failed (its worker died, or held other weights).  A call that
+        cannot be made again at its version (`streamable`) re-plans the whole step."""
         if issue != self.issues[part]:
             return []                                  # issued again since
         self.generating.discard(part)
-        if self.source == "student" and self.version != published:
+        if not self.streamable(published):
             return [Replan()]
         return [self._generate(part)]
 

@@ -80,10 +80,10 @@ def test_a_replanned_step_keeps_its_source_s_version_and_old_answers_are_dropped
     planner._gens = iter(range(1, 100))
     s = plan_of(3, version=2)
     planner.plans = {3: s}
-    assert core.replan_version(s, published=3) == 3
+    assert s.version_at(published=3) == 3
     s.replanned(3, planner.new_generation())
     assert planner.current(3, 0) is None and planner.current(3, 1) is s
-    assert core.replan_version(plan_of(3, version=2, source="data"), published=3) == 2
+    assert plan_of(3, version=2, source="data").version_at(published=3) == 2
 
 
 def rank(loss, tokens, busy=0.0):
