@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
 from actors.driver.pool import WorkerPool
-from actors.driver.tasks import ROLE_OF, Task, TaskKind
+from actors.driver.tasks import Probe, Task
 from actors.transport.delivery import PartReport
 from actors.workers.rollout import StaleWeightsError
 
@@ -59,16 +59,15 @@ class Dispatcher:
         """Wait on `ref` (a rollout call's stream: on each of its answers); a rollout call, a
         scoring or a weights load counts against its worker's load."""
         self.tasks[ref] = task
-        if task.role in self.pools and task.kind is not TaskKind.PROBE:
+        if task.role in self.pools and task.counted:
             self.pools[task.role].busy[task.worker] += 1
 
-    def submit(self, task: Task, command, call: Callable, pool: str | None = None,
+    def submit(self, task: Task, command, call: Callable, pool: str,
                pinned: int | None = None) -> int | None:
-        """`call(actor)` on the least busy worker of `pool` (default: the task kind's) that is
-        up, or on worker `pinned` while it is up, or with -1 on any (`WorkerPool.pick`; returns
-        its index), else keep `command` waiting (None: `waiting` gives it back)."""
-        role = pool or ROLE_OF[task.kind]
-        pool = self.pools[role]
+        """`call(actor)` on the least busy worker of `pool` that is up, or on worker `pinned`
+        while it is up, or with -1 on any (`WorkerPool.pick`; returns its index), else keep
+        `command` waiting (None: `waiting` gives it back)."""
+        role, pool = pool, self.pools[pool]
         if pool.exhausted:
             raise WorkerPoolExhausted(f"every {role} worker died (cluster.max_restarts="
                                       f"{self.max_restarts} restarts each were used up)")
@@ -90,9 +89,9 @@ class Dispatcher:
         scorings)."""
         for role, pool in self.pools.items():
             for i in pool.due():
-                self.track(pool.actors[i].info.remote(), Task(TaskKind.PROBE, role, worker=i))
+                self.track(pool.actors[i].info.remote(), Probe(role=role, worker=i))
         waiting, self.backlog = self.backlog, []
-        return sorted(waiting, key=lambda w: (w[0].step, -1 if w[0].piece is None else w[0].piece))
+        return sorted(waiting, key=lambda w: w[0].order())
 
     def idle_for(self) -> float | None:
         """Seconds until the next probe is due (None: none)."""
@@ -131,11 +130,11 @@ class Dispatcher:
                 self._finished(ref)
                 continue
             answers.append(Answer(task, item, value))
-            if not task.kind.generates or isinstance(value, PartReport):
+            if not task.streams or isinstance(value, PartReport):
                 self._finished(ref)
         return answers
 
     def _finished(self, ref) -> None:
         task = self.tasks.pop(ref)
-        if task.kind is not TaskKind.PROBE and task.role in self.pools:
+        if task.counted and task.role in self.pools:
             self.pools[task.role].busy[task.worker] -= 1

@@ -37,7 +37,7 @@ import ray
 
 from actors.driver.cluster import fits, joins_cluster, role_bundle, run_bundles
 from actors.driver.pool import DEAD, UP
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import Placement
 from opd.config.schema import RunConfig
 from opd.distill.phases import rolls_out
 
@@ -99,7 +99,7 @@ class ElasticRollout:
             pg = self.groups.new_group(need)
             ref = pg.ready()
             self.placing[ref] = pg
-            self.dispatch.track(ref, Task(TaskKind.PLACE))
+            self.dispatch.track(ref, Placement())
             self.grow_streak = 0
             self._event("place", target)
         elif self.autoscale and target > self.requested:

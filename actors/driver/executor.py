@@ -11,7 +11,8 @@ from typing import Callable
 from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
 from actors.driver.group import fan_out
 from actors.driver.step import Step
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import (PieceScoring, PieceTraining, RolloutCall, SpanScoring,
+                                 TeacherRolloutCall)
 from actors.transport.delivery import PieceTag, hand_out
 from actors.transport.iostats import IOCounter
 from opd.distill.stream import PartStream
@@ -36,12 +37,13 @@ class CommandExecutor:
     def _tag(self, step: Step, piece: int) -> PieceTag:
         return PieceTag(step.step, step.gen, piece, step.layout.cuts(piece), step.version)
 
-    def _submit(self, task: Task, command: Command, call: Callable, pool: str | None = None,
-                pinned: int | None = None) -> int | None:
+    def _submit(self, task: RolloutCall | PieceScoring | SpanScoring, command: Command,
+                call: Callable, pool: str, pinned: int | None = None) -> int | None:
         worker = self.dispatch.submit(task, command, call, pool, pinned)
         if worker is not None:
-            index = {"piece": task.piece} if task.piece is not None else {"part": task.part}
-            self._hook("after_submit", kind=task.kind.value, step=task.step, worker=worker,
+            index = ({"piece": task.piece} if isinstance(task, PieceScoring)
+                     else {"part": task.part})
+            self._hook("after_submit", kind=task.kind, step=task.step, worker=worker,
                        pool=task.role, **index)
         return worker
 
@@ -50,15 +52,16 @@ class CommandExecutor:
         into the queue) as their rows complete."""
         job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
         tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
-        task = Task(TaskKind.ROLLOUT, step=step.step, part=c.part, issue=c.issue, gen=step.gen)
+        task = RolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
         if step.source == "data":               # no model: the suffix comes from the data
             stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
             for made in hand_out(stream, tags, queue, scored, IOCounter()):
                 self._made(step, task, made, 0.0)
             return
-        pool = None
+        pool = "rollout"
         if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
-            task.kind, pool = TaskKind.TEACHER_ROLLOUT, self.planner.teachers.pool(0)
+            task = TeacherRolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
+            pool = self.planner.teachers.pool(0)
         self._submit(task, c, lambda actor: actor.generate.options(num_returns="streaming").remote(
             job, version, tags, queue, scored, step.span), pool)
 
@@ -66,8 +69,8 @@ class CommandExecutor:
         """One teacher's share of a piece, scored from the payload its rollout call handed out
         by a worker of that teacher's pool."""
         payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
-        task = Task(TaskKind.SCORE, step=step.step, piece=c.piece, issue=c.issue, gen=step.gen,
-                    teacher=c.teacher)
+        task = PieceScoring(step=step.step, gen=step.gen, piece=c.piece, issue=c.issue,
+                            teacher=c.teacher)
         pool = self.planner.teachers.pool(c.teacher)
         if step.spans is None:
             self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
@@ -85,8 +88,8 @@ class CommandExecutor:
         scores the call's spans and pieces (actors/driver/spans.py)."""
         call, job = (step.step, step.gen, c.part, c.issue), step.jobs[c.part]
         payload = step.spans.report(c.part, c.issue, c.span).payload
-        task = Task(TaskKind.SCORE_SPAN, step=step.step, part=c.part, issue=c.issue, gen=step.gen,
-                    teacher=c.teacher, span=c.span)
+        task = SpanScoring(step=step.step, gen=step.gen, part=c.part, issue=c.issue,
+                           teacher=c.teacher, span=c.span)
         self._pin(step, c.part, c.teacher, self._submit(
             task, c, lambda actor: actor.score_span.remote(call, job, payload),
             self.planner.teachers.pool(c.teacher), step.spans.pins.get((c.part, c.teacher), -1)))
@@ -103,8 +106,8 @@ class CommandExecutor:
         refs = fan_out(self.learners, "train_piece", step.step, self.state.version,
                        step.training.gen, c.piece, step.layout.pieces, tokens, c.prefetch)
         for r, ref in enumerate(refs):
-            self.dispatch.track(ref, Task(TaskKind.TRAIN, "learner", step.step, piece=c.piece,
-                                          worker=r, issue=c.handing))
+            self.dispatch.track(ref, PieceTraining(role="learner", worker=r, step=step.step,
+                                                   piece=c.piece, handing=c.handing))
 
     def _replan(self, step: Step) -> None:
         """Generate the whole of `step` again at the published version (a new generation)."""

@@ -54,7 +54,7 @@ from actors.driver.publisher import WeightPublisher
 from actors.driver.records import RunRecords
 from actors.driver.router import AnswerRouter
 from actors.driver.step import Step
-from actors.driver.tasks import TaskKind
+from actors.driver.tasks import PieceTraining
 from actors.ray_metrics import RoleMetrics
 from actors.workers.evaluation import QualityTracking
 from actors.workers.queue import QueueItem
@@ -279,7 +279,7 @@ class Pipeline(CommandExecutor, AnswerRouter):
         the `RunInterrupted` to raise."""
         if self.state.training is not None:
             for ref, task in list(self.dispatch.tasks.items()):
-                if task.step == self.state.training and task.kind is TaskKind.TRAIN:
+                if isinstance(task, PieceTraining) and task.step == self.state.training:
                     del self.dispatch.tasks[ref]
                     self._piece_trained(task, ray.get(ref))
         if self.state.training is not None:       # pieces not made yet: the step is dropped

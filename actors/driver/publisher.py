@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.driver.group import fan_out
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import WeightsLoad
 from actors.transport.weights import PublishedWeights
 
 BROADCAST_GRACE_S = 60.0
@@ -63,7 +63,8 @@ class WeightPublisher:
     def load(self, i: int) -> ray.ObjectRef:
         """Send rollout worker i the published weights (before any job it gets)."""
         ref = self.groups.rollout[i].load_weights.remote(self.published.version, self.published.ref)
-        self.dispatch.track(ref, Task(TaskKind.LOAD, "rollout", step=self.published.version, worker=i))
+        self.dispatch.track(ref, WeightsLoad(role="rollout", worker=i,
+                                             version=self.published.version))
         return ref
 
     def loaded(self, ref: ray.ObjectRef) -> None:

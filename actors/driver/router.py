@@ -13,7 +13,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 from actors.driver.cluster import bundle_node
 from actors.driver.commands import Command, Generate, Score
 from actors.driver.step import Step
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import (PieceScoring, PieceTraining, Placement, Probe, RolloutCall,
+                                 SpanScoring, Task, WeightsLoad)
 from actors.transport.delivery import PartReport, SpanReport
 from actors.workers.rollout import StaleWeightsError
 from opd.distill.results import PieceAnswer
@@ -34,7 +35,7 @@ class AnswerRouter:
             elif isinstance(e, StaleWeightsError):
                 self.publisher.load(task.worker)      # reload first (actor calls run in order)
                 self._failed(task)
-            elif task.kind is TaskKind.SCORE_SPAN and not isinstance(e, RayActorError):
+            elif isinstance(task, SpanScoring) and not isinstance(e, RayActorError):
                 pass                                  # a span lost: its pieces' scorings redo it
             elif answer.lost_input:                   # the piece it scored died with its worker
                 step = self.planner.current(task.step, task.gen)
@@ -47,32 +48,32 @@ class AnswerRouter:
 
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
-        if task.kind.generates or task.kind in (TaskKind.SCORE, TaskKind.SCORE_SPAN):
+        if isinstance(task, (RolloutCall, PieceScoring, SpanScoring)):
             step = self.planner.current(task.step, task.gen)
             if step is None:
                 return                               # an answer of a step since re-planned
-            if task.kind is TaskKind.SCORE_SPAN:
+            if isinstance(task, SpanScoring):
                 step.span_scored(task.part, task.issue, task.span, value)
-            elif task.kind is TaskKind.SCORE:
+            elif isinstance(task, PieceScoring):
                 step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
                 self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
             else:
                 self._made(step, task, value, now - task.submitted)
-        elif task.kind is TaskKind.PROBE:
+        elif isinstance(task, Probe):
             self.nodes.placed(task.role, task.worker, value["node_id"], value["node_ip"])
             if task.role == "rollout":
                 self.publisher.load(task.worker)     # before it gets any job
             self.pools[task.role].probe_answered(task.worker)
-        elif task.kind is TaskKind.LOAD:
+        elif isinstance(task, WeightsLoad):
             self.pools["rollout"].started(task.worker)
             self.publisher.loaded(ref)
-        elif task.kind is TaskKind.PLACE:
+        elif isinstance(task, Placement):
             i = self.elastic.placed(ref)
             self.nodes.placed("rollout", i, bundle_node(self.elastic.added[i]))
-        elif task.kind is TaskKind.TRAIN:
+        elif isinstance(task, PieceTraining):
             self._piece_trained(task, value)
 
-    def _made(self, step: Step, task: Task, made, busy: float) -> None:
+    def _made(self, step: Step, task: RolloutCall, made, busy: float) -> None:
         """An answer of a rollout call: a span or a piece it handed out, or its end."""
         if isinstance(made, SpanReport):
             self._execute(step, step.span_made(task.part, task.issue, made))
@@ -85,37 +86,35 @@ class AnswerRouter:
         self._hook("after_piece", step=step.step, piece=made.piece, worker=task.worker)
         self._execute(step, commands)
 
-    def _piece_trained(self, task: Task, value: PieceAnswer) -> None:
+    def _piece_trained(self, task: PieceTraining, value: PieceAnswer) -> None:
         if self.state.training != task.step:
             return
         step = self.planner.plans[task.step]
-        commands = step.piece_trained(task.piece, task.issue, task.worker, value,
+        commands = step.piece_trained(task.piece, task.handing, task.worker, value,
                                       len(self.learners))
         self._again(step, commands)
 
     def _on_actor_error(self, task: Task, ref, error: RayActorError) -> None:
-        if task.kind is TaskKind.TRAIN:
+        if isinstance(task, PieceTraining):
             raise self.records.learner_failure("train", task.step, error) from error
         pool = self.pools[task.role]
-        if task.kind is TaskKind.PROBE:
+        if isinstance(task, Probe):
             pool.probe_failed(task.worker, died=isinstance(error, ActorDiedError))
             return
         pool.failed(task.worker)
         if task.role == "rollout":
             self.publisher.fall_back_to_object_store()
-        if task.kind is TaskKind.LOAD:           # the probe that brings it back reloads it
+        if isinstance(task, WeightsLoad):        # the probe that brings it back reloads it
             self.publisher.loaded(ref)
             return
         self._failed(task)
 
-    def _failed(self, task: Task) -> None:
+    def _failed(self, task: RolloutCall | PieceScoring | SpanScoring) -> None:
         """A rollout call or a scoring failed: its step says what to do again."""
         step = self.planner.current(task.step, task.gen)
-        if step is None:
-            return
-        if task.kind is TaskKind.SCORE_SPAN:
-            return                                    # its pieces' scorings score it again
-        if task.kind.generates:
+        if step is None or isinstance(task, SpanScoring):
+            return                                    # a span: its pieces' scorings score it
+        if isinstance(task, RolloutCall):
             commands = step.part_failed(task.part, task.issue, self.publisher.published.version)
         else:
             commands = step.score_failed(task.piece, task.teacher)

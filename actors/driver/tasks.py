@@ -1,50 +1,107 @@
-"""The driver's typed records of work in flight: the kinds of task, one task, and a step's
+"""The driver's typed records of work in flight: one type per kind of task, and a step's
 stage timer.  A step itself, with everything known of it, is a `Step` (actors/driver/step.py).
 """
 from __future__ import annotations
 
-import enum
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
-class TaskKind(enum.Enum):
-    ROLLOUT = "rollout"                  # a student rollout call, streaming its pieces (rollout worker)
-    TEACHER_ROLLOUT = "teacher-rollout"  # a teacher rollout call (SeqKD; teacher worker)
-    SCORE = "score"                      # teacher scores of one piece (teacher worker)
-    SCORE_SPAN = "score-span"            # teacher scores of a span of a running call (rollout.span)
-    LOAD = "load"                        # a rollout worker loads the published weights
-    PROBE = "probe"                      # is a failed worker back?
-    TRAIN = "train"                      # one learner rank's piece of a step
-    PLACE = "place"                      # an elastic rollout worker's placement group is ready
-
-    @property
-    def generates(self) -> bool:
-        """A rollout call: a stream of piece reports, then the call's report."""
-        return self in (TaskKind.ROLLOUT, TaskKind.TEACHER_ROLLOUT)
-
-
-ROLE_OF = {TaskKind.ROLLOUT: "rollout"}
-"""The pool of a task kind; a teacher's tasks name their teacher's pool, `teacher/<name>`."""
-
-
-@dataclass
+@dataclass(kw_only=True)
 class Task:
-    """One task in flight.  A rollout call names its `part` (and the part's `issue`); a scoring
-    or a learner rank's training names its `piece` (a scoring also the issue of the part that
-    made the piece's payload; a training its hand-out in `issue`)."""
-    kind: TaskKind
-    role: str = ""   # the pool of the worker (rollout | teacher/<name> | learner)
-    step: int = -1
-    part: int | None = None
-    piece: int | None = None
+    """One task in flight: the pool of its worker (`role`: rollout | teacher/<name> | learner),
+    the worker's index in it, and when it was submitted.  Each kind of task is its own type
+    below, with the keys of what it works on; `kind` names it in hooks and metrics."""
+    kind: ClassVar[str] = ""
+    streams: ClassVar[bool] = False   # a Ray streaming generator: answers per item it hands out
+    counted: ClassVar[bool] = True    # counts against its worker's load (dispatch.py)
+    role: str = ""
     worker: int = -1
-    issue: int = -1
-    gen: int = -1       # the step's plan generation when it was submitted
-    teacher: int = 0    # a scoring: the teacher whose share it scores (its pool: `role`)
-    span: int = -1      # a span's scoring: the span of its call (`part`)
     submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(kw_only=True)
+class RolloutCall(Task):
+    """Rollout call `part` of step `step` (plan generation `gen`), its `issue`-th issue: a
+    stream of span and piece reports, then the call's report (rollout worker)."""
+    kind: ClassVar[str] = "rollout"
+    streams: ClassVar[bool] = True
+    step: int
+    gen: int
+    part: int
+    issue: int
+
+    def order(self) -> tuple[int, int]:
+        """Where it goes among the commands waiting for a worker (dispatch.py)."""
+        return self.step, -1
+
+
+@dataclass(kw_only=True)
+class TeacherRolloutCall(RolloutCall):
+    """A teacher rollout call (SeqKD), on a worker of the teacher's pool."""
+    kind: ClassVar[str] = "teacher-rollout"
+
+
+@dataclass(kw_only=True)
+class PieceScoring(Task):
+    """Teacher `teacher` scores its share of piece `piece` of step `step` from the payload of
+    issue `issue` of the piece's part (teacher worker)."""
+    kind: ClassVar[str] = "score"
+    step: int
+    gen: int
+    piece: int
+    issue: int
+    teacher: int = 0
+
+    def order(self) -> tuple[int, int]:
+        return self.step, self.piece
+
+
+@dataclass(kw_only=True)
+class SpanScoring(Task):
+    """Teacher `teacher` scores span `span` of issue `issue` of rollout call `part` of step
+    `step` while the call runs (rollout.span; teacher worker)."""
+    kind: ClassVar[str] = "score-span"
+    step: int
+    gen: int
+    part: int
+    issue: int
+    teacher: int
+    span: int
+
+    def order(self) -> tuple[int, int]:
+        return self.step, -1
+
+
+@dataclass(kw_only=True)
+class PieceTraining(Task):
+    """Learner rank `worker` trains the `handing`-th hand-out of piece `piece` of step `step`."""
+    kind: ClassVar[str] = "train"
+    step: int
+    piece: int
+    handing: int
+
+
+@dataclass(kw_only=True)
+class WeightsLoad(Task):
+    """A rollout worker loads the published weights of `version`."""
+    kind: ClassVar[str] = "load"
+    version: int
+
+
+@dataclass(kw_only=True)
+class Probe(Task):
+    """Is a failed worker back?"""
+    kind: ClassVar[str] = "probe"
+    counted: ClassVar[bool] = False
+
+
+@dataclass(kw_only=True)
+class Placement(Task):
+    """An elastic rollout worker's placement group is ready."""
+    kind: ClassVar[str] = "place"
 
 
 @dataclass

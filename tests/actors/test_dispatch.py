@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from actors.driver.dispatch import Dispatcher
 from actors.driver.pool import WorkerPool
 from actors.driver.commands import Score
-from actors.driver.tasks import Task, TaskKind
+from actors.driver.tasks import PieceScoring
 
 
 def test_a_pool_with_a_depth_gives_a_worker_no_more_tasks_than_that():
@@ -23,8 +23,19 @@ def test_a_pool_with_a_depth_gives_a_worker_no_more_tasks_than_that():
     assert deep.pick() == 0
 
 
-def scoring(step: int, piece: int) -> tuple[Task, Score]:
-    return Task(TaskKind.SCORE, step=step, piece=piece, issue=1), Score(piece, 1)
+def test_work_pinned_to_a_worker_goes_to_it_while_it_is_up_whatever_its_depth():
+    """A rollout call's spans and pieces (actors/driver/spans.py) go to one worker."""
+    pool = WorkerPool("teacher", ["a", "b", "c"], depth=1)
+    pool.busy.update({0: 3, 1: 2, 2: 1})
+    assert pool.pick() is None                                  # every worker at its depth
+    assert pool.pick(pinned=0) == 0                             # pinned: the depth is no bound
+    assert pool.pick(pinned=-1) == 2                            # not placed yet: the least busy
+    pool.failed(0)
+    assert pool.pick(pinned=0) == 2                             # down: placed again
+
+
+def scoring(step: int, piece: int) -> tuple[PieceScoring, Score]:
+    return PieceScoring(step=step, gen=0, piece=piece, issue=1), Score(piece, 1)
 
 
 def test_waiting_scorings_go_out_lowest_step_and_piece_first():

@@ -264,7 +264,7 @@ class FakeDispatch:
         self.tracked: dict = {}
 
     def track(self, ref, task):
-        self.tracked[ref] = task.kind.value
+        self.tracked[ref] = task.kind
 
 
 class FakePublisher:

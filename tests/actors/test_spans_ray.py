@@ -9,7 +9,7 @@ import math
 import pytest
 
 from actors.driver.pipeline import run_distributed
-from actors.driver.tasks import TaskKind
+from actors.driver.tasks import PieceScoring, RolloutCall, SpanScoring
 from opd.run.reference import run_reference
 from tests.actors.test_pipeline import (LOSS_TOL, assert_each_batch_once, cfg_for, consumed,
                                         losses)
@@ -52,8 +52,8 @@ def test_ray_scores_spans_and_reuses_as_the_reference_loop(ray_session, tiny_ove
     fresh = [r for r in rows if not r["reused"]]
     assert all(r["source"] == "student" for r in rows)
     for r in fresh:                        # every span of both calls, once (no failures here)
-        assert kinds.count((TaskKind.SCORE_SPAN.value, r["step"])) == spans_of(r)
-        assert kinds.count((TaskKind.SCORE.value, r["step"])) == 4
+        assert kinds.count((SpanScoring.kind, r["step"])) == spans_of(r)
+        assert kinds.count((PieceScoring.kind, r["step"])) == 4
         assert 0 < r["teacher_in_rollout_s"] <= r["teacher_busy_s"]
     assert all(r["teacher_in_rollout_s"] == 0 for r in rows if r["reused"])
     assert consumed(tmp_path / "ray")["consumed"] == {"0": 1, "1": 1, "2": 1}
@@ -73,15 +73,15 @@ def kill_on_span(role: str, target: int, span: int = 2):
     state = {}
 
     def hook(pipeline, kind, step, worker, part=None, **_):
-        if state or kind != TaskKind.SCORE_SPAN.value or step != target:
+        if state or kind != SpanScoring.kind or step != target:
             return
         tasks = pipeline.dispatch.tasks.values()
-        if max(t.span for t in tasks if t.kind is TaskKind.SCORE_SPAN and t.step == step
+        if max(t.span for t in tasks if isinstance(t, SpanScoring) and t.step == step
                and t.part == part and t.worker == worker) != span:
             return
         if role == "rollout":
             calls = [t.worker for t in tasks
-                     if t.kind is TaskKind.ROLLOUT and t.step == step and t.part == part]
+                     if isinstance(t, RolloutCall) and t.step == step and t.part == part]
             if not calls:                     # the call has ended already
                 return
             worker = calls[0]
