@@ -354,15 +354,15 @@ class Step:
         if first.skipped:                              # handed after a lost piece: again later
             return []
         if first.lost:
-            return self._lost(piece, {t for a in answers.values() for t in a.lost_shares})
+            return self._lost(piece, {k for a in answers.values() for k in a.lost_at})
         if piece == self.layout.pieces - 1:
             return [Trained([answers[r].result for r in range(ranks)])]
         return []
 
-    def _lost(self, piece: int, shares: set[int]) -> list[Command]:
-        """Every rank found `piece` lost (a worker that delivered it died; `shares`: the
-        positions of the lost shares among the piece's, in teacher order; all when unknown): make it again and hand it out
-        again; those handed after it come back skipped.  A prefetching step lost it before
+    def _lost(self, piece: int, lost_at: set[int]) -> list[Command]:
+        """Every rank found `piece` lost (a worker that delivered it died; `lost_at`: the
+        positions of the lost shares among the piece's, in teacher order; all when unknown):
+        make it again and hand it out again; those handed after it come back skipped.  A prefetching step lost it before
         training anything: the step is re-planned."""
         t = self.training
         if t.prefetch:
@@ -373,7 +373,7 @@ class Step:
         ps.delivered = None
         part = self.layout.part_of(piece)
         if self.scored and ps.made is not None:        # delivered by teachers: score it again
-            lost = [t for k, t in enumerate(ps.scorers) if not shares or k in shares]
+            lost = [t for k, t in enumerate(ps.scorers) if not lost_at or k in lost_at]
             for t in lost:
                 ps.scored.pop(t, None)
             return self._scores(piece, lost)

@@ -277,7 +277,7 @@ def test_a_lost_share_is_scored_again_alone():
     assert t.prefetch is False and [h.piece for h in s.hand_out()] == [0, 1, 2, 3]
     for r in (0, 1):
         s.piece_trained(0, 1, r, answer(r, 0), ranks=2)
-    lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_shares=(1,) if r else ()),
+    lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_at=(1,) if r else ()),
                             ranks=2) for r in (0, 1)]
     assert lost == [[], [Score(1, 1, 1)]]                        # share of teacher 1 only
     assert 0 in s.pieces[1].scored and 1 not in s.pieces[1].scored
