@@ -47,7 +47,7 @@ from opd.distill.plan import step_jobs, step_source
 from opd.distill.reuse import ReuseSchedule, check_resume
 from opd.distill.score_cache import DataScoreCache
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.ensemble import as_one_model, load_teachers
+from opd.distill.ensemble import TeacherEnsemble, load_teachers
 from opd.distill.teachers import run_teachers, score_piece, teacher_metrics
 from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, score
 from opd.distill.span_scoring import PartScoring
@@ -188,7 +188,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     desc="opd reference", progress=progress)
     quality = quality_log(run_dir, resume=resume, start=start)
     steps.follow(quality)
-    evaluator = Evaluator(cfg, as_one_model(teachers, tmodels)) if cfg.eval.track else None
+    evaluator = (Evaluator(cfg, TeacherEnsemble(teachers, tmodels).eval()) if cfg.eval.track
+                 else None)
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))
     track_quality(evaluator, quality, student, start, run_dir)
