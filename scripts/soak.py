@@ -123,7 +123,7 @@ class Watchdog:
                     "published_version": pl.publisher.published.version,
                     "unfinished_plans": {s: {"version": p.version, "gen": p.gen,
                                              "source": p.source,
-                                             "parts_made": len(p.made), "parts": p.parts,
+                                             "parts_ended": len(p.ended), "parts": p.parts,
                                              "pieces_delivered": sum(
                                                  q.delivered is not None for q in p.pieces),
                                              "pieces": p.layout.pieces}

@@ -109,7 +109,7 @@ class BatchSummary:
 
     @classmethod
     def of(cls, plan: Step) -> BatchSummary:
-        reports = [plan.made[c] for c in range(plan.parts)]   # the rollout calls'
+        reports = [plan.ended[c] for c in range(plan.parts)]  # the rollout calls'
         job = plan.jobs[0]
         return cls(plan.batch_id, plan.version, plan.source, job.prefix_len,
                    RolloutStats() if plan.origin is not None else   # reused: no rollout ran

@@ -12,7 +12,7 @@ order.  Its life, event by event (-> the commands it answers with):
     piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece, teacher)
                                      for each teacher its rows need (opd/distill/teachers.py),
                                      or nothing (delivered by the worker: no scores needed)
-    part_made(part, issue, report)   the call ended: its statistics
+    part_made(part, issue, report)   the call ended: its statistics (`ended`)
     span_made(part, issue, report)   the call handed out its next span (rollout.span) ->
                                      ScoreSpan for each teacher of its rows; the last one ->
                                      Score for its pieces made (none is scored before)
@@ -94,7 +94,7 @@ class Step:
         self.version, self.gen = version, gen
         self.issues = [0] * len(jobs)                  # part -> its current issue
         self.generating: set[int] = set()              # parts with a call in flight
-        self.made: dict[int, PartReport] = {}          # part -> the report of its call's end
+        self.ended: dict[int, PartReport] = {}         # part -> the report of its call's end
         self.scorers = ([(0,)] * layout.pieces if teachers is None else
                         teachers.piece_scorers([j.labels for j in jobs], layout))
         self.span = span if scored and source != "data" else 0     # rollout.span
@@ -111,7 +111,7 @@ class Step:
         its pieces delivered and sealed; the learner ranks hold their rows, so it only trains."""
         s = cls(step, origin.batch_id, origin.source, origin.version, origin.jobs, origin.layout,
                 gen=gen, scored=origin.scored, phase=phase)
-        s.origin, s.made, s.pieces, s.sealed = origin.step, dict(origin.made), origin.pieces, True
+        s.origin, s.ended, s.pieces, s.sealed = origin.step, dict(origin.ended), origin.pieces, True
         return s
 
     # -- what it is ------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class Step:
         """Everything again at `version`, as generation `gen`."""
         self.version, self.gen, self.sealed, self.training = version, gen, False, None
         self.generating.clear()
-        self.made.clear()
+        self.ended.clear()
         self.pieces = [PieceState(s) for s in self.scorers]
         self.spans = CallSpans(self.jobs, self.span) if self.span else None
         return self.start()
@@ -165,7 +165,7 @@ class Step:
         """Issue `part` again: its pieces not delivered yet wait for the new call's payloads."""
         self.issues[part] += 1
         self.generating.add(part)
-        self.made.pop(part, None)
+        self.ended.pop(part, None)
         for p in self.layout.parts[part]:
             if self.pieces[p].delivered is None:
                 self.pieces[p].made = None
@@ -214,12 +214,12 @@ class Step:
     def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> None:
         """Issue `issue` of `part` ended (`busy`: seconds from its submission to its end; the
         worker's own, `report.seconds`, count when it measured them)."""
-        if issue != self.issues[part] or part in self.made:
+        if issue != self.issues[part] or part in self.ended:
             return
         self.generating.discard(part)
-        self.made[part] = report
+        self.ended[part] = report
         self.times.busy["rollout"] += report.seconds or busy
-        if len(self.made) == self.parts:
+        if len(self.ended) == self.parts:
             self.times.end("rollout", time.perf_counter())
 
     def part_failed(self, part: int, issue: int, published: int) -> list[Command]:
@@ -252,7 +252,8 @@ class Step:
     def piece_scored(self, piece: int, report: PieceReport, busy: float,
                      teacher: int = 0) -> None:
         """`teacher` scored its share of `piece` and delivered it into the queue; the piece is
-        delivered with its last share."""
+        delivered with its last share, its report the shares' merged (one share or several:
+        the piece's rows and tokens from the layout, the shares' bytes and seconds summed)."""
         ps = self.pieces[piece]
         ps.scoring.pop(teacher, None)
         if ps.delivered is not None or teacher in ps.scored:
@@ -260,9 +261,6 @@ class Step:
         ps.scored[teacher] = report
         self.times.busy["teacher"] += report.seconds or busy
         if len(ps.scored) < len(ps.scorers):
-            return
-        if len(ps.scorers) == 1:
-            self._delivered(piece, report, busy)
             return
         shares = list(ps.scored.values())     # `made` may be gone: its part issued again
         rows = self.layout.sizes[piece]
@@ -359,15 +357,15 @@ class Step:
         if first.skipped:                              # handed after a lost piece: again later
             return []
         if first.lost:
-            return self._lost(piece, {t for a in answers.values() for t in a.lost_shares})
+            return self._lost(piece, {k for a in answers.values() for k in a.lost_at})
         if piece == self.layout.pieces - 1:
             return [Trained([answers[r].result for r in range(ranks)])]
         return []
 
-    def _lost(self, piece: int, shares: set[int]) -> list[Command]:
-        """Every rank found `piece` lost (a worker that delivered it died; `shares`: the
-        positions of the lost shares among the piece's, in teacher order; all when unknown): make it again and hand it out
-        again; those handed after it come back skipped.  A prefetching step lost it before
+    def _lost(self, piece: int, lost_at: set[int]) -> list[Command]:
+        """Every rank found `piece` lost (a worker that delivered it died; `lost_at`: the
+        positions of the lost shares among the piece's, in teacher order; all when unknown):
+        make it again and hand it out again; those handed after it come back skipped.  A prefetching step lost it before
         training anything: the step is re-planned."""
         t = self.training
         if t.prefetch:
@@ -378,7 +376,7 @@ class Step:
         ps.delivered = None
         part = self.layout.part_of(piece)
         if self.scored and ps.made is not None:        # delivered by teachers: score it again
-            lost = [t for k, t in enumerate(ps.scorers) if not shares or k in shares]
+            lost = [t for k, t in enumerate(ps.scorers) if not lost_at or k in lost_at]
             for t in lost:
                 ps.scored.pop(t, None)
             return self._scores(piece, lost)

@@ -176,24 +176,24 @@ class StudentLearner(Worker):
             a.prefetched = list(self.kept[self.reuse.origin(step)])
         if not a.prefetched:
             if prefetch:                              # piece 0: every piece of this rank at once
-                share = ray.get(self.queue.take.remote(step, version, self.rank))
-                refs = None if share is None else share["refs"]
+                taken = ray.get(self.queue.take.remote(step, version, self.rank))
+                refs = None if taken is None else taken["refs"]
             else:
-                share = ray.get(self.queue.take_piece.remote(step, gen, piece, self.rank, version))
-                refs = None if share is None else [share["refs"]]
+                taken = ray.get(self.queue.take_piece.remote(step, gen, piece, self.rank, version))
+                refs = None if taken is None else [taken["refs"]]
             if refs is None:
                 raise RuntimeError(f"learner rank {self.rank}: the queue has no admissible piece "
                                    f"{piece} of step {step} at version {version}")
-            a.depth = share["depth"]
+            a.depth = taken["depth"]
             payloads, lost = fetch_shares(refs)
             if self._any_rank(payloads is None):
                 if prefetch:                          # nothing trained yet: the step again
                     self.accum = None
                     if self.rank == 0:
                         ray.get(self.queue.drop.remote(step))
-                return PieceAnswer(self.rank, piece, lost=True, lost_shares=lost)
-            a.received += payload_nbytes([d for shares in payloads for d in shares])
-            a.prefetched = [self.io.received(shares) for shares in payloads]
+                return PieceAnswer(self.rank, piece, lost=True, lost_at=lost)
+            a.received += payload_nbytes([d for cut in payloads for d in cut])
+            a.prefetched = [self.io.received(cut) for cut in payloads]
         payload = a.prefetched.pop(0)
         if a.kept is not None:                        # a copy of its own: outlives its owner
             a.kept.append(copy.deepcopy(payload))
@@ -338,22 +338,23 @@ class StudentLearner(Worker):
 
 
 def fetch_shares(refs: list[list]) -> tuple[list[list] | None, tuple[int, ...]]:
-    """The payloads of each piece's share refs (`refs[piece][share]`), or (None, the positions
-    of the shares whose objects were lost: their owner died)."""
+    """The payloads of this rank's cut of each piece's shares (`refs[piece][k]`: the k-th share
+    in teacher order), or (None, the positions k of the shares whose objects were lost: their
+    owner died)."""
     try:
-        flat = ray.get([r for shares in refs for r in shares])
+        flat = ray.get([r for cut in refs for r in cut])
     except ray.exceptions.ObjectLostError:            # OwnerDiedError: its worker died
         lost = set()
-        for shares in refs:
-            for s, ref in enumerate(shares):
+        for cut in refs:
+            for k, ref in enumerate(cut):
                 try:
                     ray.get(ref)
                 except ray.exceptions.ObjectLostError:
-                    lost.add(s)
+                    lost.add(k)
         return None, tuple(sorted(lost))
     out, i = [], 0
-    for shares in refs:
-        out.append(flat[i:i + len(shares)])
-        i += len(shares)
+    for cut in refs:
+        out.append(flat[i:i + len(cut)])
+        i += len(cut)
     return out, ()
 

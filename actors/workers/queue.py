@@ -102,12 +102,14 @@ class PieceStore:
         return True
 
     def get(self, step: int, gen: int, piece: int) -> tuple[list, int] | None:
-        """(each rank's share refs, version) of a delivered piece not sealed yet (its latest
-        delivery of each share)."""
+        """(each rank's refs of the piece's shares, in teacher order; version) of a delivered
+        piece not sealed yet (its latest delivery of each share)."""
         shares = self.pieces.get(step, {}).get(gen, {}).get(piece)
         return None if shares is None else (self._by_rank(shares), self.versions[step, gen])
 
     def _by_rank(self, shares: dict[int, list]) -> list[list]:
+        """Each rank's cut of a piece: its ref of each share ({teacher: refs by rank}), in
+        teacher order."""
         return [[shares[t][r] for t in sorted(shares)] for r in range(self.world_size)]
 
     def forget(self, step: int) -> None:

@@ -3,23 +3,29 @@ and of the GPT's `forward(labels, tokens)`, so what measures "the teacher" (eval
 measures and the teacher's quality row, opd/eval/tracking.py) measures the target a run with
 several teachers distils towards (opd/distill/teachers.py).
 
-Its logits are log-probabilities (softmax leaves them unchanged):
+Its logits give each row its distribution (up to a constant per row, which softmax ignores):
 
-- routing: a row's are those of the teacher that owns its class.  A row of the null class (the
-  unconditional branch of CFG) has no owner: it takes the mixture of the teachers weighted by
-  the share of the classes each owns (the routed model's class-averaged unconditional
+- routing: a row's are the logits of the teacher that owns its class.  A row of the null class
+  (the unconditional branch of CFG) has no owner: it takes the mixture of the teachers weighted
+  by the fraction of the classes each owns (the routed model's class-averaged unconditional
   distribution), the same for every image.
-- mixing: log sum_i w_i p_i, as the learner's target.
+- mixing: log sum_i w_i p_i, as the learner's target, written as the first teacher's logits
+  plus log sum_i w_i p_i / p_1 (float64 inside).
+
+So one teacher is an ensemble of one: its weight is 1, log p_1 / p_1 is 0 exactly, and its
+logits come out as the teacher's own, bit for bit, under either rule.
 
 Every teacher runs every row (an evaluation costs a forward per teacher); the rows' labels are
 kept per cache row from the prefill, which is where a cached forward learns them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-from opd.distill.teachers import ROUTE, Teachers, mixture
+from opd.distill.teachers import ROUTE, Teachers
 
 
 class TeacherEnsemble(nn.Module):
@@ -39,16 +45,18 @@ class TeacherEnsemble(nn.Module):
         self.owner = torch.tensor(teachers.owners_of_classes(self.num_classes) + [n])
 
     def _combine(self, logits: list[Tensor], labels: Tensor) -> Tensor:
-        """(B, S, V) log-probs of rows with class `labels` from each member's logits."""
-        logps = [torch.log_softmax(x.float(), -1) for x in logits]
-        mixed = mixture(logps, self.null_weights)
+        """(B, S, V) float32 logits of rows with class `labels` from each member's logits."""
+        xs = [x.double() for x in logits]
+        logps = [torch.log_softmax(x, -1) for x in xs]
+        ratios = torch.stack([lp - logps[0] + math.log(w)             # log w_i p_i / p_1
+                              for lp, w in zip(logps, self.null_weights)])
+        out = (xs[0] + torch.logsumexp(ratios, 0)).float()
         if self.teachers.rule != ROUTE:
-            return mixed
+            return out
         owner = self.owner.to(labels.device)[labels]                  # n: the null class
-        out = mixed.clone()
-        for i, lp in enumerate(logps):
+        for i, x in enumerate(logits):
             pick = owner == i
-            out[pick] = lp[pick]
+            out[pick] = x[pick].float()
         return out
 
     def forward(self, labels: Tensor, tokens: Tensor) -> Tensor:
@@ -82,6 +90,11 @@ class TeacherEnsemble(nn.Module):
         for m in self.members:
             m.move_cached(rows, src, dst)
 
+    def static_cache(self, on: bool) -> None:
+        """Each member's (rollout option compile)."""
+        for m in self.members:
+            m.static_cache(on)
+
 
 def load_teachers(cfg, *, progress: bool = True, device=None) -> list[nn.Module]:
     """Each teacher of the run (cfg.teachers, in order) loaded, or pretrained, as its pool's
@@ -92,13 +105,9 @@ def load_teachers(cfg, *, progress: bool = True, device=None) -> list[nn.Module]
                               cfg, "teacher", device) for t in cfg.teachers]
 
 
-def as_one_model(teachers: Teachers, models: list[nn.Module]) -> nn.Module:
-    """The teachers as the one model a run distils towards: their `TeacherEnsemble`, or the
-    model itself when there is one (nothing to combine)."""
-    return models[0] if len(models) == 1 else TeacherEnsemble(teachers, models).eval()
-
-
-def load_teacher(cfg, *, progress: bool = True, device=None) -> nn.Module:
-    """The run's teacher in its precision, as one model (`as_one_model`)."""
+def load_teacher(cfg, *, progress: bool = True, device=None) -> TeacherEnsemble:
+    """The run's teachers in their precision, as the one model the run distils towards (their
+    `TeacherEnsemble`; one teacher's is that teacher)."""
     from opd.distill.teachers import run_teachers
-    return as_one_model(run_teachers(cfg), load_teachers(cfg, progress=progress, device=device))
+    models = load_teachers(cfg, progress=progress, device=device)
+    return TeacherEnsemble(run_teachers(cfg), models).eval()

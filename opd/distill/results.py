@@ -74,5 +74,5 @@ class PieceAnswer:
     result: LearnerResult | None = None
     skipped: bool = False
     lost: bool = False
-    lost_shares: tuple[int, ...] = ()    # with `lost`: which of the piece's shares (their
-    #                                      positions, in teacher order) were lost
+    lost_at: tuple[int, ...] = ()        # with `lost`: the positions, in teacher order, of
+    #                                      the piece's shares that were lost

@@ -237,13 +237,13 @@ def score_piece(models: list, cfg: RunConfig, teachers: Teachers,
     return merge_shares(teachers, shares), shares
 
 
-def teacher_metrics(teachers: Teachers, shares: list[ShareMeasure]) -> dict:
+def teacher_metrics(teachers: Teachers, measures: list[ShareMeasure]) -> dict:
     """Per teacher: its busy seconds, rows scored and on-policy KL (`teacher_busy_s/<name>`,
     `teacher_rows/<name>`, `teacher_kl/<name>`; NaN without sampled tokens) over the measures
     of a step's shares."""
     out = {}
     for i, name in enumerate(teachers.names):
-        mine = [s for s in shares if s.teacher == i]
+        mine = [s for s in measures if s.teacher == i]
         tokens = sum(s.kl_tokens for s in mine)
         out[f"teacher_busy_s/{name}"] = sum(s.seconds for s in mine)
         out[f"teacher_rows/{name}"] = sum(s.rows for s in mine)

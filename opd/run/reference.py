@@ -47,7 +47,7 @@ from opd.distill.plan import step_jobs, step_source
 from opd.distill.reuse import ReuseSchedule, check_resume
 from opd.distill.score_cache import DataScoreCache
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.ensemble import as_one_model, load_teachers
+from opd.distill.ensemble import TeacherEnsemble, load_teachers
 from opd.distill.teachers import run_teachers, score_piece, teacher_metrics
 from opd.distill.steps import build_engine, learn, make_optimizer, needs_teacher_scores, score
 from opd.distill.span_scoring import PartScoring
@@ -106,7 +106,7 @@ def make_batch(cfg: RunConfig, step: int, pb, source: str, objective, layout, se
     (`Span.midway`: every span but the last of a Jacobi call; none of Cached AR's, which come
     at its end) is scored while the rollout could run beside it."""
     seconds = {"rollout": 0.0, "teacher": 0.0}
-    scored, part_stats, shares, in_rollout = [], [], [], 0.0
+    scored, part_stats, measures, in_rollout = [], [], [], 0.0
     scores = needs_teacher_scores(objective)
 
     def score_one(c: int, piece: Piece):
@@ -129,8 +129,8 @@ def make_batch(cfg: RunConfig, step: int, pb, source: str, objective, layout, se
                 if item.midway:                        # the call had rounds left to run
                     in_rollout += time.perf_counter() - t0
             elif scores and spans is None:
-                batch, made = score_one(c, item)
-                shares += [s.measure() for s in made]
+                batch, piece_shares = score_one(c, item)
+                measures += [s.measure() for s in piece_shares]
                 item = Piece(item.index, item.rows, batch)
             if scores:
                 seconds["teacher"] += time.perf_counter() - t0
@@ -142,12 +142,12 @@ def make_batch(cfg: RunConfig, step: int, pb, source: str, objective, layout, se
         for piece in sorted(pieces, key=lambda p: p.index):   # the learner sums in piece order
             if spans is not None:
                 t0 = time.perf_counter()
-                batch, made = spans.piece(piece.rows, piece.batch)
-                shares += [s.measure() for s in made]
+                batch, piece_shares = spans.piece(piece.rows, piece.batch)
+                measures += [s.measure() for s in piece_shares]
                 piece = Piece(piece.index, piece.rows, batch)
                 seconds["teacher"] += time.perf_counter() - t0
             scored.append(piece.batch)
-    return scored, part_stats, shares, seconds, in_rollout
+    return scored, part_stats, measures, seconds, in_rollout
 
 
 def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
@@ -188,7 +188,8 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
                     desc="opd reference", progress=progress)
     quality = quality_log(run_dir, resume=resume, start=start)
     steps.follow(quality)
-    evaluator = Evaluator(cfg, as_one_model(teachers, tmodels)) if cfg.eval.track else None
+    evaluator = (Evaluator(cfg, TeacherEnsemble(teachers, tmodels).eval()) if cfg.eval.track
+                 else None)
     if evaluator is not None and not has_row(quality.rows, "teacher"):
         quality.append(evaluator.teacher_row(run_dir))
     track_quality(evaluator, quality, student, start, run_dir)
@@ -201,10 +202,10 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             layout = layouts[source]
             cpu0 = time.process_time()
             if schedule.reused(step):                 # a buffered rollout: no batch, no scoring
-                scored, part_stats, shares = buffer[schedule.origin(step)], [], []
+                scored, part_stats, measures = buffer[schedule.origin(step)], [], []
                 seconds, in_rollout = {"rollout": 0.0, "teacher": 0.0}, 0.0
             else:
-                scored, part_stats, shares, seconds, in_rollout = make_batch(
+                scored, part_stats, measures, seconds, in_rollout = make_batch(
                     cfg, step, next(batcher), source, objective, layout, train.seq_len,
                     teacher if source == "teacher" else policy(student), engine,
                     (tmodels, cfg, teachers), cache)
@@ -222,7 +223,7 @@ def run_reference(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True,
             row = step_row(step, traj, metrics, seconds, phase=phase_at(cfg, step).name,
                            reused=schedule.reused(step))
             row["pieces"] = layout.pieces
-            row.update(teacher_metrics(teachers, shares))
+            row.update(teacher_metrics(teachers, measures))
             if cache is not None:
                 row["score_cache_images"], row["score_cache_bytes"] = len(cache), cache.nbytes
             row["teacher_in_rollout_s"] = in_rollout           # rollout.span: scored early

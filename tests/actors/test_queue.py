@@ -76,11 +76,11 @@ def test_queue_actor_hands_each_rank_its_refs(ray_session):
     r0, r1 = ray.put({"rank": 0}), ray.put({"rank": 1})
     assert ray.get(q.put_piece.remote(0, 0, 0, [r0, r1]))
     ray.get(q.seal.remote(QueueItem(0, 0, 0, samples=2, generated_tokens=6), 0, 1))
-    share1 = ray.get(q.take.remote(0, 0, 1))
-    share0 = ray.get(q.take.remote(0, 0, 0))                     # the same item for rank 0
-    assert (share0["batch_id"], share0["generated_tokens"], share1["samples"]) == (0, 6, 2)
-    assert [ray.get(r) for r in share0["refs"]] == [[{"rank": 0}]]
-    assert [ray.get(r) for r in share1["refs"]] == [[{"rank": 1}]]
+    taken1 = ray.get(q.take.remote(0, 0, 1))
+    taken0 = ray.get(q.take.remote(0, 0, 0))                     # the same item for rank 0
+    assert (taken0["batch_id"], taken0["generated_tokens"], taken1["samples"]) == (0, 6, 2)
+    assert [ray.get(r) for r in taken0["refs"]] == [[{"rank": 0}]]
+    assert [ray.get(r) for r in taken1["refs"]] == [[{"rank": 1}]]
     assert ray.get(q.take.remote(0, 0, 0)) is None               # handed out to every rank
     assert not ray.get(q.put_piece.remote(0, 1, 0, [r0, r1]))      # late piece of a trained step
     ray.kill(q)

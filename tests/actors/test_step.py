@@ -26,6 +26,12 @@ def piece(p: int, payload="ref") -> PieceReport:
     return PieceReport(p, 2, 6, nbytes=10 + p, payload=payload)
 
 
+def merged(p: int) -> PieceReport:
+    """Piece p's delivery once its one share is scored (`piece(p)`'s): the shares' report merged,
+    which holds no payload."""
+    return PieceReport(p, 2, 6, nbytes=10 + p)
+
+
 def part(seconds=0.0) -> PartReport:
     return PartReport(4, 12, RolloutStats(rounds=3, generated_tokens=12), seconds)
 
@@ -45,9 +51,9 @@ def test_a_rollout_call_streams_its_pieces_to_scoring_and_delivery():
     assert s.piece_made(1, 1, piece(2)) == []                    # being scored: once
     assert s.piece_made(0, 1, piece(0)) == [Score(0, 1)]
     s.piece_scored(2, piece(2), busy=0.5)
-    assert [p.delivered for p in s.pieces] == [None, None, piece(2), None]
+    assert [p.delivered for p in s.pieces] == [None, None, merged(2), None]
     s.part_made(1, 1, part(seconds=2.0), busy=9.0)
-    assert s.times.busy["rollout"] == 2.0 and 1 in s.made and 1 not in s.generating
+    assert s.times.busy["rollout"] == 2.0 and 1 in s.ended and 1 not in s.generating
     assert s.piece_made(1, 1, piece(3)) == [Score(3, 1)]
     for p in (0, 3):
         s.piece_scored(p, piece(p), busy=0.25)
@@ -136,7 +142,7 @@ def test_a_scoring_that_waited_for_a_worker_scores_the_latest_payload_or_the_new
     assert s.piece_made(0, 2, piece(0, "new")) == [Score(0, 2)]  # the new call's piece is
     s.piece_scored(0, piece(0, "new"), busy=0.1)
     assert s.score_due(0, 2) == []                               # delivered meanwhile
-    assert s.pieces[0].delivered == piece(0, "new")
+    assert s.pieces[0].delivered == merged(0)
 
 
 def delivered_step(**kw) -> Step:
@@ -271,7 +277,7 @@ def test_a_lost_share_is_scored_again_alone():
     assert t.prefetch is False and [h.piece for h in s.hand_out()] == [0, 1, 2, 3]
     for r in (0, 1):
         s.piece_trained(0, 1, r, answer(r, 0), ranks=2)
-    lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_shares=(1,) if r else ()),
+    lost = [s.piece_trained(1, 1, r, answer(r, 1, lost=True, lost_at=(1,) if r else ()),
                             ranks=2) for r in (0, 1)]
     assert lost == [[], [Score(1, 1, 1)]]                        # share of teacher 1 only
     assert 0 in s.pieces[1].scored and 1 not in s.pieces[1].scored

@@ -95,8 +95,8 @@ def test_teacher_worker_delivers_each_rank_only_its_rows(setup, ray_session):
     ray_session.get(queue.seal.remote(QueueItem(0, job.batch_id, 0, samples=4), 0, 1))
     nbytes = 0
     for rank, (a, b) in enumerate(cuts):
-        share = ray_session.get(queue.take.remote(0, 0, rank))
-        ((ref,),) = share["refs"]                  # its one piece: one share (one teacher)
+        taken = ray_session.get(queue.take.remote(0, 0, rank))
+        ((ref,),) = taken["refs"]                  # its one piece: one share (one teacher)
         payload = ray_session.get(ref)
         nbytes += payload_nbytes(payload)
         got = share_from_numpy(payload)

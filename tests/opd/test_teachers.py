@@ -110,7 +110,7 @@ def test_two_identical_teachers_mixed_are_the_one_teacher_run(tiny_overrides, tm
 
 def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides):
     """The routed `TeacherEnsemble` (what evaluation measures a run of several teachers
-    against) gives each row its owner's log-probs; with the keyed sampler its samples of class c
+    against) gives each row its owner's logits, bit for bit; with the keyed sampler its samples of class c
     are the owner's own samples of class c, token for token (Cached AR and HB-SJD)."""
     from opd.distill.ensemble import load_teacher
     from opd.eval.sample import sample_tokens
@@ -121,15 +121,42 @@ def test_the_ensemble_is_each_rows_owner_and_samples_as_the_owner(tiny_overrides
     labels = torch.tensor([7, 0, 5, 4])
     tokens = torch.randint(0, 17, (4, 63))
     got = ensemble(labels, tokens)
-    for r, c in enumerate(labels.tolist()):
-        want = torch.log_softmax(owners[c >= 5](labels[r:r + 1], tokens[r:r + 1]), -1)
-        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-6)
+    for i, model in enumerate(owners):
+        rows = (labels >= 5) == bool(i)
+        assert torch.equal(got[rows], model(labels, tokens)[rows])
     for engine in ("cached_ar", "hbsjd"):
         mixed = sample_tokens(ensemble, cfg, 20, engine=engine).tokens
         for i, model in enumerate(owners):
             own = sample_tokens(model, cfg, 20, engine=engine).tokens
             rows = [k for k in range(20) if (k % 10 >= 5) == bool(i)]
             assert torch.equal(mixed[rows], own[rows]), (engine, i)
+
+
+@pytest.mark.parametrize("rule", [(), (ALL,)], ids=["mixed", "routed"])
+def test_one_teacher_is_an_ensemble_of_one_bit_for_bit(tiny_overrides, rule):
+    """What evaluation measures a one-teacher run against is the `TeacherEnsemble` of its one
+    teacher, and that is the teacher: logits (a full forward, a prefill and a cached forward,
+    the null class of CFG among the rows) and sampled tokens equal its own, bit for bit."""
+    from opd.distill.ensemble import TeacherEnsemble, load_teacher
+    from opd.eval.sample import sample_tokens
+    cfg = cfg_for(tiny_overrides, *rule, "rollout.decoding=sample")
+    ensemble = load_teacher(cfg, progress=False)
+    (model,) = ensemble.members
+    assert isinstance(ensemble, TeacherEnsemble)
+    labels = torch.tensor([7, 0, 10, 4])                         # 10: the null class
+    tokens = torch.randint(0, 17, (4, 63))
+    assert torch.equal(ensemble(labels, tokens), model(labels, tokens))
+    outs = []
+    for m in (ensemble, model):
+        m.setup_cache(4, 64)
+        rows = torch.tensor([3, 1, 0, 2])
+        first = m.prefill(labels, tokens[:, :5], rows)
+        pos = torch.arange(6, 9).expand(4, 3)
+        outs.append((first, m.forward_cached(tokens[:, 5:8], pos, rows)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for engine in ("cached_ar", "hbsjd"):
+        assert torch.equal(sample_tokens(ensemble, cfg, 20, engine=engine).tokens,
+                           sample_tokens(model, cfg, 20, engine=engine).tokens)
 
 
 def test_a_routed_run_scores_each_row_once_and_evaluates_against_the_ensemble(tiny_overrides,
