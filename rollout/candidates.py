@@ -105,7 +105,7 @@ def no_candidates(B: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
                 tree: Tree, T: int) -> tuple[Tensor, Tensor, Tensor]:
     """Append the branches j > 0 to plain windows.  tokens, positions (B, W) and offset (B,)
-    from `window_inputs`, seq (B, T + span) (span >= W: the largest window with W "auto"),
+    from `window_inputs`, seq (B, T + scratch_len) (scratch_len >= W: the largest window with W "auto"),
     cand (B, K), T = P + N (`Plan.T`) -> tokens, positions (B, C) and the attention mask
     (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions cur + 1..; it
     sees the window's columns up to the root (column offset) and its own earlier columns.  Only

@@ -290,7 +290,8 @@ class JacobiEngine(Engine):
         K = self.options.get("candidates", 0)
         return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
 
-    def plan(self, model, req: Request, W: int | None = None, span: int | None = None) -> Plan:
+    def plan(self, model, req: Request, W: int | None = None,
+             scratch_len: int | None = None) -> Plan:
         """The constants of a call (`jacobi.make_plan`) at window W (default option window;
         "auto": the largest window the policy may choose); the window is clipped to N - 1
         tokens, the most predictions a round can use."""
@@ -299,7 +300,7 @@ class JacobiEngine(Engine):
         return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
                          self.SYNC, req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.speculative, span)
+                         model.vocab_size, req.speculative, scratch_len)
 
     def run_stream(self, model, req: Request) -> Iterator[Finished]:
         """`run_jacobi` with this call's plan, gamma or window policy, and compiled rounds."""
@@ -311,7 +312,7 @@ class JacobiEngine(Engine):
 
             def plan_for(W: int) -> Plan:
                 if W not in plans:
-                    plans[W] = self.plan(model, req, W, span=policy.largest)
+                    plans[W] = self.plan(model, req, W, scratch_len=policy.largest)
                 return plans[W]
             plan, gamma = plan_for(policy.largest), 0
         else:

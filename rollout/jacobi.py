@@ -51,12 +51,12 @@ from rollout.verify import verify_greedy, verify_sample
 def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
               vocab_size: int | None = None, speculative: bool = False,
-              span: int | None = None) -> Plan:
+              scratch_len: int | None = None) -> Plan:
     """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
     each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
-    speculative: decoding "speculative" (which committed tokens join the candidates); span:
-    the state's slots past T (None: W; a call whose window changes between rounds sizes its
-    state for the largest, `rewindow`)."""
+    speculative: decoding "speculative" (which committed tokens join the candidates);
+    scratch_len: the state's slots past T (None: W; a call whose window changes between rounds
+    sizes its state for the largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -67,7 +67,7 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
                 known=torch.tensor([1, H] if speculative else [H], device=device),
-                span=max(W, span or W), K=candidates if candidates >= 2 else 0)
+                scratch_len=max(W, scratch_len or W), K=candidates if candidates >= 2 else 0)
 
 
 def fill_history(seq: Tensor, defined: Tensor, plan: Plan) -> Tensor:
@@ -94,7 +94,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     """State of images `images` after their round 0 (prefill chose token P, with behaviour
     log-prob `first_logp`; None records no log-probs): cur = P + 1, drafts from history."""
     B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
-    seq = torch.zeros(B, T + plan.span, dtype=torch.long, device=first.device)
+    seq = torch.zeros(B, T + plan.scratch_len, dtype=torch.long, device=first.device)
     seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
@@ -104,7 +104,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
         q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
     logp = None
     if first_logp is not None:
-        logp = torch.zeros(B, T + plan.span, dtype=torch.float32, device=first.device)
+        logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
     cand = on_tree = None
     if plan.K:

@@ -55,7 +55,7 @@ class Plan:
     known: Tensor | None = None  # (h,) candidate drafting: the committed tokens this far
     #                              before token cur join its candidates, (H,) greedy or
     #                              "sample", (1, H) "speculative" (`candidates.candidates`)
-    span: int = 0        # slots of seq / logp past T (>= W; the largest window with W "auto")
+    scratch_len: int = 0  # slots of seq / logp past T (>= W; the largest window with W "auto")
     K: int = 0           # candidates of the call (>= 2: the state carries cand and on_tree,
     #                      also in a window without a tree, W 1 of W "auto", so rows
     #                      refilled then match the rest)
@@ -63,13 +63,13 @@ class Plan:
 
 @dataclass
 class JacobiState:
-    seq: Tensor          # (B, T + span) int64 committed tokens, then drafts; past T scratch
+    seq: Tensor          # (B, T + scratch_len) int64 committed tokens, then drafts; past T scratch
     cur: Tensor          # (B,) int64 committed length
     rounds: Tensor       # (B,) int64 rounds taken so far (= attempt number of the next round)
     key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
     q: Tensor | None     # (B, W, V) proposal of the token of each window column (sample
     #                      mode; the last column's is never used), else None
-    logp: Tensor | None = None  # (B, T + span) float32 behaviour log-probs of the committed
+    logp: Tensor | None = None  # (B, T + scratch_len) float32 behaviour log-probs of the committed
     #                             tokens, laid out like seq (None: not recorded)
     cand: Tensor | None = None  # (B, K) int64 candidates for token cur (plan.K)
     on_tree: Tensor | None = None  # (B,) bool the next window is a tree (plan.K)
