@@ -31,8 +31,8 @@ from torch import Tensor
 from rollout.calibrate import calibration_path
 from rollout.candidates import move_branch, tree_forward
 from rollout.engine import Engine, Finished, Request, cfg_rows, prefill_token, register
-from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_update, make_plan,
-                            rewindow, window_inputs)
+from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
+                            window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
 from rollout.spans import span_cuts, whole_spans
@@ -246,11 +246,10 @@ def forward_window(model, st: JacobiState, req: Request, plan: Plan,
 def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, offset: Tensor,
                   req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
     """The round's verification step: guide the logits, verify every window and advance `st`
-    in place (rollout/jacobi.py); a tree window's winning branch (the branch jacobi_update
-    returns only then) then moves into place (`candidates.move_branch`).  -> counts (3, B)
-    int64: committed, accepted, rejected."""
-    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), positions, offset, req,
-                                  plan)
+    in place (`plan.update`: rollout/jacobi.py `jacobi_update`, or a baseline's); a tree
+    window's winning branch (the branch the update returns only then) then moves into place
+    (`candidates.move_branch`).  -> counts (3, B) int64: committed, accepted, rejected."""
+    counts, taken = plan.update(st, guide(logits, req.cfg_scale), positions, offset, req, plan)
     if taken is not None:
         move_branch(model, positions, offset, taken, req, rows, plan.tree)
     return counts
@@ -265,16 +264,14 @@ class JacobiEngine(Engine):
     the next window also verifies K - 1 alternatives for the following token as token-tree
     branches, rollout/candidates.py; every decoding; 0 = off) and branch (columns of each
     alternative branch; None = 1)."""
-    SYNC = False
-    DEFAULT_H_IS_ONE = False
-
     def __init__(self, **options):
         super().__init__(**options)
         self._states = StaticStates()    # compiled rounds' state buffers
 
     def history(self, model) -> int:
+        """Option history_offset, by default one grid row."""
         H = self.options["history_offset"]
-        return (1 if self.DEFAULT_H_IS_ONE else model.grid_size) if H is None else H
+        return model.grid_size if H is None else H
 
     def check_model(self, model, req: Request) -> None:
         H = self.history(model)
@@ -298,7 +295,7 @@ class JacobiEngine(Engine):
         o = self.options
         W = W or (max(WINDOWS) if o["window"] == "auto" else o["window"])
         return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
-                         self.SYNC, req.labels.device, o["refresh"] == "coupled",
+                         req.labels.device, o["refresh"] == "coupled",
                          min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
                          model.vocab_size, req.speculative, scratch_len)
 

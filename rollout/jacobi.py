@@ -20,13 +20,12 @@ most N - 1.
 
 Verification (rollout/verify.py) runs in window columns: column c predicts token start + c.
 `m` tokens are committed (the accepted drafts plus the replacement / bonus token; the batch
-minimum for Batch-Synchronous SJD).  The round's tokens after them are the next drafts: the
+minimum for Batch-Synchronous SJD, rollout/baselines/sjd_sync.py).  The round's tokens after them are the next drafts: the
 argmax (greedy), the argmax of the column's perturbed scores (decoding "sample": the keyed
 Gumbel-max rule, rollout/sampling.py `perturb`, verified as greedy drafts are, so every
 committed token is the one Cached AR commits), or tokens distributed exactly as this round's
 p, so q = p (decoding "speculative": redrawn, or kept by maximal coupling, see
-rollout/verify.py; with the batch minimum, accepted drafts that were not committed are
-redrawn from p).  Every column is written back in one scatter, the
+rollout/verify.py).  Every column is written back in one scatter, the
 columns committed before the round to scratch slots past T.  Then the W - 1 tokens after the
 window are filled from history: token j gets the token H positions earlier, following the chain
 j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
@@ -36,6 +35,7 @@ tokens past the next window are never read before a later round writes them agai
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,15 +44,15 @@ from rollout.candidates import make_tree, next_candidates, no_candidates, tree_p
 from rollout.engine import Request, cfg_rows, choose_token
 from rollout.jacobi_state import JacobiState, Plan
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              guide, inverse_cdf, perturb, uniform, warp)
+                              guide, perturb, uniform, warp)
 from rollout.verify import verify_greedy, verify_sample
 
 
-def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
+def make_plan(T: int, W: int, H: int, device: torch.device,
               coupled: bool = True, candidates: int = 0, branch: int | None = None,
               vocab_size: int | None = None, speculative: bool = False,
               scratch_len: int | None = None) -> Plan:
-    """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
+    """candidates: K >= 2 turns on candidate drafting, branch: columns of
     each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
     speculative: decoding "speculative" (which committed tokens join the candidates);
     scratch_len: the state's slots past T (None: W; a call whose window changes between rounds
@@ -63,7 +63,7 @@ def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
     streams = torch.tensor([STREAM_ACCEPT, STREAM_COUPLE, STREAM_TOKEN, STREAM_DRAFT],
                            device=device).view(4, 1, 1, 1)
     vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
-    return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
+    return Plan(T, W, H, jacobi_update, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
                 streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
                 known=torch.tensor([1, H] if speculative else [H], device=device),
@@ -154,15 +154,10 @@ def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     return st.seq.gather(1, positions - 1), positions, st.cur - start
 
 
-def commit_count(a: Tensor, offset: Tensor, W: int, sync: bool) -> Tensor:
+def commit_count(a: Tensor, offset: Tensor, W: int) -> Tensor:
     """a, offset: (B, 1, 1) (rollout/verify.py) -> tokens to commit per row (B, 1, 1): the
-    accepted drafts and one more, a + 1 - offset (the batch minimum when sync); 0 for a
-    finished row (a = offset = W)."""
-    m = (a + 1).clamp(max=W) - offset
-    if sync:
-        live = m > 0
-        m = torch.where(live, m, torch.iinfo(m.dtype).max).amin() * live
-    return m
+    accepted drafts and one more, a + 1 - offset; 0 for a finished row (a = offset = W)."""
+    return (a + 1).clamp(max=W) - offset
 
 
 def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
@@ -178,9 +173,29 @@ def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
     return pool.gather(1, (shift + plan.q_cols).expand(B, W, V))
 
 
+class Verified(NamedTuple):
+    """A round's windows after verification (`verify`), before anything is committed."""
+    seq: Tensor             # (B, T + scratch_len, 1) int64 a view of the state's seq
+    start: Tensor           # (B, 1, 1) int64 the window's first token
+    pos: Tensor             # (B, W, 1) int64 the token each column predicts
+    offset: Tensor          # (B,) int64 the first column not committed before (`window_inputs`)
+    off: Tensor             # (B, 1, 1) the same
+    done: Tensor            # (B, W, 1) bool the columns committed before the round
+    tokens: Tensor          # (B, W, 1) int64 the round's tokens: the accepted drafts, the token
+    #                         at a, the next drafts after it
+    a: Tensor               # (B, 1, 1) int64 the first column neither committed before nor
+    #                         accepted (rollout/verify.py)
+    last: Tensor | int      # the first column not checked: W - 1, or (B, 1, 1) on a tree path
+    p: Tensor | None        # (B, W, V) the columns' distributions (None: greedy, no log-probs)
+    u: Tensor | None        # (4, B, W, 1) the round's uniforms (decoding "speculative")
+    guided: Tensor          # (B, W, V) the logits verified (perturbed with decoding "sample")
+    branch: Tensor | None   # (B,) int64 the branch each row's tree window took (candidates)
+
+
 def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor,
                   req: Request, plan: Plan) -> tuple[Tensor, Tensor | None]:
-    """Verify this round's windows and advance `st` in place.
+    """A round's verification step, every row on its own: `verify` the windows, then `commit`
+    the accepted drafts and one more token of each row (`commit_count`), in place.
 
     guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
     tree's branches after the window); positions: (B, W) (or (B, C)) int64 the index of the
@@ -188,14 +203,23 @@ def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Te
     "sample"); offset from `window_inputs`.
     Returns counts (3, B) int64 -- tokens committed, drafts accepted and drafts rejected (0 or
     1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
-    window took (else None).  Candidate drafting (plan.tree) has two seams here, both in
-    rollout/candidates.py: `tree_path` reads the tree window as the plain window along the
-    branch the root column chose, `next_candidates` drafts the next window's candidates."""
+    window took (else None)."""
+    v = verify(st, guided, positions, offset, req, plan)
+    m = commit_count(v.a, v.off, plan.W)                              # (B, 1, 1)
+    accepted, rejected = commit(st, v, m, req, plan)
+    return torch.stack([m, accepted, rejected.long()]).view(3, -1), v.branch
+
+
+def verify(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor, req: Request,
+           plan: Plan) -> Verified:
+    """Verify every window of the round (rollout/verify.py; arguments as `jacobi_update`'s);
+    `st` is left as it was, but for a tree window's chosen candidate, written as draft cur.
+    Candidate drafting (plan.tree) has its seam here, in rollout/candidates.py: `tree_path`
+    reads the tree window as the plain window along the branch the root column chose."""
     B, W = st.cur.shape[0], plan.W
     off = offset.view(B, 1, 1)
     start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
     pos = start + plan.col                                            # (B, W, 1) column's token
-    seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
     done = plan.col < off                                             # committed before
     held, checked, drafted, last, branch = done, plan.checked, None, W - 1, None
     p = u = None
@@ -209,6 +233,7 @@ def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Te
     if plan.tree is not None:       # candidate drafting: the path the root column chose
         guided, p, held, checked, drafted, last, branch = tree_path(st, guided, p, u, offset,
                                                                     off, done, plan)
+    seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
     drafts = seq.gather(1, pos)                                       # (B, W, 1)
     if req.speculative:  # on a tree path the drafts past its valid predictions are coupled too
         a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
@@ -216,26 +241,31 @@ def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Te
     else:
         tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
         a = verify_greedy(tokens, drafts, held, checked)
-    m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
-    if plan.sync and req.speculative:    # accepted past the batch minimum: drafts again, from p
-        again = (plan.col >= off + m) & (plan.col <= a)
-        tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)       # u[3]: drafts
-    write = torch.where(done, plan.scratch, pos)    # committed before: to scratch past T
-    seq.scatter_(1, write, tokens)
+    return Verified(seq, start, pos, offset, off, done, tokens, a, last, p, u, guided, branch)
+
+
+def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
+           plan: Plan) -> tuple[Tensor, Tensor]:
+    """Commit m (B, 1, 1) tokens of each row of the verified round v, in place: every column's
+    token written back in one scatter (the columns committed before to scratch past T) with its
+    behaviour log-prob, the W - 1 tokens after the window filled from history, cur and the
+    round counter advanced, and the next window's proposals (decoding "speculative") and
+    candidates (candidate drafting: `candidates.next_candidates`).  -> accepted (B, 1, 1)
+    int64 drafts and rejected (B, 1, 1) bool (finished rows: 0, False)."""
+    B, W = st.cur.shape[0], plan.W
+    seq = v.seq
+    write = torch.where(v.done, plan.scratch, v.pos)  # committed before: to scratch past T
+    seq.scatter_(1, write, v.tokens)
     if st.logp is not None:      # right for the committed columns; the rest is rewritten later
-        st.logp.unsqueeze(2).scatter_(1, write, p.gather(2, tokens).log())   # token_logprob
-    filled = fill_history(seq, start + W, plan)
-    accepted, rejected = a - off, a < last      # finished rows: 0, False
-    if plan.sync:                 # a row past the batch minimum commits accepted drafts only
-        accepted, rejected = torch.minimum(accepted, m), rejected & (accepted < m)
-    counts = torch.stack([m, accepted, rejected.long()])
+        st.logp.unsqueeze(2).scatter_(1, write, v.p.gather(2, v.tokens).log())  # token_logprob
+    filled = fill_history(seq, v.start + W, plan)
     if plan.tree is not None:       # candidate drafting: the next window's candidates
-        next_candidates(st, guided, offset, a, m, last, branch, plan)
+        next_candidates(st, v.guided, v.offset, v.a, m, v.last, v.branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)
     if req.speculative:
-        st.q = next_proposals(p, filled, start, st.cur, plan)
-    return counts.view(3, B), branch
+        st.q = next_proposals(v.p, filled, v.start, st.cur, plan)
+    return v.a - v.off, v.a < v.last
 
 
 def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | None) -> Tensor:

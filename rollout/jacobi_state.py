@@ -6,6 +6,7 @@ rollout/jacobi.py's.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from torch import Tensor
@@ -36,7 +37,8 @@ class Plan:
     T: int               # P + N
     W: int               # window (<= N - 1)
     H: int               # history offset
-    sync: bool           # commit the batch minimum (Batch-Synchronous SJD)
+    update: Callable     # the verification step after the forward: `jacobi_update`, rows on
+    #                      their own (rollout/baselines/sjd_sync.py: the batch minimum)
     coupled: bool        # speculative drafts refreshed by maximal coupling (else resampled)
     ar: Tensor           # (W,) 0..W-1
     col: Tensor          # (W, 1) 0..W-1: the window's columns

@@ -1,0 +1,8 @@
+"""The paper's baselines, kept for comparison only: no training run uses them.
+
+    sjd_sync.py   Batch-Synchronous SJD (the original SJD batched naively: the batch minimum)
+
+Cached AR (rollout/cached_ar.py) is the other baseline but stays beside the engines: training
+uses it too (opd/distill/steps.py times every tenth rollout call with it for the summary's
+rollout_vs_ar, and `rollout.engine=cached_ar` is a supported run).
+"""
