@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from rollout.calibrate import calibration_path
-from rollout.candidates import move_branch, tree_forward
+from rollout.candidates import candidate_tree
 from rollout.engine import Engine, Finished, Request, cfg_rows, prefill_token, register
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
                             window_inputs)
@@ -234,12 +234,10 @@ def forward_window(model, st: JacobiState, req: Request, plan: Plan,
                    rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The round's verifier forward over the windows of `st`'s rows (cache rows `rows`, None =
     Full execution).  -> logits (2B or B, W, V), positions (B, W) and offset (B,) from
-    `window_inputs`; C columns for W with candidate drafting (`candidates.tree_forward`)."""
+    `window_inputs`; C columns for W with candidate drafting (`plan.drafting.forward`)."""
     tokens, positions, offset = window_inputs(st, plan)
-    if plan.tree is not None:             # (B, C) windows with the candidates' branches
-        logits, positions = tree_forward(model, st, tokens, positions, offset, req, rows, plan)
-    else:
-        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+    logits, positions = plan.drafting.forward(model, st, tokens, positions, offset, req, rows,
+                                              plan)
     return logits, positions, offset
 
 
@@ -248,10 +246,9 @@ def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, off
     """The round's verification step: guide the logits, verify every window and advance `st`
     in place (`plan.update`: rollout/jacobi.py `jacobi_update`, or a baseline's); a tree
     window's winning branch (the branch the update returns only then) then moves into place
-    (`candidates.move_branch`).  -> counts (3, B) int64: committed, accepted, rejected."""
+    (`plan.drafting.move`).  -> counts (3, B) int64: committed, accepted, rejected."""
     counts, taken = plan.update(st, guide(logits, req.cfg_scale), positions, offset, req, plan)
-    if taken is not None:
-        move_branch(model, positions, offset, taken, req, rows, plan.tree)
+    plan.drafting.move(model, positions, offset, taken, req, rows)
     return counts
 
 
@@ -292,12 +289,14 @@ class JacobiEngine(Engine):
         """The constants of a call (`jacobi.make_plan`) at window W (default option window;
         "auto": the largest window the policy may choose); the window is clipped to N - 1
         tokens, the most predictions a round can use."""
-        o = self.options
+        o, H, dev = self.options, self.history(model), req.labels.device
         W = W or (max(WINDOWS) if o["window"] == "auto" else o["window"])
-        return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
-                         req.labels.device, o["refresh"] == "coupled",
-                         min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.speculative, scratch_len)
+        W = max(1, min(W, req.num_new - 1))
+        K = min(o.get("candidates", 0), model.vocab_size)
+        drafting = (candidate_tree(W, K, H, dev, o.get("branch"), req.speculative) if K >= 2
+                    else None)                                        # None: the plain window
+        return make_plan(req.total, W, H, dev, o["refresh"] == "coupled", drafting,
+                         model.vocab_size, scratch_len)
 
     def run_stream(self, model, req: Request) -> Iterator[Finished]:
         """`run_jacobi` with this call's plan, gamma or window policy, and compiled rounds."""

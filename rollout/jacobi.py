@@ -20,12 +20,12 @@ most N - 1.
 
 Verification (rollout/verify.py) runs in window columns: column c predicts token start + c.
 `m` tokens are committed (the accepted drafts plus the replacement / bonus token; the batch
-minimum for Batch-Synchronous SJD, rollout/baselines/sjd_sync.py).  The round's tokens after them are the next drafts: the
-argmax (greedy), the argmax of the column's perturbed scores (decoding "sample": the keyed
-Gumbel-max rule, rollout/sampling.py `perturb`, verified as greedy drafts are, so every
-committed token is the one Cached AR commits), or tokens distributed exactly as this round's
-p, so q = p (decoding "speculative": redrawn, or kept by maximal coupling, see
-rollout/verify.py).  Every column is written back in one scatter, the
+minimum for Batch-Synchronous SJD, rollout/baselines/sjd_sync.py).  The round's tokens after
+them are the next drafts: the argmax (greedy), the argmax of the column's perturbed scores
+(decoding "sample": the keyed Gumbel-max rule, rollout/sampling.py `perturb`, verified as
+greedy drafts are, so every committed token is the one Cached AR commits), or tokens
+distributed exactly as this round's p, so q = p (decoding "speculative": redrawn, or kept by
+maximal coupling, see rollout/verify.py).  Every column is written back in one scatter, the
 columns committed before the round to scratch slots past T.  Then the W - 1 tokens after the
 window are filled from history: token j gets the token H positions earlier, following the chain
 j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
@@ -40,23 +40,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rollout.candidates import make_tree, next_candidates, no_candidates, tree_path
 from rollout.engine import Request, cfg_rows, choose_token
-from rollout.jacobi_state import JacobiState, Plan
+from rollout.jacobi_state import Drafting, JacobiState, Path, Plan
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
                               guide, perturb, uniform, warp)
 from rollout.verify import verify_greedy, verify_sample
 
 
-def make_plan(T: int, W: int, H: int, device: torch.device,
-              coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None, speculative: bool = False,
+def make_plan(T: int, W: int, H: int, device: torch.device, coupled: bool = True,
+              drafting: Drafting | None = None, vocab_size: int | None = None,
               scratch_len: int | None = None) -> Plan:
-    """candidates: K >= 2 turns on candidate drafting, branch: columns of
-    each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
-    speculative: decoding "speculative" (which committed tokens join the candidates);
-    scratch_len: the state's slots past T (None: W; a call whose window changes between rounds
-    sizes its state for the largest, `rewindow`)."""
+    """drafting: the window kind (None: `PlainWindow`; candidate drafting:
+    rollout/candidates.py `candidate_tree`); vocab_size: V (speculative decoding builds it when
+    None); scratch_len: the state's slots past T (None: W; a call whose window changes between
+    rounds sizes its state for the largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
@@ -65,9 +62,39 @@ def make_plan(T: int, W: int, H: int, device: torch.device,
     vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
     return Plan(T, W, H, jacobi_update, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
-                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
-                known=torch.tensor([1, H] if speculative else [H], device=device),
-                scratch_len=max(W, scratch_len or W), K=candidates if candidates >= 2 else 0)
+                streams=streams, drafting=drafting or PlainWindow(), vocab=vocab,
+                scratch_len=max(W, scratch_len or W))
+
+
+class PlainWindow:
+    """The window kind without candidate drafting (`jacobi_state.Drafting`): a round verifies
+    the W columns of `window_inputs` as they are; nothing to carry, choose or move."""
+
+    def fresh(self, B: int, device: torch.device) -> tuple[None, None]:
+        return None, None
+
+    def rewound(self, on_tree: None) -> None:
+        return on_tree
+
+    def forward(self, model, st: JacobiState, tokens: Tensor, positions: Tensor,
+                offset: Tensor, req: Request, rows: Tensor | None,
+                plan: Plan) -> tuple[Tensor, Tensor]:
+        """-> logits (2B or B, W, V) of the windows tokens, positions (B, W), and positions."""
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+        return logits, positions
+
+    def path(self, st: JacobiState, guided: Tensor, p: Tensor | None, u: Tensor | None,
+             offset: Tensor, off: Tensor, done: Tensor, plan: Plan) -> Path:
+        """The window itself: the drafts of columns 0..W-2 checked, none committed before."""
+        return Path(guided, p, done, plan.checked, None, plan.W - 1, None)
+
+    def next(self, st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
+             last: int, branch: None, plan: Plan) -> None:
+        pass
+
+    def move(self, model, positions: Tensor, offset: Tensor, branch: None, req: Request,
+             rows: Tensor | None) -> None:
+        pass
 
 
 def fill_history(seq: Tensor, defined: Tensor, plan: Plan) -> Tensor:
@@ -106,9 +133,7 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     if first_logp is not None:
         logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
         logp[:, P] = first_logp
-    cand = on_tree = None
-    if plan.K:
-        cand, on_tree = no_candidates(B, plan.K, first.device)
+    cand, on_tree = plan.drafting.fresh(B, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
@@ -140,15 +165,14 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
         V = q.shape[-1]
         moved = q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
         q = torch.where(kept[..., None], moved, one_hot(tokens, V, q.dtype))
-    if on_tree is not None and new.tree is None:
-        on_tree = torch.zeros_like(on_tree)
-    return replace(st, q=q, on_tree=on_tree)
+    return replace(st, q=q, on_tree=new.drafting.rewound(on_tree))
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     """-> tokens (B, W) int64, positions (B, W) int64, offset (B,) int64: window index of the
     prediction of token cur (offset > 0 only for clipped windows, = W for finished rows).
-    With candidate drafting `candidates.tree_window` appends the branches."""
+    With candidate drafting the window kind's `forward` appends the branches
+    (`candidates.tree_window`)."""
     start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
     positions = start[:, None] + plan.ar
     return st.seq.gather(1, positions - 1), positions, st.cur - start
@@ -214,14 +238,13 @@ def verify(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor, r
            plan: Plan) -> Verified:
     """Verify every window of the round (rollout/verify.py; arguments as `jacobi_update`'s);
     `st` is left as it was, but for a tree window's chosen candidate, written as draft cur.
-    Candidate drafting (plan.tree) has its seam here, in rollout/candidates.py: `tree_path`
-    reads the tree window as the plain window along the branch the root column chose."""
+    The window kind's seam (`plan.drafting.path`): the window itself, or with candidate
+    drafting (rollout/candidates.py) the tree window along the branch the root column chose."""
     B, W = st.cur.shape[0], plan.W
     off = offset.view(B, 1, 1)
     start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
     pos = start + plan.col                                            # (B, W, 1) column's token
     done = plan.col < off                                             # committed before
-    held, checked, drafted, last, branch = done, plan.checked, None, W - 1, None
     p = u = None
     if req.speculative:
         u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
@@ -230,9 +253,8 @@ def verify(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor, r
                             req.temperature, req.top_k, req.top_p)    # (B, W or C, V)
     elif req.speculative or st.logp is not None:
         p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
-    if plan.tree is not None:       # candidate drafting: the path the root column chose
-        guided, p, held, checked, drafted, last, branch = tree_path(st, guided, p, u, offset,
-                                                                    off, done, plan)
+    guided, p, held, checked, drafted, last, branch = plan.drafting.path(st, guided, p, u,
+                                                                         offset, off, done, plan)
     seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
     drafts = seq.gather(1, pos)                                       # (B, W, 1)
     if req.speculative:  # on a tree path the drafts past its valid predictions are coupled too
@@ -250,7 +272,7 @@ def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
     token written back in one scatter (the columns committed before to scratch past T) with its
     behaviour log-prob, the W - 1 tokens after the window filled from history, cur and the
     round counter advanced, and the next window's proposals (decoding "speculative") and
-    candidates (candidate drafting: `candidates.next_candidates`).  -> accepted (B, 1, 1)
+    candidates (`plan.drafting.next`: candidate drafting's).  -> accepted (B, 1, 1)
     int64 drafts and rejected (B, 1, 1) bool (finished rows: 0, False)."""
     B, W = st.cur.shape[0], plan.W
     seq = v.seq
@@ -259,8 +281,7 @@ def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
     if st.logp is not None:      # right for the committed columns; the rest is rewritten later
         st.logp.unsqueeze(2).scatter_(1, write, v.p.gather(2, v.tokens).log())  # token_logprob
     filled = fill_history(seq, v.start + W, plan)
-    if plan.tree is not None:       # candidate drafting: the next window's candidates
-        next_candidates(st, v.guided, v.offset, v.a, m, v.last, v.branch, plan)
+    plan.drafting.next(st, v.guided, v.offset, v.a, m, v.last, v.branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)
     if req.speculative:
