@@ -31,6 +31,12 @@ window are filled from history: token j gets the token H positions earlier, foll
 j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
 neighbour.  Where the chain leaves the sequence the window's last token is used.  (Filled
 tokens past the next window are never read before a later round writes them again.)
+
+After the forward a round is `jacobi_update`: `verify` (the call's decoding picks
+`verify_argmax` or `verify_speculative`) -> `commit_count` -> `commit` (write back, fill from
+history, advance).  What a call varies is chosen once, in its `Plan`: the update (a baseline
+brings its own, rollout/baselines/) and the window kind (`Plan.drafting`: `PlainWindow`, or
+candidate drafting's plug-in, rollout/candidates.py), which the round calls at its seams.
 """
 from __future__ import annotations
 
@@ -117,9 +123,9 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
 
 
 def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
-               first_logp: Tensor | None = None) -> JacobiState:
-    """State of images `images` after their round 0 (prefill chose token P, with behaviour
-    log-prob `first_logp`; None records no log-probs): cur = P + 1, drafts from history."""
+               first_logp: Tensor) -> JacobiState:
+    """State of images `images` after their round 0 (prefill chose token P (k,), with behaviour
+    log-prob `first_logp` (k,)): cur = P + 1, drafts from history."""
     B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
     seq = torch.zeros(B, T + plan.scratch_len, dtype=torch.long, device=first.device)
     seq[:, :P] = req.prefix[images]
@@ -129,10 +135,8 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     q = None
     if req.speculative:             # the first window starts at cur (W <= N - 1)
         q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
-    logp = None
-    if first_logp is not None:
-        logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
-        logp[:, P] = first_logp
+    logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
+    logp[:, P] = first_logp
     cand, on_tree = plan.drafting.fresh(B, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
@@ -197,20 +201,25 @@ def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
     return pool.gather(1, (shift + plan.q_cols).expand(B, W, V))
 
 
-class Verified(NamedTuple):
-    """A round's windows after verification (`verify`), before anything is committed."""
+class Window(NamedTuple):
+    """Where a round's windows sit (`verify`)."""
     seq: Tensor             # (B, T + scratch_len, 1) int64 a view of the state's seq
     start: Tensor           # (B, 1, 1) int64 the window's first token
     pos: Tensor             # (B, W, 1) int64 the token each column predicts
     offset: Tensor          # (B,) int64 the first column not committed before (`window_inputs`)
     off: Tensor             # (B, 1, 1) the same
     done: Tensor            # (B, W, 1) bool the columns committed before the round
+
+
+class Verified(NamedTuple):
+    """A round's windows after verification (`verify`), before anything is committed."""
+    w: Window
     tokens: Tensor          # (B, W, 1) int64 the round's tokens: the accepted drafts, the token
     #                         at a, the next drafts after it
     a: Tensor               # (B, 1, 1) int64 the first column neither committed before nor
     #                         accepted (rollout/verify.py)
     last: Tensor | int      # the first column not checked: W - 1, or (B, 1, 1) on a tree path
-    p: Tensor | None        # (B, W, V) the columns' distributions (None: greedy, no log-probs)
+    p: Tensor               # (B, W, V) the columns' distributions
     u: Tensor | None        # (4, B, W, 1) the round's uniforms (decoding "speculative")
     guided: Tensor          # (B, W, V) the logits verified (perturbed with decoding "sample")
     branch: Tensor | None   # (B,) int64 the branch each row's tree window took (candidates)
@@ -229,41 +238,54 @@ def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Te
     1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
     window took (else None)."""
     v = verify(st, guided, positions, offset, req, plan)
-    m = commit_count(v.a, v.off, plan.W)                              # (B, 1, 1)
+    m = commit_count(v.a, v.w.off, plan.W)                            # (B, 1, 1)
     accepted, rejected = commit(st, v, m, req, plan)
     return torch.stack([m, accepted, rejected.long()]).view(3, -1), v.branch
 
 
 def verify(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor, req: Request,
            plan: Plan) -> Verified:
-    """Verify every window of the round (rollout/verify.py; arguments as `jacobi_update`'s);
-    `st` is left as it was, but for a tree window's chosen candidate, written as draft cur.
-    The window kind's seam (`plan.drafting.path`): the window itself, or with candidate
-    drafting (rollout/candidates.py) the tree window along the branch the root column chose."""
-    B, W = st.cur.shape[0], plan.W
+    """Verify every window of the round (rollout/verify.py; arguments as `jacobi_update`'s) by
+    the call's decoding: `verify_speculative`, else `verify_argmax` (greedy and "sample").
+    `st` is left as it was, but for a tree window's chosen candidate, written as draft cur."""
+    B = st.cur.shape[0]
     off = offset.view(B, 1, 1)
     start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
-    pos = start + plan.col                                            # (B, W, 1) column's token
-    done = plan.col < off                                             # committed before
-    p = u = None
-    if req.speculative:
-        u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
+    window = Window(st.seq.unsqueeze(2), start, start + plan.col, offset, off, plan.col < off)
+    rule = verify_speculative if req.speculative else verify_argmax
+    return rule(st, guided, positions, window, req, plan)
+
+
+def verify_argmax(st: JacobiState, guided: Tensor, positions: Tensor, w: Window, req: Request,
+                  plan: Plan) -> Verified:
+    """Greedy: a draft is accepted while it equals the argmax of its column.  Decoding "sample":
+    the same on the keyed perturbed scores (rollout/sampling.py `perturb`), whose argmax is the
+    token Cached AR commits.  The window kind's seam (`plan.drafting.path`): the window itself,
+    or with candidate drafting the tree window along the branch the root column chose."""
+    B = st.cur.shape[0]
     if req.perturbed:       # from here on verified as greedy, on the perturbed scores
         guided, p = perturb(guided, st.key.view(B, 1, 1), positions[..., None],
                             req.temperature, req.top_k, req.top_p)    # (B, W or C, V)
-    elif req.speculative or st.logp is not None:
+    else:                   # the behaviour log-probs' distribution
         p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
-    guided, p, held, checked, drafted, last, branch = plan.drafting.path(st, guided, p, u,
-                                                                         offset, off, done, plan)
-    seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
-    drafts = seq.gather(1, pos)                                       # (B, W, 1)
-    if req.speculative:  # on a tree path the drafts past its valid predictions are coupled too
-        a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
-                                  drafted)
-    else:
-        tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
-        a = verify_greedy(tokens, drafts, held, checked)
-    return Verified(seq, start, pos, offset, off, done, tokens, a, last, p, u, guided, branch)
+    path = plan.drafting.path(st, guided, p, None, w.offset, w.off, w.done, plan)
+    tokens = path.guided.argmax(-1, keepdim=True)                     # (B, W, 1)
+    a = verify_greedy(tokens, w.seq.gather(1, w.pos), path.held, path.checked)
+    return Verified(w, tokens, a, path.last, path.p, None, path.guided, path.branch)
+
+
+def verify_speculative(st: JacobiState, guided: Tensor, positions: Tensor, w: Window,
+                       req: Request, plan: Plan) -> Verified:
+    """Decoding "speculative": speculative sampling of every window with the round's keyed
+    uniforms, and the next drafts refreshed (`plan.coupled`; rollout/verify.py
+    `verify_sample`).  On a tree path the drafts past its valid predictions are coupled too."""
+    B = st.cur.shape[0]
+    u = uniform(st.key.view(B, 1, 1), w.pos, st.rounds.view(B, 1, 1), plan.streams)
+    p = warp(guided, req.temperature, req.top_k, req.top_p)           # (B, W or C, V)
+    path = plan.drafting.path(st, guided, p, u, w.offset, w.off, w.done, plan)
+    a, tokens = verify_sample(path.p, w.seq.gather(1, w.pos), st.q, path.held, path.checked, u,
+                              plan.col, plan.coupled, path.drafted)
+    return Verified(w, tokens, a, path.last, path.p, u, path.guided, path.branch)
 
 
 def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
@@ -274,19 +296,18 @@ def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
     round counter advanced, and the next window's proposals (decoding "speculative") and
     candidates (`plan.drafting.next`: candidate drafting's).  -> accepted (B, 1, 1)
     int64 drafts and rejected (B, 1, 1) bool (finished rows: 0, False)."""
-    B, W = st.cur.shape[0], plan.W
-    seq = v.seq
-    write = torch.where(v.done, plan.scratch, v.pos)  # committed before: to scratch past T
-    seq.scatter_(1, write, v.tokens)
-    if st.logp is not None:      # right for the committed columns; the rest is rewritten later
-        st.logp.unsqueeze(2).scatter_(1, write, v.p.gather(2, v.tokens).log())  # token_logprob
-    filled = fill_history(seq, v.start + W, plan)
-    plan.drafting.next(st, v.guided, v.offset, v.a, m, v.last, v.branch, plan)
+    B, W, w = st.cur.shape[0], plan.W, v.w
+    write = torch.where(w.done, plan.scratch, w.pos)  # committed before: to scratch past T
+    w.seq.scatter_(1, write, v.tokens)
+    # the log-probs: right for the committed columns; the rest is rewritten later
+    st.logp.unsqueeze(2).scatter_(1, write, v.p.gather(2, v.tokens).log())   # token_logprob
+    filled = fill_history(w.seq, w.start + W, plan)
+    plan.drafting.next(st, v.guided, w.offset, v.a, m, v.last, v.branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)
     if req.speculative:
-        st.q = next_proposals(v.p, filled, v.start, st.cur, plan)
-    return v.a - v.off, v.a < v.last
+        st.q = next_proposals(v.p, filled, w.start, st.cur, plan)
+    return v.a - w.off, v.a < v.last
 
 
 def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
@@ -307,8 +328,7 @@ def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | No
     token, logp = choose_token(guide(logits, req.cfg_scale), req, j, st.rounds, st.key)
     write = torch.where(live, j, plan.T)[:, None]
     st.seq.scatter_(1, write, token[:, None])
-    if st.logp is not None:
-        st.logp.scatter_(1, write, logp[:, None])
+    st.logp.scatter_(1, write, logp[:, None])
     st.cur += live
     st.rounds += 1
     committed = live.long()

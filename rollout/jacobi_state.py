@@ -74,8 +74,9 @@ class JacobiState:
     key: Tensor          # (B,) int64 RNG key of each image (sampling.image_key)
     q: Tensor | None     # (B, W, V) proposal of the token of each window column (sample
     #                      mode; the last column's is never used), else None
-    logp: Tensor | None = None  # (B, T + scratch_len) float32 behaviour log-probs of the committed
-    #                             tokens, laid out like seq (None: not recorded)
+    logp: Tensor | None = None  # (B, T + scratch_len) float32 behaviour log-probs of the
+    #                             committed tokens, laid out like seq (`init_state` makes it;
+    #                             every round writes it)
     cand: Tensor | None = None  # (B, K) int64 candidates for token cur (candidate drafting)
     on_tree: Tensor | None = None  # (B,) bool the next window is a tree (candidate drafting)
 

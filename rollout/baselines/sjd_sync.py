@@ -36,9 +36,9 @@ def sync_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tens
     the row that commits fewest; a row past it commits accepted drafts only (its counts: no
     rejection, at most m accepted).  -> counts (3, B) int64, None (no candidate drafting)."""
     v = verify(st, guided, positions, offset, req, plan)
-    m = batch_minimum(commit_count(v.a, v.off, plan.W))               # (B, 1, 1)
+    m = batch_minimum(commit_count(v.a, v.w.off, plan.W))             # (B, 1, 1)
     if req.speculative:     # accepted past the batch minimum: drafts again, from p
-        again = (plan.col >= v.off + m) & (plan.col <= v.a)
+        again = (plan.col >= v.w.off + m) & (plan.col <= v.a)
         v = v._replace(tokens=torch.where(again, inverse_cdf(v.p, v.u[3]), v.tokens))
     accepted, rejected = commit(st, v, m, req, plan)
     accepted, rejected = torch.minimum(accepted, m), rejected & (accepted < m)

@@ -40,13 +40,13 @@ def test_fill_history_follows_the_offset_chain():
 def test_init_state_drafts_come_from_history():
     req = request(2, 9)
     plan = make_plan(16, 5, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7)
+    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7, torch.zeros(2))
     assert st.cur.tolist() == [10, 10] and st.rounds.tolist() == [1, 1]
     assert st.seq[:, 9].tolist() == [3, 4]
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
     sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]),
-                         plan, 7)
+                         plan, 7, torch.zeros(2))
     assert sampled.q.shape == (2, 5, 7)                                # one per window column
     assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
     assert (sampled.q.sum(-1) == 1).all()
@@ -79,7 +79,7 @@ def logits_for(pred, V=7):
 def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     req = request(2, 4)
     plan = make_plan(16, 4, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7)
+    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7, torch.zeros(2))
     st.seq[0, 5:8] = torch.tensor([1, 2, 3])                      # drafts for tokens 5..7
     st.seq[1, 5:8] = torch.tensor([1, 0, 3])
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
@@ -100,7 +100,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
 def test_speculative_round_records_proposals():
     req = request(1, 4, "speculative")
     plan = make_plan(16, 4, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
+    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7, torch.zeros(1))
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
     _, positions, offset = window_inputs(st, plan)
     (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), positions, offset, req,
