@@ -7,7 +7,8 @@ the windows of images at different positions (positions (B, W) per row).  Execut
     Compact   only the active images' rows (rows = index tensor; CFG: idx and idx + B)
     Hybrid    Full while the active count >= gamma, Compact below it
 
-Independent Batched SJD (`sjd_independent`) is HB-SJD with Full execution and no switching.
+Independent Batched SJD (`sjd_independent`, rollout/baselines/) is HB-SJD with Full execution
+and no switching.
 The loop synchronises with the device once per round (the active count; eager Compact rounds
 also `nonzero` the active mask); everything per image is vectorised.
 
@@ -321,11 +322,6 @@ class JacobiEngine(Engine):
 
     def policy(self, model, req: Request) -> WindowPolicy:
         raise ValueError(f"engine {self.name!r} has no window policy: set option window to an int")
-
-
-@register("sjd_independent")
-class IndependentSJD(JacobiEngine):
-    """Independent Batched SJD: per-image cursors, Full execution, no switching."""
 
 
 @register("hbsjd")
