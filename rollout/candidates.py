@@ -84,8 +84,8 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
 def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     """The K candidates for the token after a correction: (B, V) logits of its (stale)
     prediction, draft (B,) the window's draft for it (its argmax when greedy, a sample when
-    sampled), known (B, h) committed tokens before it (`Plan.known`: the one a history offset
-    H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
+    sampled), known (B, h) committed tokens before it (`CandidateTree.known`: the one a history
+    offset H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
     [draft, known, the most likely tokens of the prediction], each first occurrence kept
     (K <= V)."""
     top = logits.topk(K, dim=-1).indices

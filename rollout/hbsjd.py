@@ -31,7 +31,7 @@ from torch import Tensor
 
 from rollout.calibrate import calibration_path
 from rollout.candidates import candidate_tree
-from rollout.engine import Engine, Finished, Request, cfg_rows, prefill_token, register
+from rollout.engine import Engine, Finished, Request, prefill_token, register
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
                             window_inputs)
 from rollout.sampling import guide
@@ -262,6 +262,7 @@ class JacobiEngine(Engine):
     the next window also verifies K - 1 alternatives for the following token as token-tree
     branches, rollout/candidates.py; every decoding; 0 = off) and branch (columns of each
     alternative branch; None = 1)."""
+
     def __init__(self, **options):
         super().__init__(**options)
         self._states = StaticStates()    # compiled rounds' state buffers
