@@ -1,4 +1,4 @@
-"""The paper's baselines, kept for comparison only: no training run uses them.
+"""The paper's baselines, kept for comparison: no training preset runs them (configs/bench does).
 
     sjd_sync.py          Batch-Synchronous SJD (the original SJD batched naively: the batch
                          minimum, its own verification step `sync_update`)
