@@ -41,21 +41,20 @@ too, and a bonus token at the branch's last column keeps its draft with probabil
 min(1, p / q) (else the residual draw), distributed as p all the same.
 Each round costs (K - 1) L more query columns for every row.
 
-The round's seams (`Plan.tree` set): `tree_forward` runs the tree window
-(rollout/hbsjd.py `forward_window`), `tree_path` turns it into the plain window the
-verification reads and `next_candidates` drafts the next candidates (rollout/jacobi.py
-`jacobi_update`), `move_branch` moves a winning branch's cache slots into place
-(`verify_window`).
+A plug-in: `candidate_tree` builds the call's window kind (`Plan.drafting`, the
+`jacobi_state.Drafting` methods the round calls in place of rollout/jacobi.py's `PlainWindow`):
+`CandidateTree.forward` runs the tree window (rollout/hbsjd.py `forward_window`), `path` turns
+it into the plain window the verification reads (rollout/jacobi.py `verify`), `next` drafts
+the next candidates (`commit`), `move` moves a winning branch's cache slots into place
+(rollout/hbsjd.py `verify_window`).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from rollout.engine import Request, cfg_rows
-from rollout.jacobi_state import JacobiState, Plan, Tree
+from rollout.jacobi_state import JacobiState, Path, Plan, Tree
 from rollout.verify import verify_sample
 
 
@@ -85,8 +84,8 @@ def make_tree(W: int, K: int, device: torch.device, L: int = 1) -> Tree | None:
 def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     """The K candidates for the token after a correction: (B, V) logits of its (stale)
     prediction, draft (B,) the window's draft for it (its argmax when greedy, a sample when
-    sampled), known (B, h) committed tokens before it (`Plan.known`: the one a history offset
-    H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
+    sampled), known (B, h) committed tokens before it (`CandidateTree.known`: the one a history
+    offset H earlier; sampled, first the token just before it) -> (B, K) int64 distinct tokens:
     [draft, known, the most likely tokens of the prediction], each first occurrence kept
     (K <= V)."""
     top = logits.topk(K, dim=-1).indices
@@ -96,18 +95,12 @@ def candidates(logits: Tensor, draft: Tensor, known: Tensor, K: int) -> Tensor:
     return pool.gather(1, order)
 
 
-def no_candidates(B: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The candidate state of B fresh images: cand (B, K) int64 zeros, on_tree (B,) False."""
-    return (torch.zeros(B, K, dtype=torch.long, device=device),
-            torch.zeros(B, dtype=torch.bool, device=device))
-
-
 def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, cand: Tensor,
                 tree: Tree, T: int) -> tuple[Tensor, Tensor, Tensor]:
     """Append the branches j > 0 to plain windows.  tokens, positions (B, W) and offset (B,)
-    from `window_inputs`, seq (B, T + span) (span >= W: the largest window with W "auto"),
-    cand (B, K), T = P + N (`Plan.T`) -> tokens, positions (B, C) and the attention mask
-    (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions cur + 1..; it
+    from `window_inputs`, seq (B, T + scratch_len) (scratch_len >= W: the largest window with
+    W "auto"), cand (B, K), T = P + N (`Plan.T`) -> tokens, positions (B, C) and the attention
+    mask (B, C, C) bool.  Branch j is [c_j, the drafts after token cur] at positions cur + 1..; it
     sees the window's columns up to the root (column offset) and its own earlier columns.  Only
     rows with candidates use it (elsewhere the columns are computed, ignored)."""
     W = tokens.shape[1]
@@ -118,18 +111,6 @@ def tree_window(tokens: Tensor, positions: Tensor, offset: Tensor, seq: Tensor, 
     mask = tree.mask.expand(tokens.shape[0], -1, -1).clone()
     mask[:, W:, :W] = torch.arange(W, device=offset.device) <= offset[:, None, None]
     return torch.cat([tokens, alt], 1), torch.cat([positions, pos], 1), mask
-
-
-def tree_forward(model, st: JacobiState, tokens: Tensor, positions: Tensor, offset: Tensor,
-                 req: Request, rows: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor]:
-    """The verifier forward of the plain windows tokens, positions (B, W) with their branches
-    (`tree_window` of plan.tree; cache rows `rows`, None = Full execution) -> logits (2B or B,
-    C, V) and positions (B, C)."""
-    tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand, plan.tree,
-                                          plan.T)
-    logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
-                                  cfg_rows(mask, req))
-    return logits, positions
 
 
 def root_token(st: JacobiState, guided: Tensor, p: Tensor | None, offset: Tensor,
@@ -167,60 +148,6 @@ def choose_path(root: Tensor, offset: Tensor, cand: Tensor, on: Tensor,
     return branch, path, 1 + tree.length[branch]
 
 
-class Path(NamedTuple):
-    """A tree window as the plain window the verification reads (rollout/verify.py)."""
-    guided: Tensor        # (B, W, V) the path's logits
-    p: Tensor | None      # (B, W, V) their probabilities (None where the round has none)
-    held: Tensor          # (B, W, 1) bool committed before, or (a branch j > 0) chosen by the
-    #                       root column: c_j at the root's column
-    checked: Tensor       # (B, W, 1) bool the drafts to check: the path's valid predictions
-    drafted: Tensor       # (W, 1) bool the columns holding drafts (the coupled refresh's)
-    last: Tensor          # (B, 1, 1) int64 the first column not checked
-    branch: Tensor        # (B,) int64 the branch each row took
-
-
-def tree_path(st: JacobiState, guided: Tensor, p: Tensor | None, u: Tensor | None,
-              offset: Tensor, off: Tensor, done: Tensor, plan: Plan) -> Path:
-    """Verify along the branch whose candidate is the token the root column chose
-    (`root_token`).  guided: (B, C, V) logits of the tree window, p: their probabilities or
-    None, u: the round's uniforms or None (`root_token`), offset: (B,) the root's column (off:
-    the same, (B, 1, 1)), done: (B, W, 1) bool the columns committed before the round.  Writes
-    the winning candidate into seq as draft cur."""
-    root = root_token(st, guided, p, offset, u, plan)
-    B, W, V = guided.shape[0], plan.W, guided.shape[-1]
-    branch, path, t_width = choose_path(root, offset, st.cand, st.on_tree, plan.tree)
-    behind = plan.ar - offset[:, None]                        # (B, W) path index of column c
-    on = st.on_tree[:, None] & (behind >= 0)
-    cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
-    first = st.seq.gather(1, st.cur[:, None])
-    st.seq.scatter_(1, st.cur[:, None], torch.where(st.on_tree[:, None],
-                                                    st.cand.gather(1, branch[:, None]), first))
-    valid = torch.minimum(W - offset, t_width)               # predictions under committed
-    last = (offset + valid - 1).view(B, 1, 1)
-    idx = cols[..., None].expand(B, W, V)
-    guided, p = guided.gather(1, idx), None if p is None else p.gather(1, idx)
-    checked = plan.col < last
-    held = done | ((plan.col == off) & (branch > 0).view(B, 1, 1))    # c_j: chosen above
-    return Path(guided, p, held, checked, plan.checked, last, branch)
-
-
-def next_candidates(st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
-                    last: Tensor, branch: Tensor, plan: Plan) -> None:
-    """After a correction at `a` the next window is a tree: the candidates for token cur + m
-    (before `st.cur` advances).  guided: (B, W, V) the path's logits, a, m, last:
-    (B, 1, 1)."""
-    B, W, V = guided.shape
-    col = (offset.view(B, 1, 1) + m).clamp(max=W - 1)                 # predicts token cur + m
-    logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
-    nxt = st.cur[:, None] + m.view(B, 1)
-    draft = st.seq.gather(1, nxt).squeeze(1)                          # the window's draft
-    known = st.seq.gather(1, (nxt - plan.known).clamp(min=0))        # (B, h) tokens before it
-    st.cand = candidates(logits, draft, known, plan.tree.K)
-    stale = (a < last).view(B) | (branch > 0)             # draft cur + m saw a wrong token
-    live, nxt = offset < W, nxt.view(B)
-    st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
-
-
 def moves(start: Tensor, offset: Tensor, branch: Tensor, tree: Tree) -> tuple[Tensor, Tensor]:
     """Cache slots to move after a round: (B, L) src, dst.  start, offset: (B,) the window's
     first slot and the root's column (`window_inputs`).  The columns of a winning branch
@@ -232,9 +159,89 @@ def moves(start: Tensor, offset: Tensor, branch: Tensor, tree: Tree) -> tuple[Te
     return src, dst
 
 
-def move_branch(model, positions: Tensor, offset: Tensor, branch: Tensor, req: Request,
-                rows: Tensor | None, tree: Tree) -> None:
-    """After verification: the cache slots of each winning branch j > 0 (branch (B,)) into
-    place (`moves`; positions (B, C), offset (B,) from `tree_forward`)."""
-    src, dst = moves(positions[:, 0], offset, branch, tree)
-    model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))
+def candidate_tree(W: int, K: int, H: int, device: torch.device, L: int | None = None,
+                   speculative: bool = False) -> CandidateTree:
+    """Candidate drafting with K >= 2 candidates, branches of L columns (None: 1), history
+    offset H, at window W (no tree at W = 1, `make_tree`); speculative: decoding
+    "speculative" (the token just before joins the candidates)."""
+    return CandidateTree(make_tree(W, K, device, L or 1), K,
+                         torch.tensor([1, H] if speculative else [H], device=device))
+
+
+class CandidateTree:
+    """Candidate drafting as a call's window kind (`jacobi_state.Drafting`): a row whose last
+    round corrected a token verifies a token tree, the plain window and K - 1 branches."""
+
+    def __init__(self, tree: Tree | None, K: int, known: Tensor):
+        self.tree = tree      # the window layout (None: W = 1, no tree; the state still
+        #                       carries cand and on_tree, so rows refilled then match the rest)
+        self.K = K
+        self.known = known    # (h,) the committed tokens this far before token cur join its
+        #                       candidates, (H,) greedy or "sample", (1, H) "speculative"
+
+    def fresh(self, B: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The candidate state of B fresh images: cand (B, K) int64 zeros, on_tree (B,) False."""
+        return (torch.zeros(B, self.K, dtype=torch.long, device=device),
+                torch.zeros(B, dtype=torch.bool, device=device))
+
+    def rewound(self, on_tree: Tensor) -> Tensor:
+        """A window without a tree (W = 1) leaves no tree for the next one."""
+        return on_tree if self.tree is not None else torch.zeros_like(on_tree)
+
+    def forward(self, model, st: JacobiState, tokens: Tensor, positions: Tensor, offset: Tensor,
+                req: Request, rows: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor]:
+        """The verifier forward of the plain windows tokens, positions (B, W) with their
+        branches (`tree_window`; cache rows `rows`, None = Full execution) -> logits (2B or B,
+        C, V) and positions (B, C)."""
+        tokens, positions, mask = tree_window(tokens, positions, offset, st.seq, st.cand,
+                                              self.tree, plan.T)
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows,
+                                      cfg_rows(mask, req))
+        return logits, positions
+
+    def path(self, st: JacobiState, guided: Tensor, p: Tensor | None, u: Tensor | None,
+             offset: Tensor, off: Tensor, done: Tensor, plan: Plan) -> Path:
+        """Verify along the branch whose candidate is the token the root column chose
+        (`root_token`).  guided: (B, C, V) logits of the tree window, p: their probabilities
+        or None, u: the round's uniforms or None (`root_token`), offset: (B,) the root's
+        column (off: the same, (B, 1, 1)), done: (B, W, 1) bool the columns committed before
+        the round.  Writes the winning candidate into seq as draft cur."""
+        root = root_token(st, guided, p, offset, u, plan)
+        B, W, V = guided.shape[0], plan.W, guided.shape[-1]
+        branch, path, t_width = choose_path(root, offset, st.cand, st.on_tree, self.tree)
+        behind = plan.ar - offset[:, None]                    # (B, W) path index of column c
+        on = st.on_tree[:, None] & (behind >= 0)
+        cols = torch.where(on, path.gather(1, behind.clamp(min=0)), plan.ar)
+        first = st.seq.gather(1, st.cur[:, None])
+        st.seq.scatter_(1, st.cur[:, None], torch.where(
+            st.on_tree[:, None], st.cand.gather(1, branch[:, None]), first))
+        valid = torch.minimum(W - offset, t_width)           # predictions under committed
+        last = (offset + valid - 1).view(B, 1, 1)
+        idx = cols[..., None].expand(B, W, V)
+        guided, p = guided.gather(1, idx), None if p is None else p.gather(1, idx)
+        checked = plan.col < last
+        held = done | ((plan.col == off) & (branch > 0).view(B, 1, 1))  # c_j: chosen above
+        return Path(guided, p, held, checked, plan.checked, last, branch)
+
+    def next(self, st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
+             last: Tensor, branch: Tensor, plan: Plan) -> None:
+        """After a correction at `a` the next window is a tree: the candidates for token
+        cur + m (before `st.cur` advances).  guided: (B, W, V) the path's logits, a, m, last:
+        (B, 1, 1)."""
+        B, W, V = guided.shape
+        col = (offset.view(B, 1, 1) + m).clamp(max=W - 1)             # predicts token cur + m
+        logits = guided.gather(1, col.expand(B, 1, V)).squeeze(1)
+        nxt = st.cur[:, None] + m.view(B, 1)
+        draft = st.seq.gather(1, nxt).squeeze(1)                      # the window's draft
+        known = st.seq.gather(1, (nxt - self.known).clamp(min=0))    # (B, h) tokens before it
+        st.cand = candidates(logits, draft, known, self.K)
+        stale = (a < last).view(B) | (branch > 0)         # draft cur + m saw a wrong token
+        live, nxt = offset < W, nxt.view(B)
+        st.on_tree = live & stale & (m.view(B) < W - offset) & (nxt + 1 < plan.T)
+
+    def move(self, model, positions: Tensor, offset: Tensor, branch: Tensor, req: Request,
+             rows: Tensor | None) -> None:
+        """After verification: the cache slots of each winning branch j > 0 (branch (B,))
+        into place (`moves`; positions (B, C), offset (B,) from `forward`)."""
+        src, dst = moves(positions[:, 0], offset, branch, self.tree)
+        model.move_cached(rows, cfg_rows(src, req), cfg_rows(dst, req))

@@ -7,7 +7,8 @@ the windows of images at different positions (positions (B, W) per row).  Execut
     Compact   only the active images' rows (rows = index tensor; CFG: idx and idx + B)
     Hybrid    Full while the active count >= gamma, Compact below it
 
-Independent Batched SJD (`sjd_independent`) is HB-SJD with Full execution and no switching.
+Independent Batched SJD (`sjd_independent`, rollout/baselines/) is HB-SJD with Full execution
+and no switching.
 The loop synchronises with the device once per round (the active count; eager Compact rounds
 also `nonzero` the active mask); everything per image is vectorised.
 
@@ -29,10 +30,10 @@ import torch
 from torch import Tensor
 
 from rollout.calibrate import calibration_path
-from rollout.candidates import move_branch, tree_forward
-from rollout.engine import Engine, Finished, Request, cfg_rows, prefill_token, register
-from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, jacobi_update, make_plan,
-                            rewindow, window_inputs)
+from rollout.candidates import candidate_tree
+from rollout.engine import Engine, Finished, Request, prefill_token, register
+from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
+                            window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
 from rollout.spans import span_cuts, whole_spans
@@ -234,25 +235,21 @@ def forward_window(model, st: JacobiState, req: Request, plan: Plan,
                    rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The round's verifier forward over the windows of `st`'s rows (cache rows `rows`, None =
     Full execution).  -> logits (2B or B, W, V), positions (B, W) and offset (B,) from
-    `window_inputs`; C columns for W with candidate drafting (`candidates.tree_forward`)."""
+    `window_inputs`; C columns for W with candidate drafting (`plan.drafting.forward`)."""
     tokens, positions, offset = window_inputs(st, plan)
-    if plan.tree is not None:             # (B, C) windows with the candidates' branches
-        logits, positions = tree_forward(model, st, tokens, positions, offset, req, rows, plan)
-    else:
-        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+    logits, positions = plan.drafting.forward(model, st, tokens, positions, offset, req, rows,
+                                              plan)
     return logits, positions, offset
 
 
 def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, offset: Tensor,
                   req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
     """The round's verification step: guide the logits, verify every window and advance `st`
-    in place (rollout/jacobi.py); a tree window's winning branch (the branch jacobi_update
-    returns only then) then moves into place (`candidates.move_branch`).  -> counts (3, B)
-    int64: committed, accepted, rejected."""
-    counts, taken = jacobi_update(st, guide(logits, req.cfg_scale), positions, offset, req,
-                                  plan)
-    if taken is not None:
-        move_branch(model, positions, offset, taken, req, rows, plan.tree)
+    in place (`plan.update`: rollout/jacobi.py `jacobi_update`, or a baseline's); a tree
+    window's winning branch (the branch the update returns only then) then moves into place
+    (`plan.drafting.move`).  -> counts (3, B) int64: committed, accepted, rejected."""
+    counts, taken = plan.update(st, guide(logits, req.cfg_scale), positions, offset, req, plan)
+    plan.drafting.move(model, positions, offset, taken, req, rows)
     return counts
 
 
@@ -265,16 +262,15 @@ class JacobiEngine(Engine):
     the next window also verifies K - 1 alternatives for the following token as token-tree
     branches, rollout/candidates.py; every decoding; 0 = off) and branch (columns of each
     alternative branch; None = 1)."""
-    SYNC = False
-    DEFAULT_H_IS_ONE = False
 
     def __init__(self, **options):
         super().__init__(**options)
         self._states = StaticStates()    # compiled rounds' state buffers
 
     def history(self, model) -> int:
+        """Option history_offset, by default one grid row."""
         H = self.options["history_offset"]
-        return (1 if self.DEFAULT_H_IS_ONE else model.grid_size) if H is None else H
+        return model.grid_size if H is None else H
 
     def check_model(self, model, req: Request) -> None:
         H = self.history(model)
@@ -290,16 +286,19 @@ class JacobiEngine(Engine):
         K = self.options.get("candidates", 0)
         return req.total + (K - 1) * (self.options.get("branch") or 1) if K >= 2 else req.total
 
-    def plan(self, model, req: Request, W: int | None = None, span: int | None = None) -> Plan:
+    def plan(self, model, req: Request, W: int | None = None,
+             scratch_len: int | None = None) -> Plan:
         """The constants of a call (`jacobi.make_plan`) at window W (default option window;
         "auto": the largest window the policy may choose); the window is clipped to N - 1
         tokens, the most predictions a round can use."""
-        o = self.options
+        o, H, dev = self.options, self.history(model), req.labels.device
         W = W or (max(WINDOWS) if o["window"] == "auto" else o["window"])
-        return make_plan(req.total, max(1, min(W, req.num_new - 1)), self.history(model),
-                         self.SYNC, req.labels.device, o["refresh"] == "coupled",
-                         min(o.get("candidates", 0), model.vocab_size), o.get("branch"),
-                         model.vocab_size, req.speculative, span)
+        W = max(1, min(W, req.num_new - 1))
+        K = min(o.get("candidates", 0), model.vocab_size)
+        drafting = (candidate_tree(W, K, H, dev, o.get("branch"), req.speculative) if K >= 2
+                    else None)                                        # None: the plain window
+        return make_plan(req.total, W, H, dev, o["refresh"] == "coupled", drafting,
+                         model.vocab_size, scratch_len)
 
     def run_stream(self, model, req: Request) -> Iterator[Finished]:
         """`run_jacobi` with this call's plan, gamma or window policy, and compiled rounds."""
@@ -311,7 +310,7 @@ class JacobiEngine(Engine):
 
             def plan_for(W: int) -> Plan:
                 if W not in plans:
-                    plans[W] = self.plan(model, req, W, span=policy.largest)
+                    plans[W] = self.plan(model, req, W, scratch_len=policy.largest)
                 return plans[W]
             plan, gamma = plan_for(policy.largest), 0
         else:
@@ -324,11 +323,6 @@ class JacobiEngine(Engine):
 
     def policy(self, model, req: Request) -> WindowPolicy:
         raise ValueError(f"engine {self.name!r} has no window policy: set option window to an int")
-
-
-@register("sjd_independent")
-class IndependentSJD(JacobiEngine):
-    """Independent Batched SJD: per-image cursors, Full execution, no switching."""
 
 
 @register("hbsjd")

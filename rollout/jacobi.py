@@ -20,54 +20,87 @@ most N - 1.
 
 Verification (rollout/verify.py) runs in window columns: column c predicts token start + c.
 `m` tokens are committed (the accepted drafts plus the replacement / bonus token; the batch
-minimum for Batch-Synchronous SJD).  The round's tokens after them are the next drafts: the
-argmax (greedy), the argmax of the column's perturbed scores (decoding "sample": the keyed
-Gumbel-max rule, rollout/sampling.py `perturb`, verified as greedy drafts are, so every
-committed token is the one Cached AR commits), or tokens distributed exactly as this round's
-p, so q = p (decoding "speculative": redrawn, or kept by maximal coupling, see
-rollout/verify.py; with the batch minimum, accepted drafts that were not committed are
-redrawn from p).  Every column is written back in one scatter, the
+minimum for Batch-Synchronous SJD, rollout/baselines/sjd_sync.py).  The round's tokens after
+them are the next drafts: the argmax (greedy), the argmax of the column's perturbed scores
+(decoding "sample": the keyed Gumbel-max rule, rollout/sampling.py `perturb`, verified as
+greedy drafts are, so every committed token is the one Cached AR commits), or tokens
+distributed exactly as this round's p, so q = p (decoding "speculative": redrawn, or kept by
+maximal coupling, see rollout/verify.py).  Every column is written back in one scatter, the
 columns committed before the round to scratch slots past T.  Then the W - 1 tokens after the
 window are filled from history: token j gets the token H positions earlier, following the chain
 j - H, j - 2H, ... back into the window or the committed tokens; H = 1 copies the left
 neighbour.  Where the chain leaves the sequence the window's last token is used.  (Filled
 tokens past the next window are never read before a later round writes them again.)
+
+After the forward a round is `jacobi_update`: `verify` (the call's decoding picks
+`verify_argmax` or `verify_speculative`) -> `commit_count` -> `commit` (write back, fill from
+history, advance).  What a call varies is chosen once, in its `Plan`: the update (a baseline
+brings its own, rollout/baselines/) and the window kind (`Plan.drafting`: `PlainWindow`, or
+candidate drafting's plug-in, rollout/candidates.py), which the round calls at its seams.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from rollout.candidates import make_tree, next_candidates, no_candidates, tree_path
 from rollout.engine import Request, cfg_rows, choose_token
-from rollout.jacobi_state import JacobiState, Plan
+from rollout.jacobi_state import Drafting, JacobiState, Path, Plan
 from rollout.sampling import (STREAM_ACCEPT, STREAM_COUPLE, STREAM_DRAFT, STREAM_TOKEN,
-                              guide, inverse_cdf, perturb, uniform, warp)
+                              guide, perturb, uniform, warp)
 from rollout.verify import verify_greedy, verify_sample
 
 
-def make_plan(T: int, W: int, H: int, sync: bool, device: torch.device,
-              coupled: bool = True, candidates: int = 0, branch: int | None = None,
-              vocab_size: int | None = None, speculative: bool = False,
-              span: int | None = None) -> Plan:
-    """candidates: K >= 2 turns on candidate drafting (not sync), branch: columns of
-    each branch j > 0 (None: 1); vocab_size: V (speculative decoding builds it when None);
-    speculative: decoding "speculative" (which committed tokens join the candidates); span:
-    the state's slots past T (None: W; a call whose window changes between rounds sizes its
-    state for the largest, `rewindow`)."""
+def make_plan(T: int, W: int, H: int, device: torch.device, coupled: bool = True,
+              drafting: Drafting | None = None, vocab_size: int | None = None,
+              scratch_len: int | None = None) -> Plan:
+    """drafting: the window kind (None: `PlainWindow`; candidate drafting:
+    rollout/candidates.py `candidate_tree`); vocab_size: V (speculative decoding builds it when
+    None); scratch_len: the state's slots past T (None: W; a call whose window changes between
+    rounds sizes its state for the largest, `rewindow`)."""
     ar = torch.arange(W, device=device)
     col = ar[:, None]
     fill = torch.arange(max(W - 1, 1), device=device)[:, None]
     streams = torch.tensor([STREAM_ACCEPT, STREAM_COUPLE, STREAM_TOKEN, STREAM_DRAFT],
                            device=device).view(4, 1, 1, 1)
     vocab = None if vocab_size is None else torch.arange(vocab_size, device=device)
-    return Plan(T, W, H, sync, coupled, ar, col, scratch=T + col, checked=col < W - 1,
+    return Plan(T, W, H, jacobi_update, coupled, ar, col, scratch=T + col, checked=col < W - 1,
                 fill=fill, fill_src=fill % H - H, q_cols=col.clamp(max=max(W - 2, 0)),
-                streams=streams, vocab=vocab, tree=make_tree(W, candidates, device, branch or 1),
-                known=torch.tensor([1, H] if speculative else [H], device=device),
-                span=max(W, span or W), K=candidates if candidates >= 2 else 0)
+                streams=streams, drafting=drafting or PlainWindow(), vocab=vocab,
+                scratch_len=max(W, scratch_len or W))
+
+
+class PlainWindow:
+    """The window kind without candidate drafting (`jacobi_state.Drafting`): a round verifies
+    the W columns of `window_inputs` as they are; nothing to carry, choose or move."""
+
+    def fresh(self, B: int, device: torch.device) -> tuple[None, None]:
+        return None, None
+
+    def rewound(self, on_tree: None) -> None:
+        return on_tree
+
+    def forward(self, model, st: JacobiState, tokens: Tensor, positions: Tensor,
+                offset: Tensor, req: Request, rows: Tensor | None,
+                plan: Plan) -> tuple[Tensor, Tensor]:
+        """-> logits (2B or B, W, V) of the windows tokens, positions (B, W), and positions."""
+        logits = model.forward_cached(cfg_rows(tokens, req), cfg_rows(positions, req), rows)
+        return logits, positions
+
+    def path(self, st: JacobiState, guided: Tensor, p: Tensor | None, u: Tensor | None,
+             offset: Tensor, off: Tensor, done: Tensor, plan: Plan) -> Path:
+        """The window itself: the drafts of columns 0..W-2 checked, none committed before."""
+        return Path(guided, p, done, plan.checked, None, plan.W - 1, None)
+
+    def next(self, st: JacobiState, guided: Tensor, offset: Tensor, a: Tensor, m: Tensor,
+             last: int, branch: None, plan: Plan) -> None:
+        pass
+
+    def move(self, model, positions: Tensor, offset: Tensor, branch: None, req: Request,
+             rows: Tensor | None) -> None:
+        pass
 
 
 def fill_history(seq: Tensor, defined: Tensor, plan: Plan) -> Tensor:
@@ -90,11 +123,11 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
 
 
 def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
-               first_logp: Tensor | None = None) -> JacobiState:
-    """State of images `images` after their round 0 (prefill chose token P, with behaviour
-    log-prob `first_logp`; None records no log-probs): cur = P + 1, drafts from history."""
+               first_logp: Tensor) -> JacobiState:
+    """State of images `images` after their round 0 (prefill chose token P (k,), with behaviour
+    log-prob `first_logp` (k,)): cur = P + 1, drafts from history."""
     B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
-    seq = torch.zeros(B, T + plan.span, dtype=torch.long, device=first.device)
+    seq = torch.zeros(B, T + plan.scratch_len, dtype=torch.long, device=first.device)
     seq[:, :P] = req.prefix[images]
     seq[:, P] = first
     cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
@@ -102,13 +135,9 @@ def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
     q = None
     if req.speculative:             # the first window starts at cur (W <= N - 1)
         q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
-    logp = None
-    if first_logp is not None:
-        logp = torch.zeros(B, T + plan.span, dtype=torch.float32, device=first.device)
-        logp[:, P] = first_logp
-    cand = on_tree = None
-    if plan.K:
-        cand, on_tree = no_candidates(B, plan.K, first.device)
+    logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
+    logp[:, P] = first_logp
+    cand, on_tree = plan.drafting.fresh(B, first.device)
     return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
@@ -140,29 +169,23 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
         V = q.shape[-1]
         moved = q.gather(1, col.clamp(0, old.W - 1)[..., None].expand(B, new.W, V))
         q = torch.where(kept[..., None], moved, one_hot(tokens, V, q.dtype))
-    if on_tree is not None and new.tree is None:
-        on_tree = torch.zeros_like(on_tree)
-    return replace(st, q=q, on_tree=on_tree)
+    return replace(st, q=q, on_tree=new.drafting.rewound(on_tree))
 
 
 def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     """-> tokens (B, W) int64, positions (B, W) int64, offset (B,) int64: window index of the
     prediction of token cur (offset > 0 only for clipped windows, = W for finished rows).
-    With candidate drafting `candidates.tree_window` appends the branches."""
+    With candidate drafting the window kind's `forward` appends the branches
+    (`candidates.tree_window`)."""
     start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
     positions = start[:, None] + plan.ar
     return st.seq.gather(1, positions - 1), positions, st.cur - start
 
 
-def commit_count(a: Tensor, offset: Tensor, W: int, sync: bool) -> Tensor:
+def commit_count(a: Tensor, offset: Tensor, W: int) -> Tensor:
     """a, offset: (B, 1, 1) (rollout/verify.py) -> tokens to commit per row (B, 1, 1): the
-    accepted drafts and one more, a + 1 - offset (the batch minimum when sync); 0 for a
-    finished row (a = offset = W)."""
-    m = (a + 1).clamp(max=W) - offset
-    if sync:
-        live = m > 0
-        m = torch.where(live, m, torch.iinfo(m.dtype).max).amin() * live
-    return m
+    accepted drafts and one more, a + 1 - offset; 0 for a finished row (a = offset = W)."""
+    return (a + 1).clamp(max=W) - offset
 
 
 def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
@@ -178,9 +201,34 @@ def next_proposals(p: Tensor, filled: Tensor, start: Tensor, cur: Tensor,
     return pool.gather(1, (shift + plan.q_cols).expand(B, W, V))
 
 
+class Window(NamedTuple):
+    """Where a round's windows sit (`verify`)."""
+    seq: Tensor             # (B, T + scratch_len, 1) int64 a view of the state's seq
+    start: Tensor           # (B, 1, 1) int64 the window's first token
+    pos: Tensor             # (B, W, 1) int64 the token each column predicts
+    offset: Tensor          # (B,) int64 the first column not committed before (`window_inputs`)
+    off: Tensor             # (B, 1, 1) the same
+    done: Tensor            # (B, W, 1) bool the columns committed before the round
+
+
+class Verified(NamedTuple):
+    """A round's windows after verification (`verify`), before anything is committed."""
+    w: Window
+    tokens: Tensor          # (B, W, 1) int64 the round's tokens: the accepted drafts, the token
+    #                         at a, the next drafts after it
+    a: Tensor               # (B, 1, 1) int64 the first column neither committed before nor
+    #                         accepted (rollout/verify.py)
+    last: Tensor | int      # the first column not checked: W - 1, or (B, 1, 1) on a tree path
+    p: Tensor               # (B, W, V) the columns' distributions
+    u: Tensor | None        # (4, B, W, 1) the round's uniforms (decoding "speculative")
+    guided: Tensor          # (B, W, V) the logits verified (perturbed with decoding "sample")
+    branch: Tensor | None   # (B,) int64 the branch each row's tree window took (candidates)
+
+
 def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor,
                   req: Request, plan: Plan) -> tuple[Tensor, Tensor | None]:
-    """Verify this round's windows and advance `st` in place.
+    """A round's verification step, every row on its own: `verify` the windows, then `commit`
+    the accepted drafts and one more token of each row (`commit_count`), in place.
 
     guided: (B, W, V) guided logits of the window forward ((B, C, V) with candidates: the
     tree's branches after the window); positions: (B, W) (or (B, C)) int64 the index of the
@@ -188,54 +236,78 @@ def jacobi_update(st: JacobiState, guided: Tensor, positions: Tensor, offset: Te
     "sample"); offset from `window_inputs`.
     Returns counts (3, B) int64 -- tokens committed, drafts accepted and drafts rejected (0 or
     1) by each row this round -- and with candidate drafting the branch (B,) each row's tree
-    window took (else None).  Candidate drafting (plan.tree) has two seams here, both in
-    rollout/candidates.py: `tree_path` reads the tree window as the plain window along the
-    branch the root column chose, `next_candidates` drafts the next window's candidates."""
-    B, W = st.cur.shape[0], plan.W
+    window took (else None)."""
+    v = verify(st, guided, positions, offset, req, plan)
+    m = commit_count(v.a, v.w.off, plan.W)                            # (B, 1, 1)
+    accepted, rejected = commit(st, v, m, req, plan)
+    return torch.stack([m, accepted, rejected.long()]).view(3, -1), v.branch
+
+
+def verify(st: JacobiState, guided: Tensor, positions: Tensor, offset: Tensor, req: Request,
+           plan: Plan) -> Verified:
+    """Verify every window of the round (rollout/verify.py; arguments as `jacobi_update`'s) by
+    the call's decoding: `verify_speculative`, else `verify_argmax` (greedy and "sample").
+    `st` is left as it was, but for a tree window's chosen candidate, written as draft cur."""
+    B = st.cur.shape[0]
     off = offset.view(B, 1, 1)
     start = (st.cur - offset).view(B, 1, 1)                           # the window's first token
-    pos = start + plan.col                                            # (B, W, 1) column's token
-    seq = st.seq.unsqueeze(2)                                         # (B, T + W, 1) view
-    done = plan.col < off                                             # committed before
-    held, checked, drafted, last, branch = done, plan.checked, None, W - 1, None
-    p = u = None
-    if req.speculative:
-        u = uniform(st.key.view(B, 1, 1), pos, st.rounds.view(B, 1, 1), plan.streams)
+    window = Window(st.seq.unsqueeze(2), start, start + plan.col, offset, off, plan.col < off)
+    rule = verify_speculative if req.speculative else verify_argmax
+    return rule(st, guided, positions, window, req, plan)
+
+
+def verify_argmax(st: JacobiState, guided: Tensor, positions: Tensor, w: Window, req: Request,
+                  plan: Plan) -> Verified:
+    """Greedy: a draft is accepted while it equals the argmax of its column.  Decoding "sample":
+    the same on the keyed perturbed scores (rollout/sampling.py `perturb`), whose argmax is the
+    token Cached AR commits.  The window kind's seam (`plan.drafting.path`): the window itself,
+    or with candidate drafting the tree window along the branch the root column chose."""
+    B = st.cur.shape[0]
     if req.perturbed:       # from here on verified as greedy, on the perturbed scores
         guided, p = perturb(guided, st.key.view(B, 1, 1), positions[..., None],
                             req.temperature, req.top_k, req.top_p)    # (B, W or C, V)
-    elif req.speculative or st.logp is not None:
+    else:                   # the behaviour log-probs' distribution
         p = warp(guided, req.temperature, req.top_k, req.top_p)       # (B, W or C, V)
-    if plan.tree is not None:       # candidate drafting: the path the root column chose
-        guided, p, held, checked, drafted, last, branch = tree_path(st, guided, p, u, offset,
-                                                                    off, done, plan)
-    drafts = seq.gather(1, pos)                                       # (B, W, 1)
-    if req.speculative:  # on a tree path the drafts past its valid predictions are coupled too
-        a, tokens = verify_sample(p, drafts, st.q, held, checked, u, plan.col, plan.coupled,
-                                  drafted)
-    else:
-        tokens = guided.argmax(-1, keepdim=True)                      # (B, W, 1)
-        a = verify_greedy(tokens, drafts, held, checked)
-    m = commit_count(a, off, W, plan.sync)                            # (B, 1, 1)
-    if plan.sync and req.speculative:    # accepted past the batch minimum: drafts again, from p
-        again = (plan.col >= off + m) & (plan.col <= a)
-        tokens = torch.where(again, inverse_cdf(p, u[3]), tokens)       # u[3]: drafts
-    write = torch.where(done, plan.scratch, pos)    # committed before: to scratch past T
-    seq.scatter_(1, write, tokens)
-    if st.logp is not None:      # right for the committed columns; the rest is rewritten later
-        st.logp.unsqueeze(2).scatter_(1, write, p.gather(2, tokens).log())   # token_logprob
-    filled = fill_history(seq, start + W, plan)
-    accepted, rejected = a - off, a < last      # finished rows: 0, False
-    if plan.sync:                 # a row past the batch minimum commits accepted drafts only
-        accepted, rejected = torch.minimum(accepted, m), rejected & (accepted < m)
-    counts = torch.stack([m, accepted, rejected.long()])
-    if plan.tree is not None:       # candidate drafting: the next window's candidates
-        next_candidates(st, guided, offset, a, m, last, branch, plan)
+    path = plan.drafting.path(st, guided, p, None, w.offset, w.off, w.done, plan)
+    tokens = path.guided.argmax(-1, keepdim=True)                     # (B, W, 1)
+    a = verify_greedy(tokens, w.seq.gather(1, w.pos), path.held, path.checked)
+    return Verified(w, tokens, a, path.last, path.p, None, path.guided, path.branch)
+
+
+def verify_speculative(st: JacobiState, guided: Tensor, positions: Tensor, w: Window,
+                       req: Request, plan: Plan) -> Verified:
+    """Decoding "speculative": speculative sampling of every window with the round's keyed
+    uniforms, and the next drafts refreshed (`plan.coupled`; rollout/verify.py
+    `verify_sample`).  On a tree path the drafts past its valid predictions are coupled too."""
+    B = st.cur.shape[0]
+    u = uniform(st.key.view(B, 1, 1), w.pos, st.rounds.view(B, 1, 1), plan.streams)
+    p = warp(guided, req.temperature, req.top_k, req.top_p)           # (B, W or C, V)
+    path = plan.drafting.path(st, guided, p, u, w.offset, w.off, w.done, plan)
+    a, tokens = verify_sample(path.p, w.seq.gather(1, w.pos), st.q, path.held, path.checked, u,
+                              plan.col, plan.coupled, path.drafted)
+    return Verified(w, tokens, a, path.last, path.p, u, path.guided, path.branch)
+
+
+def commit(st: JacobiState, v: Verified, m: Tensor, req: Request,
+           plan: Plan) -> tuple[Tensor, Tensor]:
+    """Commit m (B, 1, 1) tokens of each row of the verified round v, in place: every column's
+    token written back in one scatter (the columns committed before to scratch past T) with its
+    behaviour log-prob, the W - 1 tokens after the window filled from history, cur and the
+    round counter advanced, and the next window's proposals (decoding "speculative") and
+    candidates (`plan.drafting.next`: candidate drafting's).  -> accepted (B, 1, 1)
+    int64 drafts and rejected (B, 1, 1) bool (finished rows: 0, False)."""
+    B, W, w = st.cur.shape[0], plan.W, v.w
+    write = torch.where(w.done, plan.scratch, w.pos)  # committed before: to scratch past T
+    w.seq.scatter_(1, write, v.tokens)
+    # the log-probs: right for the committed columns; the rest is rewritten later
+    st.logp.unsqueeze(2).scatter_(1, write, v.p.gather(2, v.tokens).log())   # token_logprob
+    filled = fill_history(w.seq, w.start + W, plan)
+    plan.drafting.next(st, v.guided, w.offset, v.a, m, v.last, v.branch, plan)
     st.cur += m.view(B)
     st.rounds += 1                # (a finished row's count is never used again)
     if req.speculative:
-        st.q = next_proposals(p, filled, start, st.cur, plan)
-    return counts.view(3, B), branch
+        st.q = next_proposals(v.p, filled, w.start, st.cur, plan)
+    return v.a - w.off, v.a < v.last
 
 
 def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
@@ -256,8 +328,7 @@ def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | No
     token, logp = choose_token(guide(logits, req.cfg_scale), req, j, st.rounds, st.key)
     write = torch.where(live, j, plan.T)[:, None]
     st.seq.scatter_(1, write, token[:, None])
-    if st.logp is not None:
-        st.logp.scatter_(1, write, logp[:, None])
+    st.logp.scatter_(1, write, logp[:, None])
     st.cur += live
     st.rounds += 1
     committed = live.long()

@@ -37,8 +37,8 @@ ENGINE_OPTIONS: dict[str, dict] = {
 engine takes, default False).  The order is the one error messages list them in."""
 
 ENGINE_MODULES: dict[str, str] = {"hbsjd": "rollout.hbsjd", "cached_ar": "rollout.cached_ar",
-                                  "sjd_sync": "rollout.sjd_sync",
-                                  "sjd_independent": "rollout.hbsjd"}
+                                  "sjd_sync": "rollout.baselines.sjd_sync",
+                                  "sjd_independent": "rollout.baselines.sjd_independent"}
 """The module that defines (and registers) each engine: rollout/engine.py `engine_class`
 imports it the first time the engine is asked for."""
 

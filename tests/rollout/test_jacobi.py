@@ -3,6 +3,7 @@ from history, reuse of predictions, commit counts (greedy losslessness alone wou
 bad drafts, only slower decoding)."""
 import torch
 
+from rollout.baselines.sjd_sync import batch_minimum
 from rollout.engine import make_request
 from rollout.jacobi import (JacobiState, commit_count, fill_history, init_state, jacobi_update,
                             make_plan, window_inputs)
@@ -21,7 +22,7 @@ def request(B, P, decoding="greedy"):
 
 
 def test_fill_history_follows_the_offset_chain():
-    plan = make_plan(16, 7, 4, False, torch.device("cpu"))              # F = 6 tokens
+    plan = make_plan(16, 7, 4, torch.device("cpu"))              # F = 6 tokens
     seq = torch.arange(100, 124)[None].repeat(3, 1)
     filled = fill_history(seq.unsqueeze(2), torch.tensor([10, 12, 2]).view(3, 1, 1), plan)
     assert seq[0, 10:16].tolist() == [106, 107, 108, 109, 106, 107]    # j - 4, j - 8, ...
@@ -30,7 +31,7 @@ def test_fill_history_follows_the_offset_chain():
     assert seq[:, 18:].tolist() == [list(range(118, 124))] * 3         # nothing else
     assert filled[..., 0].tolist() == [seq[0, 10:16].tolist(), seq[1, 12:18].tolist(),
                                        seq[2, 2:8].tolist()]
-    plan1 = make_plan(16, 7, 1, False, torch.device("cpu"))
+    plan1 = make_plan(16, 7, 1, torch.device("cpu"))
     seq = torch.arange(100, 124)[None].clone()
     fill_history(seq.unsqueeze(2), torch.tensor([5]).view(1, 1, 1), plan1)
     assert seq[0, 4:12].tolist() == [104] * 7 + [111]                  # H = 1: left neighbour
@@ -38,21 +39,21 @@ def test_fill_history_follows_the_offset_chain():
 
 def test_init_state_drafts_come_from_history():
     req = request(2, 9)
-    plan = make_plan(16, 5, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7)
+    plan = make_plan(16, 5, 4, torch.device("cpu"))
+    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7, torch.zeros(2))
     assert st.cur.tolist() == [10, 10] and st.rounds.tolist() == [1, 1]
     assert st.seq[:, 9].tolist() == [3, 4]
     assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
     sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]),
-                         plan, 7)
+                         plan, 7, torch.zeros(2))
     assert sampled.q.shape == (2, 5, 7)                                # one per window column
     assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
     assert (sampled.q.sum(-1) == 1).all()
 
 
 def test_window_is_clipped_at_the_end():
-    plan = make_plan(16, 4, 4, False, torch.device("cpu"))
+    plan = make_plan(16, 4, 4, torch.device("cpu"))
     seq = torch.arange(20)[None].repeat(3, 1)
     st = JacobiState(seq, torch.tensor([3, 15, 16]), torch.zeros(3, dtype=torch.long),
                      torch.zeros(3, dtype=torch.long), None)
@@ -66,8 +67,8 @@ def test_commit_count():
     W = 4              # a: the first column neither committed before nor accepted (verify.py)
     a = torch.tensor([2, 0, 3, 4, 2, 3]).view(6, 1, 1)
     offset = torch.tensor([0, 0, 0, 4, 2, 2]).view(6, 1, 1)       # 4: finished, 2: clipped
-    assert commit_count(a, offset, W, False).view(6).tolist() == [3, 1, 4, 0, 1, 2]
-    assert commit_count(a, offset, W, True).view(6).tolist() == [1, 1, 1, 0, 1, 1]
+    assert commit_count(a, offset, W).view(6).tolist() == [3, 1, 4, 0, 1, 2]
+    assert batch_minimum(commit_count(a, offset, W)).view(6).tolist() == [1, 1, 1, 0, 1, 1]
 
 
 def logits_for(pred, V=7):
@@ -77,8 +78,8 @@ def logits_for(pred, V=7):
 
 def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     req = request(2, 4)
-    plan = make_plan(16, 4, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7)
+    plan = make_plan(16, 4, 4, torch.device("cpu"))
+    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7, torch.zeros(2))
     st.seq[0, 5:8] = torch.tensor([1, 2, 3])                      # drafts for tokens 5..7
     st.seq[1, 5:8] = torch.tensor([1, 0, 3])
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
@@ -98,8 +99,8 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
 
 def test_speculative_round_records_proposals():
     req = request(1, 4, "speculative")
-    plan = make_plan(16, 4, 4, False, torch.device("cpu"))
-    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7)
+    plan = make_plan(16, 4, 4, torch.device("cpu"))
+    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7, torch.zeros(1))
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
     _, positions, offset = window_inputs(st, plan)
     (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), positions, offset, req,

@@ -11,7 +11,6 @@ window, fails the same equality checks.
 import pytest
 import torch
 
-import rollout.hbsjd
 import rollout.jacobi
 import rollout.sampling
 from rollout import make_engine
@@ -147,7 +146,7 @@ def keyed_by_column(real):
     return perturb
 
 
-@pytest.mark.parametrize("target,mutation", [(rollout.hbsjd, "jacobi_update"),
+@pytest.mark.parametrize("target,mutation", [(rollout.jacobi, "jacobi_update"),
                                              (rollout.jacobi, "perturb")])
 def test_noise_not_keyed_by_position_fails_the_equality(tiny, batch, monkeypatch, target,
                                                         mutation):
