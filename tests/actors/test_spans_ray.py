@@ -92,6 +92,7 @@ def kill_on_span(role: str, target: int, span: int = 2):
     return state, hook
 
 
+@pytest.mark.slow   # 2 Ray runs with a kill and a restart (~100 s); the equality test above is fast
 @pytest.mark.parametrize("role", ["teacher", "rollout"])
 def test_a_worker_killed_mid_call_loses_nothing(ray_session, spanned, tmp_path, role):
     """The teacher worker dies with a call's span in flight (the span's scoring fails: its
