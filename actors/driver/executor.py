@@ -76,7 +76,8 @@ class CommandExecutor:
             self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
             return
         part = step.layout.part_of(c.piece)       # on the worker holding the call's spans
-        call, job, spans = (step.step, step.gen, part, c.issue), step.jobs[part], step.spans.refs(part, c.issue)
+        call, job = (step.step, step.gen, part, c.issue), step.jobs[part]
+        spans = step.spans.refs(part, c.issue)
         rows = step.layout.rows_in_part(c.piece)
         self._pin(step, part, c.teacher, self._submit(
             task, c, lambda actor: actor.score_spanned.remote(call, job, spans, payload, rows, tag,

@@ -33,7 +33,7 @@ from opd.models.factory import load_role_model
 from opd.distill.span_scoring import PartScoring
 from opd.distill.steps import RolloutJob, build_engine, score
 from opd.distill.stream import PartStream
-from opd.distill.teachers import run_teachers, score_share
+from opd.distill.teachers import Share, run_teachers, score_share
 
 
 KEPT_CALLS = 8
@@ -75,13 +75,18 @@ class TeacherWorker(Worker):
         self.version = batch.policy_version
         share = score_share(self.model, batch, self.cfg, self.teacher,
                             self.teachers.share_rows(self.teacher, batch.labels), score)
-        out, seconds = share.batch, share.seconds
-        tokens = out.batch_size * out.seq_len
+        del batch
+        return self._deliver(share, tag, queue, start)
+
+    def _deliver(self, share: Share, tag: PieceTag, queue, start: float) -> PieceReport:
+        """Report a scored share's metrics and deliver it into `queue` (`start`: when the
+        scoring call began)."""
+        seconds, tokens = share.seconds, share.batch.batch_size * share.batch.seq_len
         self.metrics.report(teacher_seconds=seconds, teacher_tokens=tokens,
                             teacher_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         report = deliver_share(share, tag, queue, time.perf_counter() - start)
         self.io.put(report.nbytes)
-        del batch, out
+        del share
         release_free_heap()          # its freed buffers, which glibc would keep (heap.py)
         return report
 
@@ -109,14 +114,8 @@ class TeacherWorker(Worker):
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
         self.version = batch.policy_version
         share = scoring.share(self.teacher, torch.arange(*rows), batch)
-        tokens = batch.batch_size * batch.seq_len
-        self.metrics.report(teacher_seconds=share.seconds, teacher_tokens=tokens,
-                            teacher_tokens_per_s=tokens / share.seconds if share.seconds else 0.0)
-        report = deliver_share(share, tag, queue, time.perf_counter() - start)
-        self.io.put(report.nbytes)
-        del batch, share
-        release_free_heap()
-        return report
+        del batch
+        return self._deliver(share, tag, queue, start)
 
     def _scoring(self, call: tuple, job: RolloutJob) -> PartScoring:
         """The span scoring of rollout call `call` on this worker: the last KEPT_CALLS calls'
