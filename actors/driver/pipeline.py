@@ -213,10 +213,10 @@ class Pipeline(CommandExecutor, AnswerRouter):
         try:
             if done.checkpoint:
                 self._save_checkpoint()
-            if done.publish:
+            if done.publish and self.planner.rollouts_at(self.state.version):
                 self.publisher.publish(self.state.version)
-                if not self.interrupt.pending():   # Ctrl-C: the run ends at this step
-                    self._issue()
+            if not self.interrupt.pending():       # Ctrl-C: the run ends at this step
+                self._issue()
         finally:                                   # a learner that failed: its row is kept
             self.steps.record(row)
         self._evaluate()

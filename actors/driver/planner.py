@@ -70,6 +70,17 @@ class StepPlanner:
         self.next_step += 1
         return step
 
+    def rollouts_at(self, version: int) -> bool:
+        """Whether a fresh student rollout may be made with `version`'s weights: a step of
+        [version, version + staleness + broadcast_every - 1] samples the student and does not
+        reuse a buffered rollout.  Publishing only such versions changes no rollout's version
+        (a step's is the latest one published, within its staleness), and spares a learner
+        the serialisation of weights nobody loads: every KD warm-up step, every reused step."""
+        d = self.cfg.distill
+        last = min(version + d.staleness + d.broadcast_every, d.steps)
+        return any(step_source(self.cfg, s)[1] == "student" and not self.reuse.reused(s)
+                   for s in range(version, last))
+
     def new_generation(self) -> int:
         """A plan generation no answer in flight carries (a re-planned step's)."""
         return next(self._gens)

@@ -228,3 +228,27 @@ def test_the_planner_holds_the_queue_bound(tiny_overrides):
     assert [planner.plan(0, 0, 7).step for _ in range(3)] == [0, 1, 2]
     assert planner.plan(0, 0, 7) is None                   # 3 steps ahead of version 0
     assert planner.plan(1, 0, 7).step == 3 and planner.plan(1, 0, 7) is None
+
+
+def test_only_the_versions_a_fresh_rollout_may_use_are_published(tiny_overrides):
+    """`StepPlanner.rollouts_at`: a KD warm-up's versions and those that only reused steps follow
+    are not published (no rollout loads them); a fresh student step's version is, and with
+    staleness 1 the version before it too (the step may be made with either)."""
+    from opd.data import PrefixBatcher
+    from opd.data.splits import open_dataset
+
+    def planner(*overrides):
+        cfg = load_config("tiny", [*tiny_overrides, "distill.steps=7", *overrides])
+        train = open_dataset(cfg, "train")
+        return StepPlanner(cfg, PrefixBatcher(train, cfg.data.batch_size, cfg.run.seed),
+                           train.seq_len, 0)
+
+    warm = ("distill.phases=[{name: warm, steps: 3, objective: kd}, "
+            "{name: student, objective: gkd, lam: 1.0}]")
+    assert [planner(warm).rollouts_at(v) for v in range(7)] == [False] * 3 + [True] * 4
+    assert ([planner(warm, "distill.staleness=1").rollouts_at(v) for v in range(7)]
+            == [False] * 2 + [True] * 5)
+    reused = planner("distill.objective=gkd", "distill.lam=1.0", "distill.reuse=3",
+                     "distill.reuse_buffer=2", "distill.reuse_fresh=0.3")
+    assert [reused.reuse.origin(s) for s in range(4)] == [0, 0, 0, 3]   # seed 0: as above
+    assert [reused.rollouts_at(v) for v in range(4)] == [True, False, False, True]
