@@ -13,7 +13,8 @@ step k, the reference's order of work:
     train     StudentLearner.train_piece(k, version, piece)  (each piece as soon as it is in the
               queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every piece delivered; strict: version k only)
-    publish   weights k + 1  (one object-store object, or a broadcast: publisher.py)
+    publish   weights k + 1  (one object-store object, or a broadcast: publisher.py), when a
+              fresh student rollout may be made with them (planner.py `rollouts_at`)
 
 The driver only orchestrates: it receives reports and metrics, never a trajectory or a weight
 payload.  Each step is a state machine (step.py) that takes the answers of its tasks as events
