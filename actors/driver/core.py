@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Callable
 from dataclasses import dataclass, field
 
 from actors.driver.step import Step, Training
@@ -69,10 +70,12 @@ class StepDone:
 
 
 def step_trained(state: DriverState, plan: Step, results: list[LearnerResult], now: float,
-                 cfg: RunConfig) -> StepDone:
+                 cfg: RunConfig, rollouts_at: Callable[[int], bool]) -> StepDone:
     """Every learner rank answered the last piece of step `plan` (`results`, rank order): the
     step is counted, its batch consumed (or, reusing a buffered rollout, that rollout's reuse
-    counted), the version one up."""
+    counted), the version one up.  The new version is published on the broadcast cadence if
+    `rollouts_at(version)` says a fresh student rollout may be made with it
+    (`StepPlanner.rollouts_at`)."""
     t, state.training = plan.training, None
     if plan.origin is None:
         state.consumed[plan.batch_id] += 1
@@ -82,7 +85,8 @@ def step_trained(state: DriverState, plan: Step, results: list[LearnerResult], n
     state.version += 1
     v = state.version
     return StepDone(results, t.start, now, wall, checkpoint=checkpoint_due(cfg, v),
-                    publish=v < state.end and v % cfg.distill.broadcast_every == 0)
+                    publish=(v < state.end and v % cfg.distill.broadcast_every == 0
+                             and rollouts_at(v)))
 
 
 def rollout_wait_fraction(source: str, issued: float, rollout_done: float, learner_free: float,
@@ -141,7 +145,7 @@ def step_metrics(plan: Step, done: StepDone, pools: PoolCounts, *, sync_seconds:
                    reused=plan.origin is not None)
     R, M = pools.rollout_alive, pools.teacher_alive
     row.update({
-        "step_s": wall, "weight_sync_s": sync_seconds,
+        "step_s": wall, "published": done.publish, "weight_sync_s": sync_seconds,
         "weight_bytes": sync_bytes, "queue_depth": results[0].queue_depth,
         "policy_lag": plan.step - plan.version, "samples_per_s": plan.samples / wall,
         "teacher_tokens_per_s": (traj.batch_size * traj.seq_len / seconds["teacher"]

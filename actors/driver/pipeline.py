@@ -204,7 +204,8 @@ class Pipeline(CommandExecutor, AnswerRouter):
         """The step's last piece is trained: checkpoint and publish when due, start the steps
         that waited for the new weights, then write the step's row (metrics.parquet and the
         trackers take milliseconds that a strict step would otherwise wait for)."""
-        done = core.step_trained(self.state, step, results, time.perf_counter(), self.cfg)
+        done = core.step_trained(self.state, step, results, time.perf_counter(), self.cfg,
+                                 self.planner.rollouts_at)
         self.planner.finish(step.step, self.state.version)
         row = self._row(step, done)
         self.nodes.stepped(step.step)
@@ -214,7 +215,7 @@ class Pipeline(CommandExecutor, AnswerRouter):
         try:
             if done.checkpoint:
                 self._save_checkpoint()
-            if done.publish and self.planner.rollouts_at(self.state.version):
+            if done.publish:
                 self.publisher.publish(self.state.version)
             if not self.interrupt.pending():       # Ctrl-C: the run ends at this step
                 self._issue()

@@ -99,8 +99,8 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
                                "distill.broadcast_every=2", "distill.staleness=1"])
     state = DriverState(version=1, end=4, last_step_end=100.0)
 
-    def trained(step, now, start=0.0):
-        plan = plan_of(step)
+    def trained(step, now, start=0.0, rollouts=True, batch_id=None):
+        plan = plan_of(step, batch_id=batch_id)
         plan.start()
         for p in range(2):
             deliver(plan, p)
@@ -108,7 +108,7 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
         core.start_training(state, {step: plan}, published=step)
         plan.training.start = start
         return plan, core.step_trained(state, plan, [rank(1.0, 1.0), rank(2.0, 3.0)], now=now,
-                                       cfg=cfg)
+                                       cfg=cfg, rollouts_at=lambda v: rollouts)
 
     plan, done = trained(1, now=104.0, start=101.0)
     assert (state.version, state.training, state.consumed[plan.batch_id]) == (2, None, 1)
@@ -118,6 +118,9 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
     assert (done.checkpoint, done.publish) == (False, False)
     _, done = trained(3, now=106.0)
     assert (done.checkpoint, done.publish) == (True, False)          # the last step: no publish
+    state.version = 1
+    _, done = trained(1, now=107.0, rollouts=False, batch_id=9)   # version 2: no fresh rollout will use it
+    assert (done.checkpoint, done.publish) == (True, False)
 
 
 def test_rank_metrics_are_the_global_token_mean():
@@ -167,23 +170,25 @@ def test_a_step_on_a_reused_rollout_only_trains_and_consumes_no_batch(tiny_overr
         origin.part_made(p, 1, PartReport(2, 6, RolloutStats(rounds=3, generated_tokens=6)), 0.0)
     origin.seal()
     core.start_training(state, {0: origin}, published=0)
-    core.step_trained(state, origin, [rank(1.0, 1.0)], now=101.0, cfg=cfg)
+    core.step_trained(state, origin, [rank(1.0, 1.0)], now=101.0, cfg=cfg,
+                      rollouts_at=lambda v: False)
     s = Step.reusing(origin, 2, gen=5, phase="p")
     assert (s.step, s.origin, s.batch_id, s.version, s.gen, s.sealed) == (2, 0, 0, 0, 5, True)
     assert s.start() == [] and not s.sealable
     state.version = 2
     t = core.start_training(state, {2: s}, published=2)       # batch 0 trained: no error
     assert t is not None and t.prefetch and [c.piece for c in s.hand_out()] == [0, 1]
-    done = core.step_trained(state, s, [rank(1.0, 1.0)], now=104.0, cfg=cfg)
+    done = core.step_trained(state, s, [rank(1.0, 1.0)], now=104.0, cfg=cfg,
+                             rollouts_at=lambda v: False)
     assert (state.consumed, state.reused, state.version) == (Counter({0: 1}), Counter({0: 1}), 3)
     row = core.step_metrics(s, done, PoolCounts(1, 1, 1), sync_seconds=0.0, sync_bytes=0,
                             reissued=0)
     assert {k: row[k] for k in ("step", "batch_id", "policy_version", "policy_lag", "reused",
                                 "delivered_bytes", "rounds", "rollout_s", "generated_tokens",
-                                "rollout_wait")} == {
+                                "rollout_wait", "published")} == {
         "step": 2, "batch_id": 0, "policy_version": 0, "policy_lag": 2, "reused": True,
         "delivered_bytes": 0, "rounds": 0, "rollout_s": 0.0, "generated_tokens": 12,
-        "rollout_wait": 0.0}
+        "rollout_wait": 0.0, "published": False}
 
 
 def test_the_planner_plans_a_reused_step_from_its_trained_origin_without_a_batch(tiny_overrides):

@@ -40,6 +40,8 @@ def assert_reuse_accounted(rows, reference, run_dir, cfg):
     assert [r["policy_lag"] for r in rows] == [t - o for t, o in enumerate(origins)]
     assert max(r["policy_lag"] for r in rows) <= max_lag(phase_at(cfg, 0))
     fresh = [t for t, o in enumerate(origins) if o == t]
+    # a version is published only when a fresh rollout is made with it (the last one: never)
+    assert [r["published"] for r in rows] == [t + 1 in fresh for t in range(len(rows))]
     record = consumed(run_dir)
     assert record["consumed"] == {str(b): 1 for b in range(len(fresh))}   # each batch once
     reused = {}
