@@ -49,8 +49,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py, started for
-    this call): each round's window and execution are `policy.choose`'s, gamma unused, and each
-    round's committed tokens and wall seconds go back to `policy.observe`; plan_for(W) -> the
+    this call): each round's window and execution are `policy.choose`'s, gamma unused, each
+    round's committed tokens and wall seconds go back to `policy.observe`, and the call's
+    tokens to `policy.finish`; plan_for(W) -> the
     call's Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
@@ -131,6 +132,8 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         # 4. tally
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
+    if policy is not None:
+        policy.finish(B * req.num_new)
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 
