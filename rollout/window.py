@@ -111,6 +111,13 @@ class WindowPolicy:
     def largest(self) -> int:
         return max(self.windows)
 
+    @property
+    def counting(self) -> bool:
+        """Whether this call's rounds' tokens are counted: only while it chooses among
+        windows.  A call of one window chooses Full or Compact, which commit alike, by seconds
+        alone, so it leaves the device sums out of its rounds' sync."""
+        return len(self.windows) > 1
+
     def start(self, windows: tuple) -> None:
         """A new call that may use `windows` (sorted, already clipped to N - 1): its rounds run
         the window `CallWindows` chooses for it (rollout/window_calls.py), or, while no call
@@ -163,7 +170,9 @@ class WindowPolicy:
             return None
         sec = self.seconds.get((W, compact, self._band(compact, active)))
         if sec is not None and sec.weight:
-            seconds, n = sec.mean, min(tok.count(self.clock), sec.count(self.clock))
+            seconds, n = sec.mean, sec.count(self.clock)
+            if self.counting:
+                n = min(n, tok.count(self.clock))
         else:
             full = self.seconds.get((W, False, 0)) if compact and "full" in self.modes else None
             if full is None or not full.weight:
@@ -182,6 +191,8 @@ class WindowPolicy:
         explore = False                                     # exploring a measured arm
         if self.hold is not None and self.hold[0] in arms:
             arm, explore = self.hold
+        elif len(arms) == 1:                                # nothing to choose
+            arm = arms[0]
         else:
             rated, top = [], None
             log_t = math.log(min(self.clock, HORIZON) + 2)

@@ -14,14 +14,16 @@ the seconds of whole calls per token they commit:
                  the machine as its load changes; a call counts at most CLIP times the arm's
                  mean, so one burst of another process does not move it for long).  Compiled,
                  an arm's first call (its compiles) is dropped.
-    choice       the cheapest arm, the leader.  A window beside the leader's (a call's cost is
-                 unimodal in W, as a round's rate is) never measured is run next: the search
-                 climbs to the best window in a few calls.  Then UCB over the leader and its
-                 neighbours: the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t / n)),  n
-                 its discounted calls, t the calls so far (capped at the discount's horizon);
-                 a neighbour is run (explored) only while the discounted seconds of exploring
-                 calls are at most CALL_BUDGET of all calls' seconds, so what exploring costs
-                 is bounded and a neighbour whose estimate went stale is measured again.
+    choice       the cheapest arm, the leader.  UCB over the leader and the windows beside it
+                 (a call's cost is unimodal in W, as a round's rate is, so the search climbs
+                 to the best window): the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t /
+                 n)),  n its discounted calls, t the calls so far (capped at the discount's
+                 horizon); a neighbour never measured ranks first (the one the rounds rate
+                 higher first).  A neighbour is run (explored) only while the discounted
+                 seconds of exploring calls are at most CALL_BUDGET of all calls' seconds, so
+                 what exploring costs is bounded, a few calls of the leader separate two
+                 explorations (a noisy call decides less), and a neighbour whose estimate went
+                 stale is measured again.
 
 All of it is a few floats per call on the host; the call's seconds are read where the round loop
 ends (rollout/hbsjd.py `run_jacobi`), so it adds no device synchronisation.
@@ -105,16 +107,13 @@ class CallWindows:
         best = min(cost, key=cost.get)
         i = windows.index(best)
         beside = windows[max(0, i - 1):i + 2]
-        new = [W for W in beside if W not in cost]
-        if new:                             # climb: a neighbour never measured runs next
-            W = max(new, key=lambda W: (rates.get(W, 0.0), -W))
-            self.pending = (W, True)
-            return W
         log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
 
-        def index(W):
+        def index(W):                       # never measured: first, the rounds' best first
+            if W not in cost:
+                return math.inf, rates.get(W, 0.0), -W
             n = self.cost[W].count(self.calls)
-            return (1 / cost[W]) * (1 + EXPLORE * math.sqrt(log_t / max(n, 1e-9)))
+            return (1 / cost[W]) * (1 + EXPLORE * math.sqrt(log_t / max(n, 1e-9))), 0.0, 0
         top = max(beside, key=index)
         explore = top != best and self.spent[0] <= CALL_BUDGET * self.spent[1]
         W = top if explore else best
