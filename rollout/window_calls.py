@@ -11,9 +11,11 @@ the seconds of whole calls per token they commit:
                  window's rate, whose best is the first window to run a whole call.
     arms         the windows; an arm's cost is the discounted mean of its calls' seconds per
                  committed token (CALL_DISCOUNT a call: follows the student as it trains and
-                 the machine as its load changes; a call counts at most CLIP times the arm's
-                 mean, so one burst of another process does not move it for long).  Compiled,
-                 an arm's first call (its compiles) is dropped.
+                 the machine as its load changes).  A call's seconds are its rounds' seconds,
+                 each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
+                 call counts at most CLIP times the arm's mean: one burst of another process
+                 moves a call as much as a choice between windows a few per cent apart does.
+                 Compiled, an arm's first call (its compiles) is dropped.
     choice       the cheapest arm, the leader.  UCB over the leader and the windows beside it
                  (a call's cost is unimodal in W, as a round's rate is, so the search climbs
                  to the best window): the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t /
@@ -25,8 +27,8 @@ the seconds of whole calls per token they commit:
                  explorations (a noisy call decides less), and a neighbour whose estimate went
                  stale is measured again.
 
-All of it is a few floats per call on the host; the call's seconds are read where the round loop
-ends (rollout/hbsjd.py `run_jacobi`), so it adds no device synchronisation.
+All of it is a few floats per call on the host, from the rounds' seconds the loop already
+reads (rollout/hbsjd.py `run_jacobi`): it adds no device synchronisation.
 """
 from __future__ import annotations
 
