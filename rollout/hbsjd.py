@@ -49,8 +49,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py, started for
-    this call): each round's window and execution are `policy.choose`'s, gamma unused, and each
-    round's committed tokens and wall seconds go back to `policy.observe`; plan_for(W) -> the
+    this call): each round's window and execution are `policy.choose`'s, gamma unused, each
+    round's committed tokens and wall seconds go back to `policy.observe`, and the call's
+    tokens to `policy.finish`; plan_for(W) -> the
     call's Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
@@ -79,17 +80,17 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     full, compact = full or full_round, compact or compact_round
     handed, n_handed = torch.zeros(R, dtype=torch.bool, device=dev), 0   # rows handed out
     spanned = req.prefix_len             # tokens handed out as spans
-    counts = started = None              # the last round's counts and start (policy only)
+    counts = started = room = None       # the last round's counts, start, rows with room
     while True:
         live = st.cur < T
-        # sync: the active rows, the least committed row's tokens, the tokens left to commit
-        if started is None:
-            A, low, left = torch.stack([live.sum(), st.cur.min(), (T - st.cur).sum()]).tolist()
-        else:       # the round's committed tokens ride the same sync, then its seconds
-            A, low, left, tokens, rows = torch.stack([
-                live.sum(), st.cur.min(), (T - st.cur).sum(), (counts[0] * room).sum(),
-                room.sum()]).tolist()
-            policy.observe(tokens, rows, time.perf_counter() - started)
+        # sync: the active rows, the least committed row's tokens, the tokens left to commit,
+        # and (a policy counting tokens) the round's committed tokens; then its seconds
+        stats = [live.sum(), st.cur.min(), (T - st.cur).sum()]
+        if room is not None:
+            stats += [(counts[0] * room).sum(), room.sum()]
+        A, low, left, *tokens = torch.stack(stats).tolist()
+        if started is not None:
+            policy.observe(*(tokens or (0, 0)), time.perf_counter() - started)
         # 0. hand out the spans every image has committed (waiting images have none yet)
         for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
                               low if slots.waiting == B else req.prefix_len):
@@ -118,7 +119,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             started = time.perf_counter()
         is_compact, st, plan = execution(A, left / A, gamma, policy, st, plan, plan_for,
                                          hold if compiled else None)
-        if policy is not None:      # the rows with a whole window left (policy.observe)
+        if policy is not None and policy.counting:  # rows with a whole window left
             room = (st.cur <= T - plan.W).long()
         # 3. the round
         if is_compact:
@@ -126,11 +127,13 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             counts = compact(model, st, idx, req, plan)
         else:
             idx, counts = None, full(model, st, req, plan)
-        if policy is not None and idx is not None:
+        if room is not None and idx is not None:
             room = room[idx]
         # 4. tally
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
+    if policy is not None:
+        policy.finish(B * req.num_new)
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 

@@ -48,11 +48,13 @@ rule:
              the round before never proposed (its tokens are not counted).
 
 A fixed W runs no policy (its Full / Compact switch is gamma's, rollout/hbsjd.py).  The policy
-lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls: a
-rollout worker's first calls explore, its later ones exploit.  Its bookkeeping is a few floats a
-round on the host; a round's committed count, its rows with a whole window left and the tokens
-left ride the device sync the round loop already makes (rollout/hbsjd.py `run_jacobi`), so it
-adds no synchronisation on a GPU.
+lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls:
+its first call runs the rules above over every window; each later call runs the one window
+that whole calls price best (`CallWindows`, rollout/window_calls.py), the rules above then
+choosing only Full or Compact.  Its bookkeeping is a few floats a round on the host; a round's
+committed count, its rows with a whole window left (only while a call chooses among windows)
+and the tokens left ride the device sync the round loop already makes (rollout/hbsjd.py
+`run_jacobi`), so it adds no synchronisation on a GPU.
 
 The windows change time only: with greedy or "sample" decoding every window commits the same
 tokens (docs/ROLLOUTS.md, one seed one sample), so a measured choice keeps a run reproducible and
@@ -64,13 +66,13 @@ from __future__ import annotations
 
 import math
 
+from rollout.window_calls import CLIP, EXPLORE, CallWindows, Mean
+
 WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from."""
 DISCOUNT = 0.98         # per round: an observation's weight halves in about 34 rounds
 HORIZON = 1 / (1 - DISCOUNT)    # the discounted rounds an arm played every round reaches
-CLIP = 1.5              # a round's seconds count at most 1.5 times its arm's mean so far
 PRIOR = 0.5             # the weight, in rounds, of a Compact arm's prior (Full's seconds)
-EXPLORE = 0.3           # UCB's width, relative to the arm's rate
 BUDGET = 0.05           # most of the seconds (discounted) spent exploring measured arms
 SETTLE = 2              # a call's first rounds, whose drafts are still filling: tokens not counted
 
@@ -82,42 +84,6 @@ def near(rated: list, best: tuple, windows: tuple) -> list:
     up and down instead of windows far from the best (OSUB, Combes and Proutiere, ICML 2014)."""
     i = windows.index(best[0])
     return [x for x in rated if abs(windows.index(x[2][0]) - i) <= 1]
-
-
-class Mean:
-    """A discounted mean: each observation's weight decays by DISCOUNT per round of the
-    policy's clock.  The first observation is a warm-up: it is dropped.  With `clip`, an
-    observation counts at most `clip` times the mean so far: another process's burst on a
-    shared machine slows a round two- or threefold, once, and would otherwise weigh on its
-    arm for tens of rounds (a lasting change still moves the mean, by up to that factor a
-    round)."""
-    __slots__ = ("weight", "total", "last", "warm")
-
-    def __init__(self, warm: bool = False):
-        self.weight = self.total = 0.0
-        self.last = 0                 # the clock at the last observation
-        self.warm = warm              # True: no warm-up to drop
-
-    def add(self, x: float, now: int, clip: float | None = None, weight: float = 1.0) -> float:
-        """Count observation x (clipped) at clock `now` -> what was counted (0: a warm-up)."""
-        if not self.warm:
-            self.warm = True
-            return 0.0
-        if clip is not None and self.weight:
-            x = min(x, clip * self.total / self.weight)
-        decay = DISCOUNT ** (now - self.last)
-        self.weight = self.weight * decay + weight
-        self.total = self.total * decay + weight * x
-        self.last = now
-        return x
-
-    def count(self, now: int) -> float:
-        """Discounted observations at clock `now` (0: none counted yet)."""
-        return self.weight * DISCOUNT ** (now - self.last)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.weight
 
 
 class WindowPolicy:
@@ -140,15 +106,38 @@ class WindowPolicy:
         self.pending = None                                 # the chosen round, until observed
         self.hold = None                                    # (arm, explore) to repeat once
         self.explored = False                               # the last round explored
+        self.calls = CallWindows(warm=bucket is None)       # the window of each call
+        self.call_seconds = 0.0                             # this call's rounds, as counted
 
     @property
     def largest(self) -> int:
         return max(self.windows)
 
+    @property
+    def counting(self) -> bool:
+        """Whether this call's rounds' tokens are counted: only while it chooses among
+        windows.  A call of one window chooses Full or Compact, which commit alike, by seconds
+        alone, so it leaves the device sums out of its rounds' sync."""
+        return len(self.windows) > 1
+
     def start(self, windows: tuple) -> None:
-        """A new call whose rounds may use `windows` (sorted, already clipped to N - 1)."""
-        self.windows, self.previous, self.round = tuple(windows), 0, 0
+        """A new call that may use `windows` (sorted, already clipped to N - 1): its rounds run
+        the window `CallWindows` chooses for it (rollout/window_calls.py), or, while no call
+        has been measured, choose among all of them (the rounds' rule)."""
+        windows = tuple(windows)
+        compact = self.modes == ("compact",)
+        rates = {W: e[0] for W in windows
+                 if (e := self.estimate(W, compact, self.rows)) is not None}
+        W = self.calls.choose(windows, rates)
+        self.windows = windows if W is None else (W,)
+        self.previous, self.round, self.call_seconds = 0, 0, 0.0
         self.pending = self.hold = None
+
+    def finish(self, tokens: int) -> None:
+        """The call ended, its images' `tokens` committed: its rounds' seconds, each clipped
+        as its arm's mean clips it (a burst of another process moves a call's sum as much as
+        the choice between windows does), price the call's window (`CallWindows.observe`)."""
+        self.calls.observe(self.call_seconds, tokens)
 
     def _band(self, compact: bool, active: int) -> int:
         if not compact:
@@ -183,7 +172,9 @@ class WindowPolicy:
             return None
         sec = self.seconds.get((W, compact, self._band(compact, active)))
         if sec is not None and sec.weight:
-            seconds, n = sec.mean, min(tok.count(self.clock), sec.count(self.clock))
+            seconds, n = sec.mean, sec.count(self.clock)
+            if self.counting:
+                n = min(n, tok.count(self.clock))
         else:
             full = self.seconds.get((W, False, 0)) if compact and "full" in self.modes else None
             if full is None or not full.weight:
@@ -202,6 +193,8 @@ class WindowPolicy:
         explore = False                                     # exploring a measured arm
         if self.hold is not None and self.hold[0] in arms:
             arm, explore = self.hold
+        elif len(arms) == 1:                                # nothing to choose
+            arm = arms[0]
         else:
             rated, top = [], None
             log_t = math.log(min(self.clock, HORIZON) + 2)
@@ -245,9 +238,12 @@ class WindowPolicy:
         W, key, active, steady, explore = self.pending
         self.pending = None
         self.clock += 1
-        tok = self.tokens.setdefault(W, Mean(warm=True))
+        tok = self.tokens.setdefault(W, Mean(warm=True, discount=DISCOUNT))
         if steady and rows:
             tok.add(tokens / rows, self.clock, weight=rows / self.rows)
-        seconds = self.seconds.setdefault(key, Mean()).add(seconds, self.clock, clip=CLIP)
+        raw = seconds
+        seconds = self.seconds.setdefault(key, Mean(discount=DISCOUNT)).add(seconds, self.clock,
+                                                                         clip=CLIP)
+        self.call_seconds += seconds or raw                 # a warm-up: as it was
         self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),  # as counted
                       self.spent[1] * DISCOUNT + seconds]

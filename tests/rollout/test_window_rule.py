@@ -1,7 +1,9 @@
-"""The window policy's rule (W="auto", rollout/window.py) on given seconds and tokens (a fake
-clock, no timing): it settles on the cheapest window and follows a clock that changes, keeps
-Compact's seconds per rows band, ignores a compiling first round and another process's bursts.
-Each target is the time of a call against the best fixed schedule's on the same clock."""
+"""The window policy (W="auto", rollout/window.py and window_calls.py) on given seconds and
+tokens (a fake clock, no timing): its first call runs the rounds' rule over every window, its
+later calls the window whole calls price best; it settles on the cheapest window and follows a
+clock that changes, keeps Compact's seconds per rows band, ignores a compiling first round and
+another process's bursts.  Each target is the time of a call against the best fixed schedule's
+on the same clock."""
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from rollout.window import WINDOWS, WindowPolicy
 
 def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, lengths=None):
     """`calls` rollouts of `rows` rows through `policy` (or a function (active, left) ->
-    (W, compact)), a round's seconds and its tokens per active row given by seconds(W,
+    (W, compact)), each call's tokens then given to `policy.finish`, a round's seconds and its tokens per active row given by seconds(W,
     compact, rows run) and tokens(W) (no timing): each active row commits tokens(W) (at most
     what it has left; `lengths`: each row's tokens, else N).  -> [(call, W, compact, active)]
     of every round, in order."""
@@ -29,7 +31,17 @@ def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, length
                 policy.observe(tokens(W) * len(room), len(room),
                                seconds(W, compact, active if compact else rows))
             rounds.append((call, W, compact, active))
+        if isinstance(policy, WindowPolicy):
+            policy.finish(sum(lengths or [N] * rows))
     return rounds
+
+
+def call_windows(rounds) -> list:
+    """The window of each call of `rounds` (a call of several: their sorted list)."""
+    seen: dict[int, list] = {}
+    for k, W, *_ in rounds:
+        seen.setdefault(k, []).append(W)
+    return [Ws[0] if len(set(Ws)) == 1 else sorted(set(Ws)) for _, Ws in sorted(seen.items())]
 
 
 def call_seconds(rounds, seconds, rows, first=0) -> float:
@@ -55,20 +67,25 @@ def drafts(W):
 
 def test_on_a_clock_where_w8_is_cheapest_the_policy_settles_on_w8():
     """8 rows, Full: a round of W costs 1.8, 2.6, 4.2, 7.4, 13.8 ms and commits 1, 1.8, 3.4,
-    6.6, 6.6 tokens a row: 4.4, 5.5, 6.5, 7.1, 3.8 tokens / ms.  Every window is tried (two
-    rounds each, the first a warm-up; W 1 three, as a call's first two rounds' tokens do not
-    count); from the third call on, a call takes at most 1.05 times W 8's (its exploration
-    within the budget, a call's last rounds narrower where fewer tokens are left)."""
+    6.6, 6.6 tokens a row: 4.4, 5.5, 6.5, 7.1, 3.8 tokens / ms.  The first call runs the
+    rounds' rule: every window is tried (two rounds each, the first a warm-up; W 1 three, as a
+    call's first two rounds' tokens do not count).  Its rounds rate W 8 best: the second call
+    runs W 8 throughout, the third its neighbour W 4, and from the fourth of 30 on at least
+    85 % of the calls run W 8 (exploring waits for its budget: W 16 once, at 1.9 times W 8's
+    time, W 4 now and then) and they take at most 1.05 times W 8's time."""
     rates = {W: 8 * drafts(W) / cheapest_at_8(W, False, 8) for W in WINDOWS}
     assert max(rates, key=rates.get) == 8, rates
     policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
+    rounds = simulate(policy, cheapest_at_8, drafts, calls=30, rows=8)
     assert [W for _, W, *_ in rounds[:11]] == [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
     # a call's last round (4.6 tokens a row, 64 = 9 * 6.6 + 4.6: less than a window left)
     # does not count
     assert policy.estimate(8, False, 8)[0] == pytest.approx(rates[8], rel=1e-6)
+    windows = call_windows(rounds)
+    assert windows[:3] == [list(WINDOWS), 8, 4]
+    assert windows[3:].count(8) >= 0.85 * len(windows[3:]), windows
     best = call_seconds(simulate(fixed(8), cheapest_at_8, drafts, 1, 8), cheapest_at_8, 8)
-    assert call_seconds(rounds, cheapest_at_8, 8, first=2) <= 1.05 * best
+    assert call_seconds(rounds, cheapest_at_8, 8, first=3) <= 1.05 * best
 
 
 def compute_bound(W, compact, rows):
@@ -79,26 +96,26 @@ def compute_bound(W, compact, rows):
 
 def test_on_a_clock_whose_costs_change_the_policy_follows_them():
     """The machine changes under a settled policy (W 8's clock, then a compute-bound one):
-    within 200 rounds it runs W 1, and keeps to it: its calls then take at most 1.05 times
-    W 1's."""
+    within 25 calls it runs W 1 (it explores W 4 when the budget allows, then climbs down a
+    window each time), and keeps to it: at least 85 % of its later calls run W 1 (the rest
+    explore W 2), and they take at most 1.05 times W 1's time."""
     policy = WindowPolicy(("full",), 8)
     simulate(policy, cheapest_at_8, drafts, calls=12, rows=8)
-    rounds = simulate(policy, compute_bound, drafts, calls=30, rows=8)
-    assert len(rounds) > 600
-    first = rounds[200][0] + 1                     # the calls from round 200 on
-    settled = [W for k, W, *_ in rounds if k >= first]
-    assert settled.count(1) >= 0.9 * len(settled), settled
+    rounds = simulate(policy, compute_bound, drafts, calls=40, rows=8)
+    settled = call_windows(rounds)[25:]
+    assert settled.count(1) >= 0.85 * len(settled), settled
+    assert set(settled) <= {1, 2}, settled
     best = call_seconds(simulate(fixed(1), compute_bound, drafts, 1, 8), compute_bound, 8)
-    assert call_seconds(rounds, compute_bound, 8, first=first) <= 1.05 * best
+    assert call_seconds(rounds, compute_bound, 8, first=25) <= 1.05 * best
 
 
 def test_compact_arms_are_measured_per_rows_band_and_full_ones_reused():
     """Rows finish one by one (the active count falls 8 -> 1 within each call): Full's
     seconds, measured with every row active, serve every count; Compact's are kept per band
     of active rows (1, 2-3, 4-7).  Compact costs its rows, Full all 8: W 8, Compact below
-    the full count, is the fixed schedule to match, and the policy's later calls take at most
-    1.1 times its (here 1.08: rows of 8 to 64 tokens, while the policy judges what is left by
-    the mean over the active rows, so its last rows run W 4 where W 8 would finish them)."""
+    the full count, is the fixed schedule to match (W 4 takes 1.13 times its time, W 16 1.79),
+    and the policy's calls from the fifth on take at most 1.1 times its (its calls explore W 4
+    and W 16 within the budget)."""
     policy = WindowPolicy(("full", "compact"), 8)
 
     def staggered(W, compact, rows):
@@ -110,13 +127,13 @@ def test_compact_arms_are_measured_per_rows_band_and_full_ones_reused():
     assert {key[2] for key in policy.seconds if not key[1]} == {0}
     best = call_seconds(simulate(fixed(8, 8), staggered, drafts, 1, 8, lengths=lengths),
                         staggered, 8)
-    assert call_seconds(rounds, staggered, 8, first=10) <= 1.1 * best
+    assert call_seconds(rounds, staggered, 8, first=4) <= 1.1 * best
 
 
 def test_a_first_round_that_compiles_is_not_held_against_its_window():
     """The first round of every arm costs 1000 times more (a compile, an allocation): it is a
-    warm-up: from the third call on, a call takes at most 1.05 times W 8's (on the clock
-    without the compiles)."""
+    warm-up: from the fourth of 30 calls on (after the rounds' rule, W 8, its neighbour W 4),
+    the calls take at most 1.05 times W 8's time (on the clock without the compiles)."""
     seen = set()
 
     def compiling(W, compact, rows):
@@ -125,15 +142,15 @@ def test_a_first_round_that_compiles_is_not_held_against_its_window():
         return cheapest_at_8(W, compact, rows) * (1000 if first else 1)
 
     policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, compiling, drafts, calls=12, rows=8)
+    rounds = simulate(policy, compiling, drafts, calls=30, rows=8)
     best = call_seconds(simulate(fixed(8), cheapest_at_8, drafts, 1, 8), cheapest_at_8, 8)
-    assert call_seconds(rounds, cheapest_at_8, 8, first=2) <= 1.05 * best
+    assert call_seconds(rounds, cheapest_at_8, 8, first=3) <= 1.05 * best
 
 
 def test_bursts_of_another_process_do_not_move_the_choice():
     """One round in five runs 3 times slower (another process's burst on a shared machine, as
-    the ones that made this CPU's tables misprice windows): from the third call on, a call
-    takes at most 1.05 times W 8's (on the clock without the bursts)."""
+    the ones that made this CPU's tables misprice windows): from the fourth of 30 calls on,
+    the calls take at most 1.05 times W 8's time (on the clock without the bursts)."""
     import random
     rng = random.Random(0)
 
@@ -141,9 +158,9 @@ def test_bursts_of_another_process_do_not_move_the_choice():
         return cheapest_at_8(W, compact, rows) * (3.0 if rng.random() < 0.2 else 1.0)
 
     policy = WindowPolicy(("full",), 8)
-    rounds = simulate(policy, bursty, drafts, calls=12, rows=8)
+    rounds = simulate(policy, bursty, drafts, calls=30, rows=8)
     best = call_seconds(simulate(fixed(8), cheapest_at_8, drafts, 1, 8), cheapest_at_8, 8)
-    assert call_seconds(rounds, cheapest_at_8, 8, first=2) <= 1.05 * best
+    assert call_seconds(rounds, cheapest_at_8, 8, first=3) <= 1.05 * best
 
 
 def test_the_bookkeeping_is_a_few_floats_a_round():

@@ -1,0 +1,136 @@
+"""The window a call of W "auto" runs: chosen per call, from what whole calls of each window
+took in this process (rollout/window.py's `WindowPolicy` keeps the rounds' rule for a call's
+Full / Compact switch).
+
+What a user waits for is a call, and a round's rate is not a call's: a call ends with its
+slowest image, a wide window's last rounds are part-empty, and a window first measured in one
+phase of a call rates by that phase (docs/WINDOW_POLICY.md).  So the windows are priced by
+the seconds of whole calls per token they commit:
+
+    first call   the rounds' rule over every window (`WindowPolicy`): its rounds measure each
+                 window's rate, whose best is the first window to run a whole call.
+    arms         the windows; an arm's cost is the discounted mean of its calls' seconds per
+                 committed token (CALL_DISCOUNT a call: follows the student as it trains and
+                 the machine as its load changes).  A call's seconds are its rounds' seconds,
+                 each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
+                 call counts at most CLIP times the arm's mean: one burst of another process
+                 moves a call as much as a choice between windows a few per cent apart does.
+                 Compiled, an arm's first call (its compiles) is dropped.
+    choice       the cheapest arm, the leader.  UCB over the leader and the windows beside it
+                 (a call's cost is unimodal in W, as a round's rate is, so the search climbs
+                 to the best window): the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t /
+                 n)),  n its discounted calls, t the calls so far (capped at the discount's
+                 horizon); a neighbour never measured ranks first (the one the rounds rate
+                 higher first).  A neighbour is run (explored) only while the discounted
+                 seconds of exploring calls are at most CALL_BUDGET of all calls' seconds, so
+                 what exploring costs is bounded, a few calls of the leader separate two
+                 explorations (a noisy call decides less), and a neighbour whose estimate went
+                 stale is measured again.
+
+All of it is a few floats per call on the host, from the rounds' seconds the loop already
+reads (rollout/hbsjd.py `run_jacobi`): it adds no device synchronisation.
+"""
+from __future__ import annotations
+
+import math
+
+CLIP = 1.5              # an observation counts at most 1.5 times its mean so far (`Mean`)
+EXPLORE = 0.3           # UCB's width, relative to the arm's rate (rounds and calls)
+CALL_DISCOUNT = 0.9     # per call: a call's weight halves in about 6.6 calls
+CALL_HORIZON = 1 / (1 - CALL_DISCOUNT)
+CALL_BUDGET = 0.1       # most of the calls' seconds (discounted) spent exploring
+
+
+class Mean:
+    """A discounted mean: each observation's weight decays by `discount` per tick of its
+    owner's clock (a round, or a call).  The first observation is a warm-up: it is dropped
+    (warm: there is none).  With `clip`, an observation counts at most `clip` times the mean
+    so far: another process's burst on a shared machine slows a round two- or threefold, once,
+    and would otherwise weigh on its arm for tens of rounds (a lasting change still moves the
+    mean, by up to that factor an observation)."""
+    __slots__ = ("weight", "total", "last", "warm", "discount")
+
+    def __init__(self, warm: bool = False, discount: float = 0.98):
+        self.weight = self.total = 0.0
+        self.last = 0                 # the clock at the last observation
+        self.warm = warm              # True: no warm-up to drop
+        self.discount = discount
+
+    def add(self, x: float, now: int, clip: float | None = None, weight: float = 1.0) -> float:
+        """Count observation x (clipped) at clock `now` -> what was counted (0: a warm-up)."""
+        if not self.warm:
+            self.warm = True
+            return 0.0
+        if clip is not None and self.weight:
+            x = min(x, clip * self.total / self.weight)
+        decay = self.discount ** (now - self.last)
+        self.weight = self.weight * decay + weight
+        self.total = self.total * decay + weight * x
+        self.last = now
+        return x
+
+    def count(self, now: int) -> float:
+        """Discounted observations at clock `now` (0: none counted yet)."""
+        return self.weight * self.discount ** (now - self.last)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight
+
+
+class CallWindows:
+    """Chooses the window of each call (module docstring).  warm: True where an arm's first
+    call has nothing to drop (eager rounds); compiled rounds compile in it.  Per call:
+    `choose(windows, rates)`, then `observe(seconds, tokens)` when the call ends."""
+
+    def __init__(self, warm: bool = True):
+        self.warm = warm
+        self.cost: dict[int, Mean] = {}     # W -> seconds per committed token of its calls
+        self.spent = [0.0, 0.0]             # discounted seconds: exploring calls, all calls
+        self.calls = 0                      # calls observed
+        self.pending: tuple[int, bool] | None = None    # (W, explore) of the running call
+
+    def measured(self, windows: tuple) -> dict[int, float]:
+        """{W: seconds per committed token} of the windows whose calls were counted."""
+        return {W: m.mean for W in windows if (m := self.cost.get(W)) is not None and m.weight}
+
+    def choose(self, windows: tuple, rates: dict[int, float]) -> int | None:
+        """The window of the next call among `windows` (sorted), with `rates` {W: tokens per
+        second} the rounds' estimates -> W, or None: run the rounds' rule (nothing measured
+        yet)."""
+        self.pending = None
+        cost = self.measured(windows)
+        if not cost:
+            if not rates:
+                return None
+            W = max(rates, key=rates.get)
+            self.pending = (W, False)
+            return W
+        best = min(cost, key=cost.get)
+        i = windows.index(best)
+        beside = windows[max(0, i - 1):i + 2]
+        log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
+
+        def index(W):                       # never measured: first, the rounds' best first
+            if W not in cost:
+                return math.inf, rates.get(W, 0.0), -W
+            n = self.cost[W].count(self.calls)
+            return (1 / cost[W]) * (1 + EXPLORE * math.sqrt(log_t / max(n, 1e-9))), 0.0, 0
+        top = max(beside, key=index)
+        explore = top != best and self.spent[0] <= CALL_BUDGET * self.spent[1]
+        W = top if explore else best
+        self.pending = (W, explore)
+        return W
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """The call `choose` chose took `seconds` to commit `tokens` (the rounds' rule's
+        call: not counted)."""
+        if self.pending is None or tokens <= 0:
+            return
+        W, explore = self.pending
+        self.pending = None
+        self.calls += 1
+        mean = self.cost.setdefault(W, Mean(self.warm, CALL_DISCOUNT))
+        counted = mean.add(seconds / tokens, self.calls, clip=CLIP) * tokens
+        self.spent = [self.spent[0] * CALL_DISCOUNT + (counted if explore else 0.0),
+                      self.spent[1] * CALL_DISCOUNT + counted]

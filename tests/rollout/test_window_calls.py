@@ -1,0 +1,76 @@
+"""The window of each call (rollout/window_calls.py) on given costs of whole calls (seconds per
+committed token, no timing): whole calls decide where the rounds' rates mislead, a change of
+costs is followed, a compiling first call is dropped, exploration stays within its budget."""
+from rollout.window import WINDOWS
+from rollout.window_calls import CALL_BUDGET, CallWindows
+
+TOKENS = 64
+ROUNDS = {1: 3.0, 2: 5.0, 4: 7.0, 8: 8.9, 16: 9.0}   # the rounds' rates: W 16 rates best
+
+
+def run(calls: CallWindows, cost: dict, n: int, first_calls: set | None = None) -> list[int]:
+    """n calls whose window W takes cost[W] seconds a token (1000 times that on its first
+    call where `first_calls` is given: it compiles) -> the windows chosen."""
+    chosen = []
+    for _ in range(n):
+        W = calls.choose(WINDOWS, ROUNDS)
+        compile_ = first_calls is not None and W not in first_calls
+        calls.observe(cost[W] * TOKENS * (1000 if compile_ else 1), TOKENS)
+        if first_calls is not None:
+            first_calls.add(W)
+        chosen.append(W)
+    return chosen
+
+
+def test_nothing_measured_runs_the_rounds_rule():
+    calls = CallWindows()
+    assert calls.choose(WINDOWS, {}) is None
+    calls.observe(1.0, TOKENS)                   # the rounds' rule's call: not counted
+    assert calls.measured(WINDOWS) == {}
+    assert calls.choose(WINDOWS, ROUNDS) == 16
+
+
+def test_whole_calls_decide_where_the_rounds_rates_mislead():
+    """The rounds rate W 16 best (its rounds commit most per second), but its calls take 1.16
+    times W 8's (a part-empty last round, the slowest image): after W 16 the search runs its
+    neighbour W 8, and from the third call on at least 85 % of the calls run W 8, the rest
+    explore W 4 and W 16."""
+    cost = {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
+    chosen = run(CallWindows(), cost, 40)
+    assert chosen[:2] == [16, 8]
+    assert chosen[2:].count(8) >= 0.85 * len(chosen[2:]), chosen
+    assert set(chosen[2:]) <= {4, 8, 16}
+
+
+def test_a_change_of_costs_is_followed():
+    """Settled on W 8, the costs change so that W 4 is cheapest: within 20 calls the policy
+    runs W 4, and then at least 80 % of its calls."""
+    calls = CallWindows()
+    run(calls, {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}, 40)
+    chosen = run(calls, {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40)
+    assert chosen[:20].count(4) >= 1
+    later = chosen[chosen.index(4):]
+    assert later.count(4) >= 0.8 * len(later), chosen
+
+
+def test_a_compiling_first_call_is_dropped():
+    """Compiled (warm=False), a window's first call costs 1000 times more: it is not counted,
+    and the search still climbs to the cheapest window, W 4, and keeps to it (80 % of its last
+    20 calls), exploring only its neighbours."""
+    chosen = run(CallWindows(warm=False), {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40,
+                 first_calls=set())
+    assert chosen[:4] == [16, 16, 8, 8]
+    assert chosen[-20:].count(4) >= 0.8 * 20 and set(chosen[-20:]) <= {2, 4, 8}, chosen
+
+
+def test_exploration_stays_within_its_budget():
+    """Once every neighbour of the leader is measured, the discounted seconds of exploring
+    calls stay at most CALL_BUDGET of all calls' plus the one call that crossed it."""
+    calls = CallWindows()
+    cost = {1: 3.0, 2: 2.0, 4: 1.05, 8: 1.0, 16: 1.06}
+    run(calls, cost, 10)
+    for _ in range(100):
+        run(calls, cost, 1)
+        explored, total = calls.spent
+        assert explored <= CALL_BUDGET * total + max(cost.values()) * TOKENS
+    assert calls.spent[0] > 0                    # it did explore
