@@ -13,9 +13,7 @@ from actors.driver.group import fan_out
 from actors.driver.step import Step
 from actors.driver.tasks import (PieceScoring, PieceTraining, RolloutCall, SpanScoring,
                                  TeacherRolloutCall)
-from actors.transport.delivery import PieceTag, hand_out
-from actors.transport.iostats import IOCounter
-from opd.distill.stream import PartStream
+from actors.transport.delivery import PieceTag
 
 
 class CommandExecutor:
@@ -53,11 +51,6 @@ class CommandExecutor:
         job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
         tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
         task = RolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
-        if step.source == "data":               # no model: the suffix comes from the data
-            stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
-            for made in hand_out(stream, tags, queue, scored, IOCounter()):
-                self._made(step, task, made, 0.0)
-            return
         pool = "rollout"
         if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
             task = TeacherRolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
@@ -66,12 +59,16 @@ class CommandExecutor:
             job, version, tags, queue, scored, step.span), pool)
 
     def _score(self, step: Step, c: Score) -> None:
-        """One teacher's share of a piece, scored from the payload its rollout call handed out
-        by a worker of that teacher's pool."""
+        """One teacher's share of a piece, scored by a worker of that teacher's pool from the
+        payload its rollout call handed out (a step on data: from its part's job)."""
         payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
         task = PieceScoring(step=step.step, gen=step.gen, piece=c.piece, issue=c.issue,
                             teacher=c.teacher)
         pool = self.planner.teachers.pool(c.teacher)
+        if step.source == "data":
+            job, rows = step.jobs[step.layout.part_of(c.piece)], step.layout.rows_in_part(c.piece)
+            self._submit(task, c, lambda actor: actor.score_data.remote(job, rows, tag, queue), pool)
+            return
         if step.spans is None:
             self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
             return

@@ -7,9 +7,10 @@ step k, the reference's order of work:
               (planner.py; a `Step`, step.py)
     generate  RolloutWorker.generate(part job, k): one engine call per part, a Ray streaming
               generator that hands out each piece as its rows complete ("teacher": TeacherWorker;
-              "data": no model, here)
+              "data": no call, the suffixes are the data's)
     score     TeacherWorker.score(piece) -> queue.put_piece  (each piece as soon as it is handed out;
-              with rollout.span each span as it comes, then the pieces: spans.py)
+              with rollout.span each span as it comes, then the pieces: spans.py; "data":
+              TeacherWorker.score_data builds the piece from its job, then scores it)
     train     StudentLearner.train_piece(k, version, piece)  (each piece as soon as it is in the
               queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every piece delivered; strict: version k only)

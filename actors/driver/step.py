@@ -8,7 +8,9 @@ A step's batch is generated in parts (rollout calls, one per worker) that stream
 hands it out, delivered into the trajectory queue, and trained by every learner rank in piece
 order.  Its life, event by event (-> the commands it answers with):
 
-    start()                          -> Generate(part) for every part
+    start()                          -> Generate(part) for every part; a step on data runs
+                                     no rollout call -> Score(piece, teacher) for every share
+                                     (the teacher worker builds the piece from its job)
     piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece, teacher)
                                      for each teacher its rows need (opd/distill/teachers.py),
                                      or nothing (delivered by the worker: no scores needed)
@@ -49,6 +51,7 @@ from actors.driver.tasks import StageTimer
 from actors.transport.delivery import PartReport, PieceReport, SpanReport
 from opd.distill.pieces import Layout
 from opd.distill.results import PieceAnswer
+from opd.distill.rollout_stats import RolloutStats
 from opd.distill.steps import RolloutJob
 from opd.distill.teachers import Teachers
 
@@ -149,8 +152,25 @@ class Step:
     def start(self) -> list[Command]:
         if self.origin is not None:                    # a reused rollout: nothing to make
             return []
+        if self.source == "data":
+            return self._from_data()
         self.times.begin("rollout", time.perf_counter())
         return [self._generate(c) for c in range(self.parts)]
+
+    def _from_data(self) -> list[Command]:
+        """A step on data runs no rollout call: its parts end as they begin (their suffixes are
+        the data's), and each piece is built from its part's job by the teacher worker that
+        scores it -> Score(piece, teacher) for every share."""
+        out: list[Command] = []
+        for c, job in enumerate(self.jobs):
+            rows, tokens = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
+            self.ended[c] = PartReport(rows, rows * tokens, RolloutStats())
+            for p in self.layout.parts[c]:
+                ps = self.pieces[p]
+                ps.made = PieceReport(p, self.layout.sizes[p], self.layout.sizes[p] * tokens)
+                ps.issue = self.issues[c]
+                out += self._unscored(p)
+        return out
 
     def replanned(self, version: int, gen: int) -> list[Command]:
         """Everything again at `version`, as generation `gen`."""
@@ -303,12 +323,12 @@ class Step:
         """The payload of `piece` from issue `issue` of its part was lost with the rollout
         worker that owned it, while `teacher` scored it: score a newer payload, wait for the
         call making it again, or issue the part again (shares scored already stand: a part
-        makes the same rows again)."""
+        makes the same rows again).  A piece of a step on data is built from its job again."""
         ps = self.pieces[piece]
         ps.scoring.pop(teacher, None)
         if ps.delivered is not None or teacher in ps.scored:
             return []
-        if ps.made is not None and ps.issue > issue:
+        if ps.made is not None and (ps.issue > issue or self.source == "data"):
             return self._scores(piece, [teacher])
         ps.made = None
         return self._remake(self.layout.part_of(piece), issue)

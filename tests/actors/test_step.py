@@ -94,9 +94,26 @@ def test_a_failed_call_of_an_older_version_replans_the_step():
     assert s.replanned(3, gen=5) == [Generate(0, 2), Generate(1, 2)]
     assert (s.version, s.gen, s.sealed) == (3, 5, False)
     assert all(p.made is None and p.delivered is None for p in s.pieces)
+
+
+def test_a_step_on_data_runs_no_rollout_call_and_scores_every_piece_at_once():
+    """Its suffixes are the data's: no Generate, its parts end at the start, and each piece is
+    scored (built from its job by the teacher worker) at once; a failed scoring or a piece the
+    learner lost is scored again, never made by a call."""
     data = step_of(source="data", version=2)
-    data.start()
-    assert data.part_failed(0, 1, published=3) == [Generate(0, 2)]   # its own version
+    assert data.start() == [Score(p, 0) for p in range(4)]
+    assert sorted(data.ended) == [0, 1] and not data.generating
+    assert [data.ended[c].generated_tokens for c in (0, 1)] == [4 * 3] * 2
+    assert [(p.made.rows, p.made.generated_tokens) for p in data.pieces] == [(2, 6)] * 4
+    assert "rollout" not in data.times.began
+    assert data.score_failed(1) == [Score(1, 0)]
+    for p in range(4):
+        data.piece_scored(p, piece(p), busy=0.1)
+    data.seal()
+    assert data.begin_training(published=5) is not None               # its own version: streams
+    data.hand_out()
+    assert data.piece_trained(2, 1, 0, answer(0, 2, lost=True), ranks=1) == [Score(2, 0)]
+    assert data.score_lost(2, 0) == [Score(2, 0)]                      # no call to make again
 
 
 def test_a_scoring_that_failed_goes_again_from_the_same_payload():
