@@ -113,9 +113,11 @@ class CommandExecutor:
         if self.state.training == step.step:
             self.state.training = None
         version = step.version_at(self.publisher.published.version)
-        self.metrics.inc("opd_reissued_jobs")
-        self.state.reissued += step.parts
-        self._execute(step, step.replanned(version, self.planner.new_generation()))
+        commands = step.replanned(version, self.planner.new_generation())
+        calls = sum(isinstance(c, Generate) for c in commands)
+        self.metrics.inc("opd_reissued_calls", calls)
+        self.state.reissued += calls
+        self._execute(step, commands)
 
     def _dispatch(self) -> None:
         """Hand waiting commands to workers that are up (failed workers are probed when due);

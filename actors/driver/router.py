@@ -121,11 +121,12 @@ class AnswerRouter:
         self._again(step, commands)
 
     def _again(self, step: Step, commands: list[Command]) -> None:
-        """Carry out a step's answer to a fault, counting what is made again."""
-        again = sum(isinstance(c, (Generate, Score)) for c in commands)
-        if again:
-            self.metrics.inc("opd_reissued_jobs")
-            self.state.reissued += again
+        """Carry out a step's answer to a fault, counting the calls and scorings made again."""
+        calls = sum(isinstance(c, Generate) for c in commands)
+        scorings = sum(isinstance(c, Score) for c in commands)
+        self.metrics.inc("opd_reissued_calls", calls)
+        self.metrics.inc("opd_rescored_pieces", scorings)
+        self.state.reissued += calls + scorings
         self._execute(step, commands)
 
     def _watch_nodes(self) -> None:
