@@ -55,8 +55,9 @@ class AnswerRouter:
             if isinstance(task, SpanScoring):
                 step.span_scored(task.part, task.issue, task.span, value)
             elif isinstance(task, PieceScoring):
-                step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
+                commands = step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
                 self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
+                self._execute(step, commands)
             else:
                 self._made(step, task, value, now - task.submitted)
         elif isinstance(task, Probe):
