@@ -48,10 +48,10 @@ are dropped, so nothing is counted twice.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from actors.driver.commands import (Command, Generate, HandOut, Replan, Score, ScoreSpan, Seal,
                                      Trainable, Trained)
+from actors.driver.progress import PieceState, Training
 from actors.driver.spans import CallSpans
 from actors.driver.tasks import StageTimer
 from actors.transport.delivery import PartReport, PieceReport, SpanReport
@@ -60,35 +60,6 @@ from opd.distill.results import PieceAnswer
 from opd.distill.rollout_stats import RolloutStats
 from opd.distill.steps import RolloutJob
 from opd.distill.teachers import Teachers
-
-
-
-
-@dataclass
-class PieceState:
-    """What is known of one piece: the teachers that score it (`scorers`), its latest payload
-    from its rollout call (`made`, by issue `issue` of its part), per teacher the issue whose
-    payload it is scoring and its share's delivery, and the piece's delivery (every share)."""
-    scorers: tuple[int, ...] = (0,)
-    made: PieceReport | None = None
-    issue: int = -1
-    scoring: dict[int, int] = field(default_factory=dict)          # teacher -> issue
-    scored: dict[int, PieceReport] = field(default_factory=dict)   # teacher -> its share's
-    delivered: PieceReport | None = None
-
-
-@dataclass
-class Training:
-    """The learner group's work on the step (docs/STREAMING.md): how many pieces were handed
-    out (in piece order), each piece's hand-outs, each rank's answers as they arrive, and
-    whether the ranks fetch every piece at once (`prefetch`: a step that could not be made
-    again at its version trains only once it is sealed)."""
-    gen: int
-    prefetch: bool
-    submitted: int = 0
-    handed: dict[int, int] = field(default_factory=dict)                       # piece -> times
-    answers: dict[int, dict[int, PieceAnswer]] = field(default_factory=dict)   # piece -> rank ->
-    start: float = field(default_factory=time.perf_counter)
 
 
 class Step:
