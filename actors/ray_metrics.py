@@ -45,7 +45,8 @@ COUNTERS = {
     "opd_rollout_tokens": "Generated tokens.",
     "opd_teacher_tokens": "Scored tokens.",
     "opd_learner_samples": "Sequences trained on.",
-    "opd_reissued_jobs": "Rollout or scoring jobs issued again after a worker failure.",
+    "opd_reissued_calls": "Rollout calls issued again (a worker failed, a piece was lost, a step was re-planned).",
+    "opd_rescored_pieces": "Piece scorings issued again (a worker failed, a piece was lost).",
 }
 ALL = {**GAUGES, **HISTOGRAMS, **COUNTERS}
 BOUNDARIES = {"opd_rollout_commit_length": COMMIT_BOUNDARIES,

@@ -42,6 +42,17 @@ class HandOut:
 
 
 @dataclass(frozen=True)
+class Seal:
+    """Every piece is delivered: the queue makes them one item."""
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """The step may begin training (its first piece is delivered, or it is sealed): the
+    learner group takes it if it is free and the step is the current version's."""
+
+
+@dataclass(frozen=True)
 class Replan:
     """Generate the whole step again at the published version (a new generation)."""
 
@@ -52,4 +63,4 @@ class Trained:
     results: list[LearnerResult]
 
 
-Command = Generate | Score | ScoreSpan | HandOut | Replan | Trained
+Command = Generate | Score | ScoreSpan | Seal | Trainable | HandOut | Replan | Trained

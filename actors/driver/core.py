@@ -15,7 +15,8 @@ from collections import Counter
 from typing import Callable
 from dataclasses import dataclass, field
 
-from actors.driver.step import Step, Training
+from actors.driver.progress import Training
+from actors.driver.step import Step
 from opd.distill.results import LearnerResult
 from opd.distill.rollout_stats import RolloutStats
 from opd.config.schema import RunConfig

@@ -1,21 +1,25 @@
 """`CommandExecutor`: how the driver carries out the commands a step returns
 (actors/driver/commands.py) on the workers: a rollout call as a Ray streaming generator, a
 scoring on a worker of that teacher's pool (a call's spans and pieces on the one worker it is
-pinned to: actors/driver/spans.py), a hand-out to every learner rank, a re-plan.  Mixed into
+pinned to: actors/driver/spans.py), a seal into the queue, the start of training when the
+learner group is free, a hand-out to every learner rank, a re-plan.  Mixed into
 `Pipeline` (actors/driver/pipeline.py), whose constructor sets what it reads: `cfg`, `groups`,
 `dispatch`, `planner`, `state`, `publisher`, `metrics`, `elastic`, `learners`."""
 from __future__ import annotations
 
 from typing import Callable
 
-from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+import ray
+
+from actors.driver import core
+from actors.driver.commands import (Command, Generate, HandOut, Replan, Score, ScoreSpan, Seal,
+                                    Trainable, Trained)
 from actors.driver.group import fan_out
 from actors.driver.step import Step
 from actors.driver.tasks import (PieceScoring, PieceTraining, RolloutCall, SpanScoring,
                                  TeacherRolloutCall)
-from actors.transport.delivery import PieceTag, hand_out
-from actors.transport.iostats import IOCounter
-from opd.distill.stream import PartStream
+from actors.transport.delivery import PieceTag
+from actors.workers.queue import QueueItem
 
 
 class CommandExecutor:
@@ -27,6 +31,10 @@ class CommandExecutor:
                 self._score(step, c)
             elif isinstance(c, ScoreSpan):
                 self._score_span(step, c)
+            elif isinstance(c, Seal):
+                self._seal(step)
+            elif isinstance(c, Trainable):
+                self._start_training()
             elif isinstance(c, HandOut):
                 self._hand_out(step, c)
             elif isinstance(c, Replan):
@@ -53,11 +61,6 @@ class CommandExecutor:
         job, queue, version, scored = step.jobs[c.part], self.groups.queue, step.version, step.scored
         tags = [self._tag(step, p) for p in step.layout.parts[c.part]]
         task = RolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
-        if step.source == "data":               # no model: the suffix comes from the data
-            stream = PartStream(None, None, job, self.cfg, version, [t.rows for t in tags])
-            for made in hand_out(stream, tags, queue, scored, IOCounter()):
-                self._made(step, task, made, 0.0)
-            return
         pool = "rollout"
         if step.source == "teacher":            # SeqKD: the one teacher's pool (config)
             task = TeacherRolloutCall(step=step.step, gen=step.gen, part=c.part, issue=c.issue)
@@ -66,12 +69,17 @@ class CommandExecutor:
             job, version, tags, queue, scored, step.span), pool)
 
     def _score(self, step: Step, c: Score) -> None:
-        """One teacher's share of a piece, scored from the payload its rollout call handed out
-        by a worker of that teacher's pool."""
+        """One teacher's share of a piece, scored by a worker of that teacher's pool from the
+        payload its rollout call handed out (a step on data: from its part's job)."""
         payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
         task = PieceScoring(step=step.step, gen=step.gen, piece=c.piece, issue=c.issue,
                             teacher=c.teacher)
         pool = self.planner.teachers.pool(c.teacher)
+        if step.source == "data":
+            job, rows = step.jobs[step.layout.part_of(c.piece)], step.layout.rows_in_part(c.piece)
+            self._submit(task, c, lambda actor: actor.score_data.remote(job, rows, tag, queue),
+                         pool)
+            return
         if step.spans is None:
             self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
             return
@@ -100,6 +108,26 @@ class CommandExecutor:
         if worker is not None:
             step.spans.pins[part, teacher] = worker
 
+    def _seal(self, step: Step) -> None:
+        """Make the step's delivered pieces one queue item (the planner bounds how many there
+        are: `distill.queue_capacity`)."""
+        item = QueueItem(step.step, step.batch_id, step.version, samples=step.samples,
+                         generated_tokens=sum(p.delivered.generated_tokens for p in step.pieces))
+        ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces))
+        commands = step.seal()
+        self._hook("after_seal", step=step.step)
+        self._execute(step, commands)
+
+    def _start_training(self) -> None:
+        """The learner group, if free, begins the current version's step if it can
+        (core.start_training), with the pieces delivered so far; not once Ctrl-C is pending
+        (the run ends at the step in training)."""
+        if self.interrupt.pending() or core.start_training(
+                self.state, self.planner.plans, self.publisher.published.version) is None:
+            return
+        step = self.planner.plans[self.state.training]
+        self._execute(step, step.hand_out())
+
     def _hand_out(self, step: Step, c: HandOut) -> None:
         """Hand one piece to every learner rank (they train in piece order)."""
         job = step.jobs[0]
@@ -116,9 +144,11 @@ class CommandExecutor:
         if self.state.training == step.step:
             self.state.training = None
         version = step.version_at(self.publisher.published.version)
-        self.metrics.inc("opd_reissued_jobs")
-        self.state.reissued += step.parts
-        self._execute(step, step.replanned(version, self.planner.new_generation()))
+        commands = step.replanned(version, self.planner.new_generation())
+        calls = sum(isinstance(c, Generate) for c in commands)
+        self.metrics.inc("opd_reissued_calls", calls)
+        self.state.reissued += calls
+        self._execute(step, commands)
 
     def _dispatch(self) -> None:
         """Hand waiting commands to workers that are up (failed workers are probed when due);

@@ -7,9 +7,10 @@ step k, the reference's order of work:
               (planner.py; a `Step`, step.py)
     generate  RolloutWorker.generate(part job, k): one engine call per part, a Ray streaming
               generator that hands out each piece as its rows complete ("teacher": TeacherWorker;
-              "data": no model, here)
+              "data": no call, the suffixes are the data's)
     score     TeacherWorker.score(piece) -> queue.put_piece  (each piece as soon as it is handed out;
-              with rollout.span each span as it comes, then the pieces: spans.py)
+              with rollout.span each span as it comes, then the pieces: spans.py; "data":
+              TeacherWorker.score_data builds the piece from its job, then scores it)
     train     StudentLearner.train_piece(k, version, piece)  (each piece as soon as it is in the
               queue, in piece order; rank r fetches only its rows; one update after the last)
     seal      queue.seal(k, batch id, version)  (every piece delivered; strict: version k only)
@@ -58,7 +59,6 @@ from actors.driver.step import Step
 from actors.driver.tasks import PieceTraining
 from actors.ray_metrics import RoleMetrics
 from actors.workers.evaluation import QualityTracking
-from actors.workers.queue import QueueItem
 from opd.config.schema import RunConfig
 from opd.data import PrefixBatcher
 from opd.data.splits import open_dataset
@@ -151,8 +151,6 @@ class Pipeline(CommandExecutor, AnswerRouter):
                             raise KeyboardInterrupt
                         self._issue()
                         self._dispatch()
-                        self._seal()
-                        self._train()
                         self._wait()
                         self._watch_nodes()
                         if self.quality is not None:
@@ -175,35 +173,14 @@ class Pipeline(CommandExecutor, AnswerRouter):
                                          self.state.end)) is not None:
             self._execute(step, step.start())
 
-    def _seal(self) -> None:
-        """Steps whose pieces are all delivered become queue items, in step order (the planner
-        bounds how many there are: `distill.queue_capacity`)."""
-        for s in sorted(self.planner.plans):
-            step = self.planner.plans[s]
-            if not step.sealable:
-                continue
-            item = QueueItem(step.step, step.batch_id, step.version, samples=step.samples,
-                             generated_tokens=sum(p.delivered.generated_tokens
-                                                  for p in step.pieces))
-            ray.get(self.groups.queue.seal.remote(item, step.gen, step.layout.pieces))
-            step.seal()
-            self._hook("after_seal", step=step.step)
-
     # -- learning -----------------------------------------------------------------------------------
 
-    def _train(self) -> None:
-        """Hand the learner ranks the pieces of the current step that are there, in piece order
-        (the step begins with its first piece: docs/STREAMING.md)."""
-        if self.state.training is None and core.start_training(
-                self.state, self.planner.plans, self.publisher.published.version) is None:
-            return
-        step = self.planner.plans[self.state.training]
-        self._execute(step, step.hand_out())
-
     def _step_done(self, step: Step, results: list[LearnerResult]) -> None:
-        """The step's last piece is trained: checkpoint and publish when due, start the steps
-        that waited for the new weights, then write the step's row (metrics.parquet and the
-        trackers take milliseconds that a strict step would otherwise wait for)."""
+        """The step's last piece is trained: checkpoint and publish when due, hand the version
+        to the evaluation worker when due, start the steps that waited for the new weights,
+        then write the step's row (metrics.parquet and the trackers take milliseconds that a
+        strict step would otherwise wait for); then the learner group begins the next step if
+        it can."""
         done = core.step_trained(self.state, step, results, time.perf_counter(), self.cfg,
                                  self.planner.rollouts_at)
         self.planner.finish(step.step, self.state.version)
@@ -217,11 +194,12 @@ class Pipeline(CommandExecutor, AnswerRouter):
                 self._save_checkpoint()
             if done.publish:
                 self.publisher.publish(self.state.version)
+            self._evaluate()                       # before the learners get the next step
             if not self.interrupt.pending():       # Ctrl-C: the run ends at this step
                 self._issue()
         finally:                                   # a learner that failed: its row is kept
             self.steps.record(row)
-        self._evaluate()
+        self._start_training()
 
     def _row(self, step: Step, done: core.StepDone) -> dict:
         pools, sync = self.dispatch.pools, self.publisher.last_sync

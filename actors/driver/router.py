@@ -55,8 +55,9 @@ class AnswerRouter:
             if isinstance(task, SpanScoring):
                 step.span_scored(task.part, task.issue, task.span, value)
             elif isinstance(task, PieceScoring):
-                step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
+                commands = step.piece_scored(task.piece, value, now - task.submitted, task.teacher)
                 self._hook("after_scored", step=step.step, piece=task.piece, worker=task.worker)
+                self._execute(step, commands)
             else:
                 self._made(step, task, value, now - task.submitted)
         elif isinstance(task, Probe):
@@ -121,11 +122,12 @@ class AnswerRouter:
         self._again(step, commands)
 
     def _again(self, step: Step, commands: list[Command]) -> None:
-        """Carry out a step's answer to a fault, counting what is made again."""
-        again = sum(isinstance(c, (Generate, Score)) for c in commands)
-        if again:
-            self.metrics.inc("opd_reissued_jobs")
-            self.state.reissued += again
+        """Carry out a step's answer to a fault, counting the calls and scorings made again."""
+        calls = sum(isinstance(c, Generate) for c in commands)
+        scorings = sum(isinstance(c, Score) for c in commands)
+        self.metrics.inc("opd_reissued_calls", calls)
+        self.metrics.inc("opd_rescored_pieces", scorings)
+        self.state.reissued += calls + scorings
         self._execute(step, commands)
 
     def _watch_nodes(self) -> None:

@@ -8,26 +8,33 @@ A step's batch is generated in parts (rollout calls, one per worker) that stream
 hands it out, delivered into the trajectory queue, and trained by every learner rank in piece
 order.  Its life, event by event (-> the commands it answers with):
 
-    start()                          -> Generate(part) for every part
+    start()                          -> Generate(part) for every part; a step on data runs
+                                     no rollout call -> Score(piece, teacher) for every share
+                                     (the teacher worker builds the piece from its job);
+                                     a step on a reused rollout -> Trainable
     piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece, teacher)
                                      for each teacher its rows need (opd/distill/teachers.py),
-                                     or nothing (delivered by the worker: no scores needed)
+                                     or, no scores needed, delivered by the worker (below)
     part_made(part, issue, report)   the call ended: its statistics (`ended`)
     span_made(part, issue, report)   the call handed out its next span (rollout.span) ->
                                      ScoreSpan for each teacher of its rows; the last one ->
                                      Score for its pieces made (none is scored before)
     span_scored(part, issue, span, seconds)  a teacher scored that span
     piece_scored(piece, report, teacher)  that teacher's share delivered into the queue; the
-                                     piece is delivered when every share it needs is
+                                     piece is delivered when every share it needs is ->
+                                     HandOut (training), or Trainable (piece 0); and Seal
+                                     with the last piece delivered
     part_failed(part, issue, ...)    the call's worker failed or held other weights
                                      -> Generate(part) again, or Replan (another version)
     score_failed(piece, teacher)     a worker of that teacher's pool failed -> Score(piece,
                                      teacher) again: only that teacher's share
     score_lost(piece, issue, teacher)  the piece's payload died with its rollout worker
                                      -> Score (a newer payload), Generate(part), or wait
-    seal()                           every piece delivered: the queue holds it as one item
-                                     (`Step.reusing`: born sealed, it makes nothing)
-    begin_training(published)        the learner group starts on it
+    seal()                           the queue holds it as one item (`Step.reusing`: born
+                                     sealed, it makes nothing) -> HandOut (its last piece,
+                                     training) or Trainable
+    begin_training(published)        the learner group starts on it (core.start_training,
+                                     when the learner is free and the step is the current one)
     hand_out()                       -> HandOut(piece) for the pieces to train now, in order
     piece_trained(piece, ...)        every rank answered a piece -> nothing, Trained, or the
                                      piece made again (lost) / Replan (a prefetching step)
@@ -41,45 +48,18 @@ are dropped, so nothing is counted twice.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from actors.driver.commands import Command, Generate, HandOut, Replan, Score, ScoreSpan, Trained
+from actors.driver.commands import (Command, Generate, HandOut, Replan, Score, ScoreSpan, Seal,
+                                     Trainable, Trained)
+from actors.driver.progress import PieceState, Training
 from actors.driver.spans import CallSpans
 from actors.driver.tasks import StageTimer
 from actors.transport.delivery import PartReport, PieceReport, SpanReport
 from opd.distill.pieces import Layout
 from opd.distill.results import PieceAnswer
+from opd.distill.rollout_stats import RolloutStats
 from opd.distill.steps import RolloutJob
 from opd.distill.teachers import Teachers
-
-
-
-
-@dataclass
-class PieceState:
-    """What is known of one piece: the teachers that score it (`scorers`), its latest payload
-    from its rollout call (`made`, by issue `issue` of its part), per teacher the issue whose
-    payload it is scoring and its share's delivery, and the piece's delivery (every share)."""
-    scorers: tuple[int, ...] = (0,)
-    made: PieceReport | None = None
-    issue: int = -1
-    scoring: dict[int, int] = field(default_factory=dict)          # teacher -> issue
-    scored: dict[int, PieceReport] = field(default_factory=dict)   # teacher -> its share's
-    delivered: PieceReport | None = None
-
-
-@dataclass
-class Training:
-    """The learner group's work on the step (docs/STREAMING.md): how many pieces were handed
-    out (in piece order), each piece's hand-outs, each rank's answers as they arrive, and
-    whether the ranks fetch every piece at once (`prefetch`: a step that could not be made
-    again at its version trains only once it is sealed)."""
-    gen: int
-    prefetch: bool
-    submitted: int = 0
-    handed: dict[int, int] = field(default_factory=dict)                       # piece -> times
-    answers: dict[int, dict[int, PieceAnswer]] = field(default_factory=dict)   # piece -> rank ->
-    start: float = field(default_factory=time.perf_counter)
 
 
 class Step:
@@ -148,9 +128,26 @@ class Step:
 
     def start(self) -> list[Command]:
         if self.origin is not None:                    # a reused rollout: nothing to make
-            return []
+            return [Trainable()]
+        if self.source == "data":
+            return self._from_data()
         self.times.begin("rollout", time.perf_counter())
         return [self._generate(c) for c in range(self.parts)]
+
+    def _from_data(self) -> list[Command]:
+        """A step on data runs no rollout call: its parts end as they begin (their suffixes are
+        the data's), and each piece is built from its part's job by the teacher worker that
+        scores it -> Score(piece, teacher) for every share."""
+        out: list[Command] = []
+        for c, job in enumerate(self.jobs):
+            rows, tokens = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
+            self.ended[c] = PartReport(rows, rows * tokens, RolloutStats())
+            for p in self.layout.parts[c]:
+                ps = self.pieces[p]
+                ps.made = PieceReport(p, self.layout.sizes[p], self.layout.sizes[p] * tokens)
+                ps.issue = self.issues[c]
+                out += self._unscored(p)
+        return out
 
     def replanned(self, version: int, gen: int) -> list[Command]:
         """Everything again at `version`, as generation `gen`."""
@@ -179,8 +176,7 @@ class Step:
             return []                                  # an earlier issue's, or delivered already
         ps.made, ps.issue = report, issue
         if not self.scored:
-            self._delivered(report.piece, report, 0.0)
-            return []
+            return self._delivered(report.piece, report)
         return self._unscored(report.piece)
 
     def _unscored(self, piece: int) -> list[Command]:
@@ -250,33 +246,37 @@ class Step:
         return Score(piece, ps.issue, teacher)
 
     def piece_scored(self, piece: int, report: PieceReport, busy: float,
-                     teacher: int = 0) -> None:
+                     teacher: int = 0) -> list[Command]:
         """`teacher` scored its share of `piece` and delivered it into the queue; the piece is
         delivered with its last share, its report the shares' merged (one share or several:
         the piece's rows and tokens from the layout, the shares' bytes and seconds summed)."""
         ps = self.pieces[piece]
         ps.scoring.pop(teacher, None)
         if ps.delivered is not None or teacher in ps.scored:
-            return
+            return []
         ps.scored[teacher] = report
         self.times.busy["teacher"] += report.seconds or busy
         if len(ps.scored) < len(ps.scorers):
-            return
+            return []
         shares = list(ps.scored.values())     # `made` may be gone: its part issued again
         rows = self.layout.sizes[piece]
         job = self.jobs[self.layout.part_of(piece)]
-        self._delivered(piece, PieceReport(piece, rows,
-                                           rows * (int(job.tokens.shape[1]) - job.prefix_len),
-                                           sum(r.nbytes for r in shares),
-                                           sum(r.seconds for r in shares)), busy)
+        return self._delivered(piece, PieceReport(
+            piece, rows, rows * (int(job.tokens.shape[1]) - job.prefix_len),
+            sum(r.nbytes for r in shares), sum(r.seconds for r in shares)))
 
-    def _delivered(self, piece: int, report: PieceReport, busy: float) -> None:
+    def _delivered(self, piece: int, report: PieceReport) -> list[Command]:
+        """`piece` is in the queue -> HandOut for what the learner ranks can train now (the
+        step trains), or Trainable (its first piece); and Seal with the step's last piece."""
         ps = self.pieces[piece]
         if ps.delivered is not None:
-            return
+            return []
         ps.delivered = report
         if self.scored and self.complete:
             self.times.end("teacher", time.perf_counter())
+        out: list[Command] = (self.hand_out() if self.training is not None else
+                              [Trainable()] if piece == 0 else [])
+        return out + [Seal()] if self.sealable else out
 
     def score_due(self, piece: int, issue: int, teacher: int = 0) -> list[Command]:
         """A scoring that waited for a free worker of `teacher`'s pool (issued for the payload
@@ -303,20 +303,23 @@ class Step:
         """The payload of `piece` from issue `issue` of its part was lost with the rollout
         worker that owned it, while `teacher` scored it: score a newer payload, wait for the
         call making it again, or issue the part again (shares scored already stand: a part
-        makes the same rows again)."""
+        makes the same rows again).  A piece of a step on data is built from its job again."""
         ps = self.pieces[piece]
         ps.scoring.pop(teacher, None)
         if ps.delivered is not None or teacher in ps.scored:
             return []
-        if ps.made is not None and ps.issue > issue:
+        if ps.made is not None and (ps.issue > issue or self.source == "data"):
             return self._scores(piece, [teacher])
         ps.made = None
         return self._remake(self.layout.part_of(piece), issue)
 
     # -- the queue and the learner ---------------------------------------------------------------
 
-    def seal(self) -> None:
+    def seal(self) -> list[Command]:
+        """The queue holds the step's pieces as one item -> HandOut of its last piece (the step
+        trains), or Trainable."""
         self.sealed = True
+        return self.hand_out() if self.training is not None else [Trainable()]
 
     def begin_training(self, published: int) -> Training | None:
         """The learner group starts on this step: as soon as its first piece is delivered if it

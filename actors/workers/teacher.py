@@ -1,6 +1,7 @@
-"""`TeacherWorker`: the frozen teacher; scores the pieces of student rollouts, or (SeqKD)
-generates teacher rollouts with the configured engine, streamed piece by piece as the rollout
-worker's (actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
+"""`TeacherWorker`: the frozen teacher; scores the pieces of student rollouts, or of a step on
+data (built here from the step's job: `score_data`), or (SeqKD) generates teacher rollouts with
+the configured engine, streamed piece by piece as the rollout worker's
+(actors/workers/rollout.py).  Pieces go to the learner ranks through the trajectory queue
 (actors/transport/delivery.py); the driver gets reports only.  Each of the run's teachers
 (opd/distill/teachers.py) has its own pool, `opd/teacher/<name>/<i>`, whose workers score that
 teacher's share of a piece (routing: the rows of its classes; mixing: every row).
@@ -31,7 +32,8 @@ from opd.distill.batch import TrajectoryBatch
 from opd.config.schema import RunConfig
 from opd.models.factory import load_role_model
 from opd.distill.span_scoring import PartScoring
-from opd.distill.steps import RolloutJob, build_engine, score
+from opd.distill.pieces import take_rows
+from opd.distill.steps import RolloutJob, build_engine, generate, score
 from opd.distill.stream import PartStream
 from opd.distill.teachers import Share, run_teachers, score_share
 
@@ -72,6 +74,18 @@ class TeacherWorker(Worker):
         learner ranks' rows."""
         start = time.perf_counter()
         batch = TrajectoryBatch.from_numpy_dict(self.io.received(traj))
+        return self._score(batch, tag, queue, start)
+
+    def score_data(self, job: RolloutJob, rows: tuple[int, int], tag: PieceTag,
+                   queue) -> PieceReport:
+        """`score` for a piece of a step on data: the piece is `job`'s rows [a, b), their
+        suffixes the data's (no model runs), tagged with the step's policy version."""
+        start = time.perf_counter()
+        batch = take_rows(generate(None, None, self.io.received(job), self.cfg, tag.version),
+                          *rows)
+        return self._score(batch, tag, queue, start)
+
+    def _score(self, batch: TrajectoryBatch, tag: PieceTag, queue, start: float) -> PieceReport:
         self.version = batch.policy_version
         share = score_share(self.model, batch, self.cfg, self.teacher,
                             self.teachers.share_rows(self.teacher, batch.labels), score)

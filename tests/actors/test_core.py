@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from actors.driver import core
+from actors.driver.commands import Trainable
 from actors.driver.core import DriverState, PoolCounts
 from actors.driver.planner import StepPlanner
 from actors.driver.step import Step
@@ -174,7 +175,7 @@ def test_a_step_on_a_reused_rollout_only_trains_and_consumes_no_batch(tiny_overr
                       rollouts_at=lambda v: False)
     s = Step.reusing(origin, 2, gen=5, phase="p")
     assert (s.step, s.origin, s.batch_id, s.version, s.gen, s.sealed) == (2, 0, 0, 0, 5, True)
-    assert s.start() == [] and not s.sealable
+    assert s.start() == [Trainable()] and not s.sealable      # nothing to make: it may train
     state.version = 2
     t = core.start_training(state, {2: s}, published=2)       # batch 0 trained: no error
     assert t is not None and t.prefetch and [c.piece for c in s.hand_out()] == [0, 1]

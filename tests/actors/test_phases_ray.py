@@ -33,14 +33,32 @@ def test_phased_run_equals_the_reference_across_the_boundary(ray_session, tiny_o
 
 
 def test_a_kd_run_starts_no_rollout_worker(ray_session, tiny_overrides, tmp_path):
-    seen = []
-    rows = run_distributed(cfg_for(tiny_overrides, "distill.objective=kd"), tmp_path,
-                           progress=False,
-                           hooks={"after_step": lambda p, **_: seen.append(
-                               (len(p.groups.rollout), p.publisher.published.ref))})
+    """No rollout worker and no weights published; the teacher workers build the data pieces
+    they score (the driver puts none), and one killed while building and scoring one loses
+    nothing and repeats nothing: the reference loop's losses, every batch consumed once."""
+    import ray
+    seen, payloads, killed = [], [], []
+
+    def kill_once(pipeline, kind, step, worker, **_):
+        if not killed and kind == "score" and step == 1:
+            killed.append(worker)
+            ray.kill(pipeline.teacher[worker], no_restart=False)
+
+    kd = ("distill.objective=kd", "teacher.num_workers=2")
+    ref = run_reference(cfg_for(tiny_overrides, *kd), tmp_path / "ref", progress=False)
+    rows = run_distributed(cfg_for(tiny_overrides, *kd), tmp_path / "ray", progress=False, hooks={
+        "after_step": lambda p, **_: seen.append((len(p.groups.rollout),
+                                                  p.publisher.published.ref)),
+        "after_seal": lambda p, step: payloads.extend(x.made.payload
+                                                      for x in p.planner.plans[step].pieces),
+        "after_submit": kill_once})
     assert seen == [(0, None)] * 4                         # no worker, no weights published
+    assert payloads == [None] * 4                          # one piece a step, none put here
     assert [r["rollout_workers"] for r in rows] == [0] * 4
     assert [r["weight_bytes"] for r in rows] == [0] * 4
-    record = json.loads((tmp_path / CONSUMED_FILE).read_text())
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=0, abs=LOSS_TOL)
+    record = json.loads((tmp_path / "ray" / CONSUMED_FILE).read_text())
+    assert killed and record["worker_failures"] == {"rollout": 0, "teacher/default": 1}
+    assert record["reissued"] >= 1
     assert record["rollout_workers"] == {"min": 0, "max": 0}
     assert record["consumed"] == {str(b): 1 for b in range(4)}

@@ -6,7 +6,7 @@ different indices here: 2 parts of 2 pieces each."""
 import pytest
 import torch
 
-from actors.driver.commands import Generate, HandOut, Replan, Score, Trained
+from actors.driver.commands import Generate, HandOut, Replan, Score, Seal, Trainable, Trained
 from actors.driver.step import Step
 from actors.transport.delivery import PartReport, PieceReport
 from opd.distill.pieces import Layout
@@ -67,8 +67,8 @@ def test_a_rollout_call_streams_its_pieces_to_scoring_and_delivery():
 def test_an_unscored_call_delivers_its_pieces_itself():
     s = step_of(source="teacher", scored=False)
     s.start()
-    for p, c in ((0, 0), (1, 0), (2, 1), (3, 1)):
-        assert s.piece_made(c, 1, piece(p, payload=None)) == []
+    made = [s.piece_made(c, 1, piece(p, payload=None)) for p, c in ((0, 0), (1, 0), (2, 1), (3, 1))]
+    assert made == [[Trainable()], [], [], [Seal()]]             # delivered: no Score
     assert s.complete and "teacher" not in s.times.began
 
 
@@ -94,9 +94,26 @@ def test_a_failed_call_of_an_older_version_replans_the_step():
     assert s.replanned(3, gen=5) == [Generate(0, 2), Generate(1, 2)]
     assert (s.version, s.gen, s.sealed) == (3, 5, False)
     assert all(p.made is None and p.delivered is None for p in s.pieces)
+
+
+def test_a_step_on_data_runs_no_rollout_call_and_scores_every_piece_at_once():
+    """Its suffixes are the data's: no Generate, its parts end at the start, and each piece is
+    scored (built from its job by the teacher worker) at once; a failed scoring or a piece the
+    learner lost is scored again, never made by a call."""
     data = step_of(source="data", version=2)
-    data.start()
-    assert data.part_failed(0, 1, published=3) == [Generate(0, 2)]   # its own version
+    assert data.start() == [Score(p, 0) for p in range(4)]
+    assert sorted(data.ended) == [0, 1] and not data.generating
+    assert [data.ended[c].generated_tokens for c in (0, 1)] == [4 * 3] * 2
+    assert [(p.made.rows, p.made.generated_tokens) for p in data.pieces] == [(2, 6)] * 4
+    assert "rollout" not in data.times.began
+    assert data.score_failed(1) == [Score(1, 0)]
+    for p in range(4):
+        data.piece_scored(p, piece(p), busy=0.1)
+    data.seal()
+    assert data.begin_training(published=5) is not None               # its own version: streams
+    data.hand_out()
+    assert data.piece_trained(2, 1, 0, answer(0, 2, lost=True), ranks=1) == [Score(2, 0)]
+    assert data.score_lost(2, 0) == [Score(2, 0)]                      # no call to make again
 
 
 def test_a_scoring_that_failed_goes_again_from_the_same_payload():
@@ -157,25 +174,24 @@ def delivered_step(**kw) -> Step:
 
 
 def test_pieces_are_handed_out_in_order_and_the_last_once_sealed():
+    """Each delivery returns what it lets happen: Trainable with piece 0, then (training) the
+    hand-outs in piece order, Seal with the last piece, and its hand-out once sealed."""
     s = step_of()
     s.start()
     assert s.begin_training(published=3) is None                 # nothing delivered yet
     s.piece_made(1, 1, piece(2))
-    s.piece_scored(2, piece(2), busy=0.1)
+    assert s.piece_scored(2, piece(2), busy=0.1) == []
     assert s.begin_training(published=3) is None                 # piece 0 is not there
     s.piece_made(0, 1, piece(0))
-    s.piece_scored(0, piece(0), busy=0.1)
+    assert s.piece_scored(0, piece(0), busy=0.1) == [Trainable()]
     t = s.begin_training(published=3)
     assert t is not None and not t.prefetch
     assert s.hand_out() == [HandOut(0, 1, False)]
     s.piece_made(0, 1, piece(1))
-    s.piece_scored(1, piece(1), busy=0.1)
-    assert s.hand_out() == [HandOut(1, 1, False), HandOut(2, 1, False)]
+    assert s.piece_scored(1, piece(1), busy=0.1) == [HandOut(1, 1, False), HandOut(2, 1, False)]
     s.piece_made(1, 1, piece(3))
-    s.piece_scored(3, piece(3), busy=0.1)
-    assert s.hand_out() == []                                    # the last waits for the seal
-    s.seal()
-    assert s.hand_out() == [HandOut(3, 1, False)]
+    assert s.piece_scored(3, piece(3), busy=0.1) == [Seal()]    # the last waits for the seal
+    assert s.seal() == [HandOut(3, 1, False)]
     assert s.piece_trained(3, 1, 0, answer(0, 3, result=result(0)), ranks=2) == []
     done = s.piece_trained(3, 1, 1, answer(1, 3, result=result(1)), ranks=2)
     assert done == [Trained([result(0), result(1)])]
@@ -187,7 +203,7 @@ def test_a_piece_lost_at_the_learner_is_scored_again_and_handed_again(lost):
     scored again from its rollout payload, the pieces after it come back skipped and are
     handed again in order."""
     s = delivered_step()
-    s.seal()
+    assert s.seal() == [Trainable()]
     s.begin_training(published=3)
     assert [h.piece for h in s.hand_out()] == [0, 1, 2, 3]
     for p in range(lost):
@@ -199,9 +215,8 @@ def test_a_piece_lost_at_the_learner_is_scored_again_and_handed_again(lost):
         for r in (0, 1):
             assert s.piece_trained(p, 1, r, answer(r, p, skipped=True), ranks=2) == []
     assert s.hand_out() == []                                    # waits for the new delivery
-    s.piece_scored(lost, piece(lost), busy=0.1)
-    assert s.hand_out() == [HandOut(lost, 2, False)] + [HandOut(p, 2, False)
-                                                       for p in range(lost + 1, 4)]
+    assert s.piece_scored(lost, piece(lost), busy=0.1) == [     # sealed already: no Seal
+        HandOut(lost, 2, False)] + [HandOut(p, 2, False) for p in range(lost + 1, 4)]
     assert s.piece_trained(lost, 1, 0, answer(0, lost), ranks=2) == []   # an old hand-out's
 
 
@@ -221,7 +236,7 @@ def test_an_unscored_piece_lost_at_the_learner_makes_its_call_again():
     s.piece_trained(2, 1, 0, answer(0, 2, lost=True), ranks=2)
     assert s.piece_trained(2, 1, 1, answer(1, 2, lost=True), ranks=2) == [Generate(1, 2)]
     assert [p.delivered for p in s.pieces] == [piece(0, None), piece(1, None), None, None]
-    assert s.piece_made(1, 2, piece(2, None)) == []
+    assert s.piece_made(1, 2, piece(2, None)) == [HandOut(2, 2, False)]
     assert s.pieces[2].delivered == piece(2, None) and s.pieces[3].delivered is None
 
 
