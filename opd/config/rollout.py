@@ -47,7 +47,7 @@ class RolloutConfig:
     num_workers: Workers | min_max(Workers) = 1
     """Rollout workers: a count, or "min..max" for an elastic pool grown and shrunk in that range."""
     window: Annotated[int, Field(ge=1)] | Literal["auto"] = RUN_CHOICES["window"]
-    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses each round's W (and Full / Compact) by a bandit rule on the tokens per second it measures in this process (docs/WINDOW_POLICY.md); greedy and sample tokens do not depend on it."""
+    """Jacobi window W: tokens per verifier forward (the last committed token + W-1 drafts); "auto" = HB-SJD chooses W per call (from whole calls' seconds per committed token; a worker's first call by round) and Full / Compact per round, by bandit rules on what it measures in this process (docs/WINDOW_POLICY.md); greedy and sample tokens do not depend on it."""
     history_offset: Annotated[int, Field(ge=1)] | None = ENGINE_DEFAULTS["history_offset"]
     """Draft-initialization history offset H in tokens; None = one grid row (grid_size)."""
     decoding: Decoding = RUN_CHOICES["decoding"]
