@@ -1,6 +1,8 @@
 """The window of each call (rollout/window_calls.py) on given costs of whole calls (seconds per
 committed token, no timing): whole calls decide where the rounds' rates mislead, a change of
 costs is followed, a compiling first call is dropped, exploration stays within its budget."""
+from collections import Counter
+
 from rollout.window import WINDOWS
 from rollout.window_calls import CALL_BUDGET, CallWindows
 
@@ -38,8 +40,7 @@ def test_whole_calls_decide_where_the_rounds_rates_mislead():
     cost = {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
     chosen = run(CallWindows(), cost, 40)
     assert chosen[:2] == [16, 8]
-    assert chosen[2:].count(8) >= 0.85 * len(chosen[2:]), chosen
-    assert set(chosen[2:]) <= {4, 8, 16}
+    assert Counter(chosen[2:]) == {8: 34, 4: 2, 16: 2}, chosen   # 89 % W 8
 
 
 def test_a_change_of_costs_is_followed():
@@ -48,9 +49,8 @@ def test_a_change_of_costs_is_followed():
     calls = CallWindows()
     run(calls, {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}, 40)
     chosen = run(calls, {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40)
-    assert chosen[:20].count(4) >= 1
-    later = chosen[chosen.index(4):]
-    assert later.count(4) >= 0.8 * len(later), chosen
+    assert chosen.index(4) == 2
+    assert Counter(chosen[2:]) == {4: 34, 2: 2, 8: 2}, chosen   # 89 % W 4
 
 
 def test_a_compiling_first_call_is_dropped():
@@ -60,7 +60,7 @@ def test_a_compiling_first_call_is_dropped():
     chosen = run(CallWindows(warm=False), {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40,
                  first_calls=set())
     assert chosen[:4] == [16, 16, 8, 8]
-    assert chosen[-20:].count(4) >= 0.8 * 20 and set(chosen[-20:]) <= {2, 4, 8}, chosen
+    assert Counter(chosen[-20:]) == {4: 18, 8: 2}, chosen
 
 
 def test_exploration_stays_within_its_budget():
@@ -69,8 +69,9 @@ def test_exploration_stays_within_its_budget():
     calls = CallWindows()
     cost = {1: 3.0, 2: 2.0, 4: 1.05, 8: 1.0, 16: 1.06}
     run(calls, cost, 10)
+    chosen = []
     for _ in range(100):
-        run(calls, cost, 1)
+        chosen += run(calls, cost, 1)
         explored, total = calls.spent
         assert explored <= CALL_BUDGET * total + max(cost.values()) * TOKENS
-    assert calls.spent[0] > 0                    # it did explore
+    assert Counter(chosen) == {8: 87, 16: 7, 4: 6}, chosen   # 13 calls in 100 explore
