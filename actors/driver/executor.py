@@ -71,7 +71,7 @@ class CommandExecutor:
     def _score(self, step: Step, c: Score) -> None:
         """One teacher's share of a piece, scored by a worker of that teacher's pool from the
         payload its rollout call handed out (a step on data: from its part's job)."""
-        payload, tag, queue = step.pieces[c.piece].made.payload, self._tag(step, c.piece), self.groups.queue
+        tag, queue = self._tag(step, c.piece), self.groups.queue
         task = PieceScoring(step=step.step, gen=step.gen, piece=c.piece, issue=c.issue,
                             teacher=c.teacher)
         pool = self.planner.teachers.pool(c.teacher)
@@ -80,6 +80,7 @@ class CommandExecutor:
             self._submit(task, c, lambda actor: actor.score_data.remote(job, rows, tag, queue),
                          pool)
             return
+        payload = step.pieces[c.piece].made.payload
         if step.spans is None:
             self._submit(task, c, lambda actor: actor.score.remote(payload, tag, queue), pool)
             return
