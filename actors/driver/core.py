@@ -3,7 +3,8 @@
 A step's own life (its parts, pieces, faults and training) is its state machine,
 actors/driver/step.py.  What spans steps is here, tested without Ray (tests/actors/test_core.py):
 
-    DriverState         the policy version, the batches consumed, the step in training
+    DriverState         the policy version, the batches consumed and reused
+    in_training         the step the learner group is on (its own `training`; no second copy)
     start_training      the step the learner group trains next (one at a time, in step order)
     step_trained        the last piece trained: the step is done (what follows)
     step_metrics        the step's metrics.parquet row, from its reports and the ranks' results
@@ -31,7 +32,6 @@ class DriverState:
     consumed: Counter[int] = field(default_factory=Counter)   # prefix batch id -> times trained
     reused: Counter[int] = field(default_factory=Counter)     # step -> times its rollout was
     #                                                           trained again (opd/distill/reuse.py)
-    training: int | None = None           # the step the learner group is on
     reissued: int = 0                     # calls and pieces issued again (faults, re-plans)
     last_step_end: float = field(default_factory=time.perf_counter)
 
@@ -40,22 +40,25 @@ class DriverState:
         return self.version >= self.end
 
 
+def in_training(plans: dict[int, Step]) -> Step | None:
+    """The step the learner group is on: the planned step whose training began (one at a
+    time; a step leaves `plans` once trained, and a re-planned one stops training)."""
+    return next((p for p in plans.values() if p.training is not None), None)
+
+
 def start_training(state: DriverState, plans: dict[int, Step],
                    published: int) -> Training | None:
     """The current version's step begins training when the learner group is free
     (`Step.begin_training` says when it can); raises if its prefix batch was trained before
     (every batch id is consumed once; a step reusing a buffered rollout consumes none)."""
-    if state.training is not None or state.done:
+    if state.done or in_training(plans) is not None:
         return None
     step = plans.get(state.version)
     if step is None:
         return None
     if state.consumed[step.batch_id] and step.origin is None:
         raise RuntimeError(f"batch {step.batch_id} would be consumed twice (step {step.step})")
-    t = step.begin_training(published)
-    if t is not None:
-        state.training = step.step
-    return t
+    return step.begin_training(published)
 
 
 @dataclass
@@ -77,7 +80,7 @@ def step_trained(state: DriverState, plan: Step, results: list[LearnerResult], n
     counted), the version one up.  The new version is published on the broadcast cadence if
     `rollouts_at(version)` says a fresh student rollout may be made with it
     (`StepPlanner.rollouts_at`)."""
-    t, state.training = plan.training, None
+    t = plan.training
     if plan.origin is None:
         state.consumed[plan.batch_id] += 1
     else:

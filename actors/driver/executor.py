@@ -126,7 +126,7 @@ class CommandExecutor:
         if self.interrupt.pending() or core.start_training(
                 self.state, self.planner.plans, self.publisher.published.version) is None:
             return
-        step = self.planner.plans[self.state.training]
+        step = self.planner.plans[self.state.version]
         self._execute(step, step.hand_out())
 
     def _hand_out(self, step: Step, c: HandOut) -> None:
@@ -142,8 +142,6 @@ class CommandExecutor:
     def _replan(self, step: Step) -> None:
         """Generate the whole of `step` again at the published version (a new generation)."""
         self.dispatch.forget_step(step.step)
-        if self.state.training == step.step:
-            self.state.training = None
         version = step.version_at(self.publisher.published.version)
         commands = step.replanned(version, self.planner.new_generation())
         calls = sum(isinstance(c, Generate) for c in commands)

@@ -257,14 +257,14 @@ class Pipeline(CommandExecutor, AnswerRouter):
     def _interrupted(self):
         """Ctrl-C: the step in training finishes, the current step is checkpointed; returns
         the `RunInterrupted` to raise."""
-        if self.state.training is not None:
+        step = core.in_training(self.planner.plans)
+        if step is not None:
             for ref, task in list(self.dispatch.tasks.items()):
-                if isinstance(task, PieceTraining) and task.step == self.state.training:
+                if isinstance(task, PieceTraining) and task.step == step.step:
                     del self.dispatch.tasks[ref]
                     self._piece_trained(task, ray.get(ref))
-        if self.state.training is not None:       # pieces not made yet: the step is dropped
-            fan_out(self.learners, "drop_step", self.state.training)
-            self.state.training = None
+        if core.in_training(self.planner.plans) is not None:   # pieces not made yet: dropped
+            fan_out(self.learners, "drop_step", step.step)
         if not self.records.has_checkpoint(self.state.version):
             self._save_checkpoint()
         self._write_consumed()

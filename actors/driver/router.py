@@ -10,6 +10,7 @@ import time
 
 from ray.exceptions import ActorDiedError, RayActorError
 
+from actors.driver import core
 from actors.driver.cluster import bundle_node
 from actors.driver.commands import Command, Generate, Score
 from actors.driver.step import Step
@@ -25,7 +26,8 @@ WAIT_S = 30.0
 class AnswerRouter:
     def _wait(self) -> None:
         probe = self.dispatch.idle_for()
-        if not self.dispatch.tasks and probe is None and self.state.training is None:
+        training = core.in_training(self.planner.plans)
+        if not self.dispatch.tasks and probe is None and training is None:
             raise RuntimeError(f"the pipeline stalled at step {self.state.version}: "
                                f"nothing in flight")
         for answer in self.dispatch.wait(min(WAIT_S, probe or WAIT_S), self.interrupt):
@@ -88,9 +90,9 @@ class AnswerRouter:
         self._execute(step, commands)
 
     def _piece_trained(self, task: PieceTraining, value: PieceAnswer) -> None:
-        if self.state.training != task.step:
+        step = core.in_training(self.planner.plans)
+        if step is None or step.step != task.step:
             return
-        step = self.planner.plans[task.step]
         commands = step.piece_trained(task.piece, task.handing, task.worker, value,
                                       len(self.learners))
         self._again(step, commands)

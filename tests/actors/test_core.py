@@ -52,9 +52,9 @@ def test_the_learner_starts_the_current_step_at_its_first_piece_once():
     assert core.start_training(state, plans, published=1) is None   # piece 0 comes first
     deliver(plans[1], 0)
     t = core.start_training(state, plans, published=1)
-    assert (state.training, t.prefetch, plans[1].training is t) == (1, False, True)
+    assert (core.in_training(plans), t.prefetch, plans[1].training is t) == (plans[1], False, True)
     assert core.start_training(state, plans, published=1) is None   # one step in flight
-    state.training = None
+    plans[1].training = None
     state.consumed[plans[1].batch_id] = 1
     with pytest.raises(RuntimeError, match="batch 1 would be consumed twice"):
         core.start_training(state, plans, published=1)
@@ -112,7 +112,7 @@ def test_a_trained_step_counts_its_batch_and_says_what_follows(tiny_overrides):
                                        cfg=cfg, rollouts_at=lambda v: rollouts)
 
     plan, done = trained(1, now=104.0, start=101.0)
-    assert (state.version, state.training, state.consumed[plan.batch_id]) == (2, None, 1)
+    assert (state.version, state.consumed[plan.batch_id]) == (2, 1)
     assert (done.wall, done.learner_start, done.checkpoint, done.publish) == (4.0, 101.0, True, True)
     assert [r.metrics["loss"] for r in done.results] == [1.0, 2.0]   # rank order
     _, done = trained(2, now=105.0)
