@@ -1,7 +1,7 @@
 """The sections of a run config about where and how it runs: the Ray cluster, the evaluation of
 sample quality, and the run itself (directory, seed, mode, trackers).
 
-    cfg.cluster.address, cfg.eval.every, cfg.run.mode   # None, 200, "ray"
+    cfg.cluster.address, cfg.eval.every, cfg.run.mode   # None, 600, "ray"
 
 Sections of the run config's schema (opd/config/root.py joins them; opd/config/schema.py
 loads them).
@@ -42,7 +42,7 @@ class EvalConfig:
 
     track: bool = True
     """Track quality during `opd train` (opd/eval/tracking.py): quality.parquet, sample grids over training, the closing table; false = no evaluation while training."""
-    every: Annotated[int, Field(ge=0)] = 200
+    every: Annotated[int, Field(ge=0)] = 600
     """Evaluate the student during training every this many learner steps, besides step 0 and the last step; 0 = only step 0 and the last step."""
     num_samples: Annotated[int, Field(ge=1)] = 1000
     """Images generated per evaluation (FID is biased and noisy on a few hundred)."""

@@ -289,13 +289,14 @@ def test_config_hash_values_are_pinned():
     and the `teacher:` section read as `teachers: [{name: default, ...}]` moved e2e9b9f0ed6e /
     8939349c977c / fb43b848f976; rollout.compare_every 10 by default moved 2c6dd197f869 /
     02d777ec0dbf / a2b22c3d2f09, then distill.cache_data_scores 42640019f946 / 7ceb120d5165 /
-    a7e52e29f6db, then rollout.span 365fb5e30f8a / c9f626166b1f / b0a8ceb6f7e4)."""
+    a7e52e29f6db, then rollout.span 365fb5e30f8a / c9f626166b1f / b0a8ceb6f7e4, then the default schedule of
+    2,400 steps (KD 1,800, on-policy 600) and eval.every 600 d7db4d73a90a / c4f48e669e89)."""
     tiny = load_config("tiny")
     assert config_hash(tiny) == "b6f692a1cb10"
-    assert config_hash(RunConfig()) == "d7db4d73a90a"
+    assert config_hash(RunConfig()) == "dd6cad609ce5"
     assert config_hash(tiny.pretrain) == "f5831f937353"
     assert config_hash(load_config(None, ["rollout.num_workers=2..3", "learner.betas=[0.8,0.9]",
-                                          "distill.objective_options.gate=0.5"])) == "c4f48e669e89"
+                                          "distill.objective_options.gate=0.5"])) == "9351efa1daa2"
 
 
 # --- the pydantic-based loader (opd/config/loader.py) -----------------------------------------

@@ -72,7 +72,7 @@ def test_one_phase_key_over_the_built_in_schedule():
                              "distill.phases.1.lam=0.5"])
     assert [(p.objective, p.steps, p.lam) for p in cfg.distill.phases] == \
         [("kd", 140, None), ("gkd", None, 0.5)]
-    assert load_config(None).distill.phases[0].steps == 420        # the default is untouched
+    assert load_config(None).distill.phases[0].steps == 1800       # the default is untouched
 
 
 def test_a_preset_that_sets_its_objective_trains_with_it_for_the_whole_run(tmp_path):
