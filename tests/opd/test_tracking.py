@@ -48,7 +48,7 @@ def test_eval_steps():
     assert steps("distill.steps=6", "eval.every=3") == [0, 3, 6]
     assert steps("distill.steps=5", "eval.every=0") == [0, 5]     # only the start and the end
     assert steps("eval.track=false") == []
-    assert eval_steps(load_config("default")) == [0, 200, 400, 600]
+    assert eval_steps(load_config("default")) == [0, 600, 1200, 1800, 2400]
 
 
 def test_quality_rows_for_step_0_every_and_the_end(tracked):
