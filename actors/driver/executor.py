@@ -143,11 +143,7 @@ class CommandExecutor:
         """Generate the whole of `step` again at the published version (a new generation)."""
         self.dispatch.forget_step(step.step)
         version = step.version_at(self.publisher.published.version)
-        commands = step.replanned(version, self.planner.new_generation())
-        calls = sum(isinstance(c, Generate) for c in commands)
-        self.metrics.inc("opd_reissued_calls", calls)
-        self.state.reissued += calls
-        self._execute(step, commands)
+        self._again(step, step.replanned(version, self.planner.new_generation()))
 
     def _dispatch(self) -> None:
         """Hand waiting commands to workers that are up (failed workers are probed when due);

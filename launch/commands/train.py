@@ -31,12 +31,12 @@ from launch.commands import add_config_args
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="on-policy distillation (Ray, or reference loop)",
                               description="Distill the teacher into the student in the phases "
-                                          "of distill.phases; the default: KD on data for 420 "
-                                          "steps, then on-policy GKD, where 3/4 of the batches "
-                                          "are the current student's HB-SJD rollouts (keyed "
-                                          "sampling: Cached AR's tokens for the seed), streamed "
-                                          "piece by piece to the teacher and the learner; "
-                                          "evaluations on 1,000 samples every 200 steps. "
+                                          "of distill.phases; the default: 2,400 steps, KD on "
+                                          "data for 1,800, then on-policy GKD for 600, where 3/4 "
+                                          "of the batches are the current student's HB-SJD "
+                                          "rollouts (keyed sampling: Cached AR's tokens for the "
+                                          "seed), streamed piece by piece to the teacher and the "
+                                          "learner; evaluations on 1,000 samples every 600 steps. "
                                           "distill.objective=kd alone: plain KD on data for the "
                                           "whole run. Writes a run directory.")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
