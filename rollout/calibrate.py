@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,13 +68,20 @@ def model_signature(model) -> str:
     1-token forward depends on them: a Ray worker runs as many as its CPU share
     (actors/workers/base.py), one on this machine, while the driver and the benches run one
     per core, and a table measured at two threads chose other windows for a one-thread rollout
-    (docs/WINDOW_POLICY.md)."""
-    params = list(model.parameters()) if hasattr(model, "parameters") else []
-    n = sum(p.numel() for p in params)
-    dtype = str(params[0].dtype).replace("torch.", "") if params else "unknown"
-    device = params[0].device.type if params else "cpu"
+    (docs/WINDOW_POLICY.md).  The parameter count is counted once per model object (every W
+    "auto" call keys its policy by the signature: walking a LlamaGen's parameters every call
+    would cost more than the policy's rounds); dtype and device are read each time."""
+    first = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    n = _COUNTS.get(model) if first is not None else 0
+    if n is None:
+        n = _COUNTS[model] = sum(p.numel() for p in model.parameters())
+    dtype = str(first.dtype).replace("torch.", "") if first is not None else "unknown"
+    device = first.device.type if first is not None else "cpu"
     threads = f"-th{torch.get_num_threads()}" if device == "cpu" else ""
     return f"p{n}-v{model.vocab_size}-t{model.block_size}-{dtype}-{device}{threads}"
+
+
+_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its parameters
 
 
 def _device(model) -> torch.device:

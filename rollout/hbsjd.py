@@ -29,7 +29,7 @@ from dataclasses import fields
 import torch
 from torch import Tensor
 
-from rollout.calibrate import calibration_path
+from rollout.calibrate import calibration_path, model_signature
 from rollout.candidates import candidate_tree
 from rollout.engine import Engine, Finished, Request, prefill_token, register
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
@@ -346,7 +346,6 @@ class HBSJD(JacobiEngine):
         CFG, decoding), kept across calls so that it learns from every rollout, started with
         the windows of `WINDOWS` a call of N new tokens can use; its modes are what option
         execution allows (hybrid: both, chosen per round; gamma is not used)."""
-        from rollout.calibrate import model_signature
         o, R = self.options, req.rows
         key = (model_signature(model), R, req.cfg, req.decoding)
         if key not in self._policies:
@@ -372,7 +371,7 @@ class HBSJD(JacobiEngine):
         if g is None:
             return (req.rows + 1) // 2
         if g == "auto":
-            from rollout.calibrate import ensure_calibration, load_gamma, model_signature
+            from rollout.calibrate import ensure_calibration, load_gamma
             key = (model_signature(model), req.rows, self.options["window"], req.cfg)
             if key not in self._auto:
                 path = calibration_path(self.options)

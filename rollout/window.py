@@ -101,6 +101,8 @@ class WindowPolicy:
         self.spent = [0.0, 0.0]              # discounted seconds: exploring rounds, all rounds
         self.clock = 0                                      # rounds observed
         self.windows: tuple = (1,)
+        self.whole = [(1, modes == ("compact",))]
+        self.fixed = None                                   # the one arm of a call (`start`)
         self.previous = 0                                   # this call's last W (0: none)
         self.round = 0                                      # this call's rounds so far
         self.pending = None                                 # the chosen round, until observed
@@ -130,8 +132,15 @@ class WindowPolicy:
                  if (e := self.estimate(W, compact, self.rows)) is not None}
         W = self.calls.choose(windows, rates)
         self.windows = windows if W is None else (W,)
+        self.whole = [(W, compact) for W in self.windows]   # the arms while every row runs
+        # one window: while every row runs (Full only: always) a round has nothing to choose,
+        # so its choice is made once here, the round's pending observation with it
+        W = self.windows[0]
+        self.fixed = (None if len(self.windows) > 1 else
+                      (W, (W, compact, self._band(compact, self.rows)), self.rows, False, False))
         self.previous, self.round, self.call_seconds = 0, 0, 0.0
         self.pending = self.hold = None
+        self.explored = False
 
     def finish(self, tokens: int) -> None:
         """The call ended, its images' `tokens` committed: its rounds' seconds, each clipped
@@ -150,8 +159,8 @@ class WindowPolicy:
         window Full rounds rate best and those beside it (`near`; the ranking of Full arms
         does not depend on the active count), so a rows band has a few Compact arms to learn,
         not one per window."""
-        if self.modes != ("full", "compact") or active == self.rows:
-            return [(W, self.modes == ("compact",)) for W in self.windows]
+        if active == self.rows or len(self.modes) == 1:
+            return self.whole
         rated = [(e[0], 0.0, (W, False)) for W in self.windows
                  if (e := self.estimate(W, False, active, left)) is not None]
         Ws = ([x[2][0] for x in near(rated, max(rated)[2], self.windows)]
@@ -189,6 +198,9 @@ class WindowPolicy:
         """-> (W, compact) for the next round with `active` rows, `left` tokens left to commit
         per active row (module docstring, choice)."""
         self.round += 1
+        if self.fixed is not None and (active == self.rows or self.modes == ("full",)):
+            self.pending, self.previous, self.hold = self.fixed, self.fixed[0], None
+            return self.whole[0]
         arms = self._arms(active, left)
         explore = False                                     # exploring a measured arm
         if self.hold is not None and self.hold[0] in arms:
@@ -238,12 +250,15 @@ class WindowPolicy:
         W, key, active, steady, explore = self.pending
         self.pending = None
         self.clock += 1
-        tok = self.tokens.setdefault(W, Mean(warm=True, discount=DISCOUNT))
         if steady and rows:
+            tok = self.tokens.get(W)
+            if tok is None:
+                tok = self.tokens[W] = Mean(warm=True, discount=DISCOUNT)
             tok.add(tokens / rows, self.clock, weight=rows / self.rows)
-        raw = seconds
-        seconds = self.seconds.setdefault(key, Mean(discount=DISCOUNT)).add(seconds, self.clock,
-                                                                         clip=CLIP)
+        raw, mean = seconds, self.seconds.get(key)
+        if mean is None:
+            mean = self.seconds[key] = Mean(discount=DISCOUNT)
+        seconds = mean.add(seconds, self.clock, clip=CLIP)
         self.call_seconds += seconds or raw                 # a warm-up: as it was
         self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),  # as counted
                       self.spent[1] * DISCOUNT + seconds]

@@ -71,6 +71,10 @@ def test_signature_separates_models(tiny):
     assert model_signature(tiny(0)) == model_signature(tiny(1))      # same shape and dtype
     assert model_signature(tiny(0)) != model_signature(tiny(0, vocab_size=5))
     assert model_signature(tiny(0)).endswith(f"float64-cpu-th{torch.get_num_threads()}")
+    model = tiny(0)
+    before = model_signature(model)              # its parameter count is kept per model...
+    model.float()
+    assert model_signature(model) == before.replace("float64", "float32")   # ...its dtype not
 
 
 def test_signature_separates_thread_counts(tiny):
