@@ -17,26 +17,27 @@ With option compile a round -- verifier forward and verification -- is one compi
 active count rounded up to a power of two between R / 8 and R (`bucket`), padded with finished
 rows, whose round changes nothing they keep (`compact_round`); so a call compiles a handful
 of graphs (R = 32: Full, then Compact at 4, 8, 16 and 32 rows), not one per active count.
-The round state lives in buffers the engine keeps across calls (`StaticStates`), so on CUDA
-("reduce-overhead") every replay of a round's graph sees the same addresses.
+The round state lives in buffers the engine keeps across calls (rollout/static_states.py), so
+on CUDA ("reduce-overhead") every replay of a round's graph sees the same addresses.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import fields
 
 import torch
 from torch import Tensor
 
 from rollout.calibrate import calibration_path, model_signature
 from rollout.candidates import candidate_tree
-from rollout.engine import Engine, Finished, Request, prefill_token, register
+from rollout.engine import (Engine, Finished, Request, make_engine, prefill_token, register,
+                            synchronize)
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
                             window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
-from rollout.spans import span_cuts, whole_spans
+from rollout.spans import Span, span_cuts, whole_spans
+from rollout.static_states import StaticStates
 from rollout.stats import RoundLog
 from rollout.window import WINDOWS, WindowPolicy
 
@@ -138,6 +139,23 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 
 
+def baseline_call(engine: Engine, model, req: Request,
+                  policy: WindowPolicy) -> Iterator[Finished | Span]:
+    """A W "auto" call run whole by Cached AR (`engine`; the policy's `AR` arm, never with
+    "speculative" decoding): greedy and "sample" commit Cached AR's tokens whatever the
+    window, so only time changes, and the call's seconds price the arm.  Its rounds count as
+    rounds of window 1 (`RolloutResult.windows`)."""
+    started = time.perf_counter()
+    result = engine.run(model, req)
+    synchronize(req.labels.device)
+    policy.finish(req.batch * req.num_new, time.perf_counter() - started)
+    result.windows = [0] + [1] * (result.rounds - 1)
+    yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
+    yield Finished(torch.arange(req.batch, device=result.tokens.device), result.tokens,
+                   result.logprobs)
+    return result
+
+
 def execution(active: int, left: float, gamma: int, policy: WindowPolicy | None,
               st: JacobiState, plan: Plan, plan_for, hold) -> tuple[bool, JacobiState, Plan]:
     """The next round's execution -> (compact, st, plan): Compact below gamma active rows, or
@@ -206,32 +224,6 @@ def bucket_rows(live: Tensor, size: int) -> Tensor:
     """live: (R,) bool -> (size,) int64 the active rows in ascending order, then finished rows
     (`compact_round`'s padding); size >= the active count."""
     return torch.sort((~live).to(torch.uint8), stable=True).indices[:size]
-
-
-class StaticStates:
-    """Round-state buffers kept across calls, one set per shape: `hold(st)` copies a fresh
-    state into them, so a compiled round sees the same addresses in every call (what CUDA
-    graphs replay; marked static for torch.compile on CUDA)."""
-
-    def __init__(self):
-        self._held: dict[tuple, JacobiState] = {}
-
-    def hold(self, st: JacobiState) -> JacobiState:
-        values = [getattr(st, f.name) for f in fields(st)]
-        key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in values)
-        held = self._held.get(key)
-        if held is None:
-            held = self._held[key] = JacobiState(*(None if t is None else t.clone()
-                                                  for t in values))
-            for f in fields(held):
-                t = getattr(held, f.name)
-                if t is not None and t.is_cuda:
-                    torch._dynamo.mark_static_address(t)
-        else:
-            for f, t in zip(fields(held), values):
-                if t is not None:
-                    getattr(held, f.name).copy_(t)
-        return held
 
 
 def forward_window(model, st: JacobiState, req: Request, plan: Plan,
@@ -309,6 +301,8 @@ class JacobiEngine(Engine):
         policy = plan_for = None
         if self.options["window"] == "auto":
             policy = self.policy(model, req)
+            if policy.cached_ar:
+                return baseline_call(self.baseline, model, req, policy)
             plans = {}
 
             def plan_for(W: int) -> Plan:
@@ -340,11 +334,13 @@ class HBSJD(JacobiEngine):
         super().__init__(**options)
         self._auto: dict[tuple, int] = {}
         self._policies: dict[tuple, WindowPolicy] = {}
+        self._baseline: Engine | None = None
 
     def policy(self, model, req: Request) -> WindowPolicy:
         """window "auto" (rollout/window.py): this engine's policy for (this model, req.rows,
         CFG, decoding), kept across calls so that it learns from every rollout, started with
-        the windows of `WINDOWS` a call of N new tokens can use; its modes are what option
+        the windows of `WINDOWS` a call of N new tokens can use, and (not "speculative")
+        Cached AR, which may run the whole call (`baseline_call`); its modes are what option
         execution allows (hybrid: both, chosen per round; gamma is not used)."""
         o, R = self.options, req.rows
         key = (model_signature(model), R, req.cfg, req.decoding)
@@ -359,8 +355,16 @@ class HBSJD(JacobiEngine):
             # W 1 rounds between wider ones break speculative sampling's distribution
             # (tests/rollout/test_window.py, the strict xfail): no W 1 with that decoding.
             windows = windows[1:]
-        policy.start(windows)
+        policy.start(windows, baseline=not req.speculative)
         return policy
+
+    @property
+    def baseline(self) -> Engine:
+        """The Cached AR engine that runs W "auto"'s `AR` calls (same decoding, compile)."""
+        if self._baseline is None:
+            self._baseline = make_engine("cached_ar", decoding=self.decoding,
+                                         compile=self.options["compile"])
+        return self._baseline
 
     def gamma(self, model, req: Request) -> int:
         execution, g = self.options["execution"], self.options["gamma"]

@@ -145,7 +145,7 @@ def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
     """The state of a round of window new.W after rounds of window old.W (W "auto"): a new
     JacobiState with its own q (and on_tree where it changes), sharing st's other tensors; st
     itself is left as it was (with compile it is a held buffer of old.W's shapes,
-    `hbsjd.StaticStates`, which a later hold of those shapes copies into).  Sampled: column c
+    `static_states.StaticStates`, which a later hold of those shapes copies into).  Sampled: column c
     of the new window holds token start' + c (start' = cur.clamp(max=T - new.W)); where that
     token was a column of the old window's layout its proposal is kept, else (a token past the
     old drafts: filled from history or left from an earlier round, a function of the past

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 
-from rollout.window_calls import CLIP, EXPLORE, CallWindows, Mean
+from rollout.window_calls import AR, CLIP, EXPLORE, CallWindows, Mean
 
 WINDOWS = (1, 2, 4, 8, 16)
 """The windows the policy chooses from."""
@@ -122,15 +122,21 @@ class WindowPolicy:
         alone, so it leaves the device sums out of its rounds' sync."""
         return len(self.windows) > 1
 
-    def start(self, windows: tuple) -> None:
-        """A new call that may use `windows` (sorted, already clipped to N - 1): its rounds run
-        the window `CallWindows` chooses for it (rollout/window_calls.py), or, while no call
-        has been measured, choose among all of them (the rounds' rule)."""
+    @property
+    def cached_ar(self) -> bool:
+        """This call runs as Cached AR (the `AR` arm), not in rounds of this policy's."""
+        return self.windows == (AR,)
+
+    def start(self, windows: tuple, baseline: bool = False) -> None:
+        """A new call that may use `windows` (sorted, already clipped to N - 1), and with
+        `baseline` run as Cached AR: its rounds run the window `CallWindows` chooses for it
+        (rollout/window_calls.py; `cached_ar`: none), or, while no call has been measured,
+        choose among all of them (the rounds' rule)."""
         windows = tuple(windows)
         compact = self.modes == ("compact",)
         rates = {W: e[0] for W in windows
                  if (e := self.estimate(W, compact, self.rows)) is not None}
-        W = self.calls.choose(windows, rates)
+        W = self.calls.choose((AR, *windows) if baseline else windows, rates)
         self.windows = windows if W is None else (W,)
         self.whole = [(W, compact) for W in self.windows]   # the arms while every row runs
         # one window: while every row runs (Full only: always) a round has nothing to choose,
@@ -142,11 +148,12 @@ class WindowPolicy:
         self.pending = self.hold = None
         self.explored = False
 
-    def finish(self, tokens: int) -> None:
+    def finish(self, tokens: int, seconds: float | None = None) -> None:
         """The call ended, its images' `tokens` committed: its rounds' seconds, each clipped
         as its arm's mean clips it (a burst of another process moves a call's sum as much as
-        the choice between windows does), price the call's window (`CallWindows.observe`)."""
-        self.calls.observe(self.call_seconds, tokens)
+        the choice between windows does), price the call's window (`CallWindows.observe`);
+        a Cached AR call's `seconds` price the `AR` arm."""
+        self.calls.observe(self.call_seconds if seconds is None else seconds, tokens)
 
     def _band(self, compact: bool, active: int) -> int:
         if not compact:

@@ -9,7 +9,9 @@ the seconds of whole calls per token they commit:
 
     first call   the rounds' rule over every window (`WindowPolicy`): its rounds measure each
                  window's rate, whose best is the first window to run a whole call.
-    arms         the windows; an arm's cost is the discounted mean of its calls' seconds per
+    arms         the windows, and Cached AR (`AR`, below W 1: the call run whole by Cached AR,
+                 same tokens with greedy and "sample" decoding, rollout/hbsjd.py
+                 `baseline_call`); an arm's cost is the discounted mean of its calls' seconds per
                  committed token (CALL_DISCOUNT a call: follows the student as it trains and
                  the machine as its load changes).  A call's seconds are its rounds' seconds,
                  each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
@@ -21,8 +23,10 @@ the seconds of whole calls per token they commit:
                  to the best window): the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t /
                  n)),  n its discounted calls, t the calls so far (capped at the discount's
                  horizon); a neighbour never measured ranks first (the one the rounds rate
-                 higher first).  A neighbour is run (explored) only while the discounted
-                 seconds of exploring calls are at most CALL_BUDGET of all calls' seconds, so
+                 higher first; Cached AR, never measured, first of all: the baseline is
+                 measured once whatever leads, outside the budget below).  A neighbour is
+                 run (explored) only while the discounted seconds of exploring calls are at
+                 most CALL_BUDGET of all calls' seconds, so
                  what exploring costs is bounded, a few calls of the leader separate two
                  explorations (a noisy call decides less), and a neighbour whose estimate went
                  stale is measured again.
@@ -39,6 +43,7 @@ EXPLORE = 0.3           # UCB's width, relative to the arm's rate (rounds and ca
 CALL_DISCOUNT = 0.9     # per call: a call's weight halves in about 6.6 calls
 CALL_HORIZON = 1 / (1 - CALL_DISCOUNT)
 CALL_BUDGET = 0.1       # most of the calls' seconds (discounted) spent exploring
+AR = 0                  # the arm that runs a whole call as Cached AR (rollout/cached_ar.py)
 
 
 class Mean:
@@ -95,9 +100,9 @@ class CallWindows:
         return {W: m.mean for W in windows if (m := self.cost.get(W)) is not None and m.weight}
 
     def choose(self, windows: tuple, rates: dict[int, float]) -> int | None:
-        """The window of the next call among `windows` (sorted), with `rates` {W: tokens per
-        second} the rounds' estimates -> W, or None: run the rounds' rule (nothing measured
-        yet)."""
+        """The window of the next call among `windows` (sorted; `AR` first where Cached AR may
+        run the call), with `rates` {W: tokens per second} the rounds' estimates -> W, or
+        None: run the rounds' rule (nothing measured yet)."""
         self.pending = None
         cost = self.measured(windows)
         if not cost:
@@ -109,17 +114,20 @@ class CallWindows:
         best = min(cost, key=cost.get)
         i = windows.index(best)
         beside = windows[max(0, i - 1):i + 2]
+        if windows[0] == AR and AR not in cost and AR not in beside:
+            beside = (AR, *beside)          # the baseline is measured once, whatever leads
         log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
 
-        def index(W):                       # never measured: first, the rounds' best first
-            if W not in cost:
-                return math.inf, rates.get(W, 0.0), -W
+        def index(W):                       # never measured: first (Cached AR, then the
+            if W not in cost:               # one the rounds rate best)
+                return math.inf, math.inf if W == AR else rates.get(W, 0.0), -W
             n = self.cost[W].count(self.calls)
             return (1 / cost[W]) * (1 + EXPLORE * math.sqrt(log_t / max(n, 1e-9))), 0.0, 0
         top = max(beside, key=index)
-        explore = top != best and self.spent[0] <= CALL_BUDGET * self.spent[1]
-        W = top if explore else best
-        self.pending = (W, explore)
+        once = top == AR and AR not in cost          # the baseline's one measurement: a call,
+        explore = top != best and (once or self.spent[0] <= CALL_BUDGET * self.spent[1])
+        W = top if explore else best                 # not held to the exploring budget
+        self.pending = (W, explore and not once)
         return W
 
     def observe(self, seconds: float, tokens: int) -> None:

@@ -1,4 +1,5 @@
 """gamma calibration: curves, the gamma rule, the JSON file and gamma='auto'."""
+import copy
 import json
 
 import pytest
@@ -71,7 +72,7 @@ def test_signature_separates_models(tiny):
     assert model_signature(tiny(0)) == model_signature(tiny(1))      # same shape and dtype
     assert model_signature(tiny(0)) != model_signature(tiny(0, vocab_size=5))
     assert model_signature(tiny(0)).endswith(f"float64-cpu-th{torch.get_num_threads()}")
-    model = tiny(0)
+    model = copy.deepcopy(tiny(0))               # tiny's models are shared: change a copy
     before = model_signature(model)              # its parameter count is kept per model...
     model.float()
     assert model_signature(model) == before.replace("float64", "float32")   # ...its dtype not

@@ -16,6 +16,7 @@ import rollout.hbsjd
 from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
+from rollout.window_calls import AR, CallWindows
 from tests.rollout.schedules import graded, steer, switching, widest
 
 from tests.rollout.test_distribution import chi2_pvalue, exact_distribution, peaked_model
@@ -90,6 +91,55 @@ def test_a_fixed_window_is_unchanged(tiny, batch):
                                                                 seed=2)
     assert set(res.windows[1:]) == {4}
     assert res.window_histogram(16)[3] == res.rounds - 1
+
+
+def _handed(stream) -> list:
+    return [(type(x).__name__, getattr(x, "start", None), x.tokens.tolist(), x.logprobs.tolist())
+            for x in stream]
+
+
+@pytest.mark.parametrize("decoding", ["greedy", "sample"])
+def test_a_call_given_to_cached_ar_is_cached_ars(tiny, batch, monkeypatch, decoding):
+    """Where the call rule picks the `AR` arm (rollout/window_calls.py), W "auto"'s call is run
+    by Cached AR: the same spans, images, tokens and log-probs as Cached AR's own call, its
+    rounds counted as W 1's, and its seconds price the arm."""
+    model = tiny(2)
+    labels, prefix = batch(model, 8, 3, 1)
+    kw = dict(cfg_scale=2.0, seed=5, slots=3, span=4)
+    ref = make_engine("cached_ar", decoding=decoding).stream(model, labels, prefix, T - 3, **kw)
+    offered = []
+
+    def choose(self, windows, rates):
+        offered.append(windows)
+        self.pending = (AR, False)
+        return AR
+    monkeypatch.setattr(CallWindows, "choose", choose)
+    engine = make_engine("hbsjd", window="auto", decoding=decoding)
+    stream = engine.stream(model, labels, prefix, T - 3, **kw)
+    assert _handed(stream) == _handed(ref)
+    res = stream.result
+    assert torch.equal(res.tokens, ref.result.tokens)
+    assert torch.equal(res.logprobs, ref.result.logprobs)
+    assert res.windows == [0] + [1] * (res.rounds - 1) and res.rounds == ref.result.rounds
+    assert offered == [(AR, 1, 2, 4, 8, 12)]
+    policy, = engine._policies.values()
+    assert set(policy.calls.measured(offered[0])) == {AR}
+
+
+def test_speculative_calls_are_never_given_to_cached_ar(tiny, batch, monkeypatch):
+    """Speculative tokens depend on the windows run: no call of it is offered to Cached AR."""
+    model = tiny(2)
+    labels, prefix = batch(model, 4, 0, 1)
+    offered, real = [], CallWindows.choose
+
+    def choose(self, windows, rates):
+        offered.append(windows)
+        return real(self, windows, rates)
+    monkeypatch.setattr(CallWindows, "choose", choose)
+    engine = make_engine("hbsjd", window="auto", decoding="speculative")
+    for seed in range(4):
+        engine.generate(model, labels, prefix, T, seed=seed)
+    assert len(offered) == 4 and all(AR not in w for w in offered)
 
 
 def test_w_auto_needs_no_calibration_and_writes_none(tiny, batch, tmp_path):

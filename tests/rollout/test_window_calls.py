@@ -4,7 +4,7 @@ costs is followed, a compiling first call is dropped, exploration stays within i
 from collections import Counter
 
 from rollout.window import WINDOWS
-from rollout.window_calls import CALL_BUDGET, CallWindows
+from rollout.window_calls import AR, CALL_BUDGET, CallWindows
 
 TOKENS = 64
 ROUNDS = {1: 3.0, 2: 5.0, 4: 7.0, 8: 8.9, 16: 9.0}   # the rounds' rates: W 16 rates best
@@ -75,3 +75,36 @@ def test_exploration_stays_within_its_budget():
         explored, total = calls.spent
         assert explored <= CALL_BUDGET * total + max(cost.values()) * TOKENS
     assert Counter(chosen) == {8: 87, 16: 7, 4: 6}, chosen   # 13 calls in 100 explore
+
+
+WITH_AR = (AR, *WINDOWS)
+
+
+def run_with_ar(calls: CallWindows, cost: dict, n: int) -> list[int]:
+    chosen = []
+    for _ in range(n):
+        W = calls.choose(WITH_AR, ROUNDS)
+        calls.observe(cost[W] * TOKENS, TOKENS)
+        chosen.append(W)
+    return chosen
+
+
+def test_cached_ar_leads_where_it_is_cheapest():
+    """A compute-bound batch (CFG, 32 rows on a CPU): the rounds rate W 16 best, but Cached AR
+    is the cheapest call and W 1, its round in Jacobi bookkeeping, next.  Cached AR is
+    measured on the second call and leads from then on; the search visits only its
+    neighbour W 1, within the budget."""
+    cost = {AR: 1.0, 1: 1.12, 2: 1.15, 4: 1.12, 8: 1.3, 16: 1.8}
+    chosen = run_with_ar(CallWindows(), cost, 40)
+    assert chosen[:2] == [16, AR], chosen
+    assert Counter(chosen[1:]) == {AR: 34, 1: 5}, chosen
+
+
+def test_cached_ar_is_measured_once_where_windows_pay():
+    """Where W 8 is cheapest and Cached AR costs 2.5 times as much, Cached AR runs once (the
+    baseline is measured whatever leads, outside the exploring budget, so the search reaches
+    W 8 on the next call as it does without it) and never again: W 1 never leads."""
+    cost = {AR: 2.5, 1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
+    chosen = run_with_ar(CallWindows(), cost, 60)
+    assert chosen[:3] == [16, AR, 8], chosen
+    assert Counter(chosen[2:]) == {8: 51, 4: 4, 16: 3}, chosen
