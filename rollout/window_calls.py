@@ -24,8 +24,9 @@ the seconds of whole calls per token they commit:
                  n)),  n its discounted calls, t the calls so far (capped at the discount's
                  horizon); a neighbour never measured ranks first (the one the rounds rate
                  higher first; Cached AR, never measured, first of all: the baseline is
-                 measured once whatever leads, outside the budget below).  A neighbour is
-                 run (explored) only while the discounted seconds of exploring calls are at
+                 measured once whatever leads).  A first measurement is one call, run at
+                 once: the search climbs a window a call.  A measured neighbour is run
+                 (explored) only while the discounted seconds of exploring calls are at
                  most CALL_BUDGET of all calls' seconds, so
                  what exploring costs is bounded, a few calls of the leader separate two
                  explorations (a noisy call decides less), and a neighbour whose estimate went
@@ -124,9 +125,9 @@ class CallWindows:
             n = self.cost[W].count(self.calls)
             return (1 / cost[W]) * (1 + EXPLORE * math.sqrt(log_t / max(n, 1e-9))), 0.0, 0
         top = max(beside, key=index)
-        once = top == AR and AR not in cost          # the baseline's one measurement: a call,
+        once = top not in cost                   # an arm's first measurement: one call, not
         explore = top != best and (once or self.spent[0] <= CALL_BUDGET * self.spent[1])
-        W = top if explore else best                 # not held to the exploring budget
+        W = top if explore else best             # held to the exploring budget
         self.pending = (W, explore and not once)
         return W
 

@@ -35,22 +35,24 @@ def test_nothing_measured_runs_the_rounds_rule():
 def test_whole_calls_decide_where_the_rounds_rates_mislead():
     """The rounds rate W 16 best (its rounds commit most per second), but its calls take 1.16
     times W 8's (a part-empty last round, the slowest image): after W 16 the search runs its
-    neighbour W 8, and from the third call on at least 85 % of the calls run W 8, the rest
-    explore W 4 and W 16."""
+    neighbour W 8 and measures W 4 on the next call (a first measurement is not held to the
+    budget); from the third call on 84 % of the calls run W 8, the rest explore W 4 and W 16."""
     cost = {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
     chosen = run(CallWindows(), cost, 40)
     assert chosen[:2] == [16, 8]
-    assert Counter(chosen[2:]) == {8: 34, 4: 2, 16: 2}, chosen   # 89 % W 8
+    assert chosen[:4] == [16, 8, 4, 8], chosen
+    assert Counter(chosen[2:]) == {8: 32, 4: 3, 16: 3}, chosen   # 84 % W 8
 
 
 def test_a_change_of_costs_is_followed():
     """Settled on W 8, the costs change so that W 4 is cheapest: within 20 calls the policy
-    runs W 4, and then at least 80 % of its calls."""
+    runs W 4 (on its sixth call: W 4 was measured, so exploring it waits for the budget), and
+    then 89 % of its calls."""
     calls = CallWindows()
     run(calls, {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}, 40)
     chosen = run(calls, {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40)
-    assert chosen.index(4) == 2
-    assert Counter(chosen[2:]) == {4: 34, 2: 2, 8: 2}, chosen   # 89 % W 4
+    assert chosen.index(4) == 5
+    assert Counter(chosen[5:]) == {4: 31, 2: 2, 8: 2}, chosen   # 89 % W 4
 
 
 def test_a_compiling_first_call_is_dropped():
@@ -60,7 +62,7 @@ def test_a_compiling_first_call_is_dropped():
     chosen = run(CallWindows(warm=False), {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40,
                  first_calls=set())
     assert chosen[:4] == [16, 16, 8, 8]
-    assert Counter(chosen[-20:]) == {4: 18, 8: 2}, chosen
+    assert Counter(chosen[-20:]) == {4: 18, 8: 1, 2: 1}, chosen
 
 
 def test_exploration_stays_within_its_budget():
@@ -74,7 +76,7 @@ def test_exploration_stays_within_its_budget():
         chosen += run(calls, cost, 1)
         explored, total = calls.spent
         assert explored <= CALL_BUDGET * total + max(cost.values()) * TOKENS
-    assert Counter(chosen) == {8: 87, 16: 7, 4: 6}, chosen   # 13 calls in 100 explore
+    assert Counter(chosen) == {8: 86, 16: 7, 4: 7}, chosen   # 14 calls in 100 explore
 
 
 WITH_AR = (AR, *WINDOWS)
@@ -97,14 +99,15 @@ def test_cached_ar_leads_where_it_is_cheapest():
     cost = {AR: 1.0, 1: 1.12, 2: 1.15, 4: 1.12, 8: 1.3, 16: 1.8}
     chosen = run_with_ar(CallWindows(), cost, 40)
     assert chosen[:2] == [16, AR], chosen
-    assert Counter(chosen[1:]) == {AR: 34, 1: 5}, chosen
+    assert Counter(chosen[1:]) == {AR: 33, 1: 6}, chosen
 
 
 def test_cached_ar_is_measured_once_where_windows_pay():
     """Where W 8 is cheapest and Cached AR costs 2.5 times as much, Cached AR runs once (the
-    baseline is measured whatever leads, outside the exploring budget, so the search reaches
-    W 8 on the next call as it does without it) and never again: W 1 never leads."""
+    baseline is measured whatever leads, like every arm's first measurement outside the
+    exploring budget, so the search reaches W 8 on the next call) and never again: W 1 never
+    leads."""
     cost = {AR: 2.5, 1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
     chosen = run_with_ar(CallWindows(), cost, 60)
     assert chosen[:3] == [16, AR, 8], chosen
-    assert Counter(chosen[2:]) == {8: 51, 4: 4, 16: 3}, chosen
+    assert Counter(chosen[2:]) == {8: 50, 4: 4, 16: 4}, chosen
