@@ -82,8 +82,9 @@ class AnswerRouter:
             self._execute(step, step.span_made(task.part, task.issue, made))
             return
         if isinstance(made, PartReport):
-            step.part_made(task.part, task.issue, made, busy)
+            commands = step.part_made(task.part, task.issue, made, busy)
             self._hook("after_part", step=step.step, part=task.part, worker=task.worker)
+            self._execute(step, commands)
             return
         commands = step.piece_made(task.part, task.issue, made)
         self._hook("after_piece", step=step.step, piece=made.piece, worker=task.worker)
