@@ -150,8 +150,7 @@ class Pipeline(CommandExecutor, AnswerRouter):
                         if self.interrupt.pending():
                             raise KeyboardInterrupt
                         self._issue()
-                        self._dispatch()
-                        self._wait()
+                        self._wait()           # every answer to its step; what waited to workers
                         self._watch_nodes()
                         if self.quality is not None:
                             self.quality.poll()
