@@ -19,7 +19,7 @@ class StepPhase(IntEnum):
     STREAMING = 2
     SEALED = 3           # every piece delivered, the queue holds them as one item
     TRAINING = 4
-    DONE = 5             # every rank answered its last piece (`Trained`)
+    DONE = 5             # its last piece trained, every call's report in (`Trained`)
 
 
 # phase -> the phases it may go to.  Back to GENERATING is a re-plan (`Step.replanned`: from
