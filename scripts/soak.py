@@ -122,13 +122,13 @@ class Watchdog:
                     "after_step": pl.state.version - 1,
                     "published_version": pl.publisher.published.version,
                     "unfinished_plans": {s: {"version": p.version, "gen": p.gen,
-                                             "source": p.source,
+                                             "phase": p.phase.name, "source": p.source,
                                              "parts_ended": len(p.ended), "parts": p.parts,
                                              "pieces_delivered": sum(
                                                  q.delivered is not None for q in p.pieces),
                                              "pieces": p.layout.pieces}
                                          for s, p in sorted(pl.planner.plans.items())},
-                    "tasks_in_flight": sorted(f"{t.kind.value}:{t.step}:{t.worker}"
+                    "tasks_in_flight": sorted(f"{t.kind}:{getattr(t, 'step', '-')}:{t.worker}"
                                               for t in list(pl.dispatch.tasks.values())),
                     "reissues_per_s": (pl.reissued - before) / 5.0}
                 _thread.interrupt_main()

@@ -4,7 +4,7 @@ A step's own life (its parts, pieces, faults and training) is its state machine,
 actors/driver/step.py.  What spans steps is here, tested without Ray (tests/actors/test_core.py):
 
     DriverState         the policy version, the batches consumed and reused
-    in_training         the step the learner group is on (its own `training`; no second copy)
+    in_training         the step the learner group is on (read from the steps' phases)
     start_training      the step the learner group trains next (one at a time, in step order)
     step_trained        the last piece trained: the step is done (what follows)
     step_metrics        the step's metrics.parquet row, from its reports and the ranks' results
@@ -41,9 +41,9 @@ class DriverState:
 
 
 def in_training(plans: dict[int, Step]) -> Step | None:
-    """The step the learner group is on: the planned step whose training began (one at a
-    time; a step leaves `plans` once trained, and a re-planned one stops training)."""
-    return next((p for p in plans.values() if p.training is not None), None)
+    """The step the learner group is on: the planned step STREAMING or TRAINING (one at a
+    time; a step leaves `plans` once trained, and a re-planned one is GENERATING again)."""
+    return next((p for p in plans.values() if p.trains), None)
 
 
 def start_training(state: DriverState, plans: dict[int, Step],
@@ -145,8 +145,8 @@ def step_metrics(plan: Step, done: StepDone, pools: PoolCounts, *, sync_seconds:
     seconds = {"rollout": t.seconds("rollout"),
                "teacher": t.seconds("teacher") if plan.scored else 0.0,
                "learner": max(r.busy_s for r in results)}
-    row = step_row(plan.step, traj, LearnerResult.step_metrics(results), seconds, phase=plan.phase,
-                   reused=plan.origin is not None)
+    row = step_row(plan.step, traj, LearnerResult.step_metrics(results), seconds,
+                   phase=plan.schedule, reused=plan.origin is not None)
     R, M = pools.rollout_alive, pools.teacher_alive
     row.update({
         "step_s": wall, "published": done.publish, "weight_sync_s": sync_seconds,

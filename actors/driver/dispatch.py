@@ -1,7 +1,9 @@
 """`Dispatcher`: the driver's tasks in flight on the workers, and what happened to them.
 
 It hands a task to the least busy worker of its pool that is up (or keeps it waiting until one
-is), probes failed workers when they are due, and waits for answers.  A teacher worker holds
+is), probes failed workers when they are due, and waits for answers.  What waits is handed out
+again only when its pool changed (`changed`: a task of the pool ended, a worker came up after a
+probe or a weights load, or one died for good), never by polling.  A teacher worker holds
 at most two scorings (the one it runs and the next, so it never waits for the driver between
 two), and the waiting ones go out lowest (step, piece) first: a step's pieces complete in any
 order, but its learner ranks train them in piece order, so a piece 0 queued behind the others
@@ -22,7 +24,7 @@ from typing import Callable
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
-from actors.driver.pool import WorkerPool
+from actors.driver.pool import DEAD, WorkerPool
 from actors.driver.tasks import Probe, Task
 from actors.transport.delivery import PartReport
 from actors.workers.rollout import StaleWeightsError
@@ -54,6 +56,7 @@ class Dispatcher:
                          for name, actors in groups.teacher_pools.items()}}
         self.tasks: dict[ray.ObjectRef | ray.ObjectRefGenerator, Task] = {}
         self.backlog: list[tuple[Task, object]] = []   # (task, command) waiting for a worker
+        self.changed: set[str] = set()     # pools whose workers changed since `take_changed`
 
     def track(self, ref: ray.ObjectRef | ray.ObjectRefGenerator, task: Task) -> None:
         """Wait on `ref` (a rollout call's stream: on each of its answers); a rollout call, a
@@ -73,6 +76,7 @@ class Dispatcher:
                                       f"{self.max_restarts} restarts each were used up)")
         i = pool.pick(pinned)
         if i is None:
+            task.role = role
             self.backlog.append((task, command))
             return None
         task.role, task.worker = role, i
@@ -83,14 +87,37 @@ class Dispatcher:
         """Commands of `step` waiting for a worker are dropped (the step is re-planned)."""
         self.backlog = [w for w in self.backlog if w[0].step != step]
 
-    def waiting(self) -> list[tuple[Task, object]]:
-        """Probe the failed workers that are due; return (and clear) the commands waiting,
-        lowest (step, piece) first (a rollout call, which has no piece, before its step's
-        scorings)."""
+    def probe(self) -> None:
+        """Probe the failed workers that are due (`idle_for` says when the next one is)."""
         for role, pool in self.pools.items():
             for i in pool.due():
                 self.track(pool.actors[i].info.remote(), Probe(role=role, worker=i))
-        waiting, self.backlog = self.backlog, []
+
+    def probe_answered(self, role: str, i: int) -> None:
+        self.pools[role].probe_answered(i)
+        self.changed.add(role)
+
+    def probe_failed(self, role: str, i: int, died: bool) -> None:
+        pool = self.pools[role]
+        pool.probe_failed(i, died)
+        if pool.state[i] == DEAD:          # its waiting commands: to the others, or exhausted
+            self.changed.add(role)
+
+    def started(self, i: int) -> None:
+        """Rollout worker i answered its first weights load (an elastic pool's new worker)."""
+        self.pools["rollout"].started(i)
+        self.changed.add("rollout")
+
+    def take_changed(self) -> set[str]:
+        """The pools that changed since the last call (cleared)."""
+        changed, self.changed = self.changed, set()
+        return changed
+
+    def waiting(self, pools: set[str]) -> list[tuple[Task, object]]:
+        """Return (and clear) the commands waiting for a worker of `pools`, lowest (step,
+        piece) first (a rollout call, which has no piece, before its step's scorings)."""
+        waiting = [w for w in self.backlog if w[0].role in pools]
+        self.backlog = [w for w in self.backlog if w[0].role not in pools]
         return sorted(waiting, key=lambda w: w[0].order())
 
     def idle_for(self) -> float | None:
@@ -138,3 +165,4 @@ class Dispatcher:
         task = self.tasks.pop(ref)
         if task.counted and task.role in self.pools:
             self.pools[task.role].busy[task.worker] -= 1
+            self.changed.add(task.role)

@@ -146,9 +146,12 @@ class CommandExecutor:
         self._again(step, step.replanned(version, self.planner.new_generation()))
 
     def _dispatch(self) -> None:
-        """Hand waiting commands to workers that are up (failed workers are probed when due);
-        those of a step re-planned or made since are dropped."""
-        for task, c in self.dispatch.waiting():
+        """Hand the commands that wait for a worker of a pool that changed since the last call
+        (a task of it ended, a worker came up or died: `Dispatcher.changed`) to its workers, lowest
+        (step, piece) first; those of a step re-planned or made since are dropped.  An elastic
+        pool retires a wanted worker once one is idle (`ElasticRollout.tick`)."""
+        changed = self.dispatch.take_changed()
+        for task, c in self.dispatch.waiting(changed):
             step = self.planner.current(task.step, task.gen)
             if step is None:
                 continue
@@ -158,5 +161,5 @@ class CommandExecutor:
                 self._execute(step, step.score_due(c.piece, c.issue, c.teacher))
             elif isinstance(c, ScoreSpan) and c.issue == step.issues[c.part]:
                 self._score_span(step, c)
-        if self.elastic is not None:
+        if self.elastic is not None and "rollout" in changed:
             self.elastic.tick()

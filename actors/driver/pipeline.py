@@ -150,8 +150,7 @@ class Pipeline(CommandExecutor, AnswerRouter):
                         if self.interrupt.pending():
                             raise KeyboardInterrupt
                         self._issue()
-                        self._dispatch()
-                        self._wait()
+                        self._wait()           # every answer to its step; what waited to workers
                         self._watch_nodes()
                         if self.quality is not None:
                             self.quality.poll()
@@ -263,6 +262,8 @@ class Pipeline(CommandExecutor, AnswerRouter):
                 if isinstance(task, PieceTraining) and task.step == step.step:
                     del self.dispatch.tasks[ref]
                     self._piece_trained(task, ray.get(ref))
+            while step.trains and step.training.results is not None:
+                self._wait()                   # trained: it is done with its calls' reports
         if core.in_training(self.planner.plans) is not None:   # pieces not made yet: dropped
             fan_out(self.learners, "drop_step", step.step)
         if not self.records.has_checkpoint(self.state.version):

@@ -51,7 +51,7 @@ class StepPlanner:
                 return None
             self.cursor[s + 1] = self.batcher.state_dict()
             step = self.plans[s] = Step.reusing(origin, s, gen=next(self._gens),
-                                                phase=phase_at(cfg, s).name)
+                                                schedule=phase_at(cfg, s).name)
             self.next_step += 1
             return step
         version = s
@@ -65,7 +65,7 @@ class StepPlanner:
         step = self.plans[s] = Step(s, pb.batch_id, source, version,
                                     step_jobs(cfg, s, source, pb, self.seq_len, lay), lay,
                                     gen=next(self._gens), scored=needs_teacher_scores(objective),
-                                    phase=phase_at(cfg, s).name, teachers=self.teachers,
+                                    schedule=phase_at(cfg, s).name, teachers=self.teachers,
                                     span=cfg.rollout.span)
         self.next_step += 1
         return step

@@ -13,6 +13,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from actors.driver import core
 from actors.driver.cluster import bundle_node
 from actors.driver.commands import Command, Generate, Score
+from actors.driver.dispatch import Answer
 from actors.driver.step import Step
 from actors.driver.tasks import (PieceScoring, PieceTraining, Placement, Probe, RolloutCall,
                                  SpanScoring, Task, WeightsLoad)
@@ -25,28 +26,36 @@ WAIT_S = 30.0
 
 class AnswerRouter:
     def _wait(self) -> None:
+        """Send the probes that are due, route every answer that arrives to its step, then hand
+        out what waited for a worker of the pools those answers changed (`_dispatch`)."""
+        self.dispatch.probe()
         probe = self.dispatch.idle_for()
         training = core.in_training(self.planner.plans)
         if not self.dispatch.tasks and probe is None and training is None:
             raise RuntimeError(f"the pipeline stalled at step {self.state.version}: "
                                f"nothing in flight")
         for answer in self.dispatch.wait(min(WAIT_S, probe or WAIT_S), self.interrupt):
-            task, e = answer.task, answer.error
-            if e is None:
-                self._on_done(task, answer.ref, answer.value)
-            elif isinstance(e, StaleWeightsError):
-                self.publisher.load(task.worker)      # reload first (actor calls run in order)
-                self._failed(task)
-            elif isinstance(task, SpanScoring) and not isinstance(e, RayActorError):
-                pass                                  # a span lost: its pieces' scorings redo it
-            elif answer.lost_input:                   # the piece it scored died with its worker
-                step = self.planner.current(task.step, task.gen)
-                if step is not None:
-                    self._again(step, step.score_lost(task.piece, task.issue, task.teacher))
-            elif isinstance(e, RayActorError):
-                self._on_actor_error(task, answer.ref, e)
-            else:
-                raise e
+            self._route(answer)
+        self._dispatch()
+
+    def _route(self, answer: Answer) -> None:
+        """One answer: a task done goes to its step (`_on_done`), a fault to what handles it."""
+        task, e = answer.task, answer.error
+        if e is None:
+            self._on_done(task, answer.ref, answer.value)
+        elif isinstance(e, StaleWeightsError):
+            self.publisher.load(task.worker)      # reload first (actor calls run in order)
+            self._failed(task)
+        elif isinstance(task, SpanScoring) and not isinstance(e, RayActorError):
+            pass                                  # a span lost: its pieces' scorings redo it
+        elif answer.lost_input:                   # the piece it scored died with its worker
+            step = self.planner.current(task.step, task.gen)
+            if step is not None:
+                self._again(step, step.score_lost(task.piece, task.issue, task.teacher))
+        elif isinstance(e, RayActorError):
+            self._on_actor_error(task, answer.ref, e)
+        else:
+            raise e
 
     def _on_done(self, task: Task, ref, value) -> None:
         now = time.perf_counter()
@@ -66,9 +75,9 @@ class AnswerRouter:
             self.nodes.placed(task.role, task.worker, value["node_id"], value["node_ip"])
             if task.role == "rollout":
                 self.publisher.load(task.worker)     # before it gets any job
-            self.pools[task.role].probe_answered(task.worker)
+            self.dispatch.probe_answered(task.role, task.worker)
         elif isinstance(task, WeightsLoad):
-            self.pools["rollout"].started(task.worker)
+            self.dispatch.started(task.worker)
             self.publisher.loaded(ref)
         elif isinstance(task, Placement):
             i = self.elastic.placed(ref)
@@ -82,8 +91,9 @@ class AnswerRouter:
             self._execute(step, step.span_made(task.part, task.issue, made))
             return
         if isinstance(made, PartReport):
-            step.part_made(task.part, task.issue, made, busy)
+            commands = step.part_made(task.part, task.issue, made, busy)
             self._hook("after_part", step=step.step, part=task.part, worker=task.worker)
+            self._execute(step, commands)
             return
         commands = step.piece_made(task.part, task.issue, made)
         self._hook("after_piece", step=step.step, piece=made.piece, worker=task.worker)
@@ -100,11 +110,11 @@ class AnswerRouter:
     def _on_actor_error(self, task: Task, ref, error: RayActorError) -> None:
         if isinstance(task, PieceTraining):
             raise self.records.learner_failure("train", task.step, error) from error
-        pool = self.pools[task.role]
         if isinstance(task, Probe):
-            pool.probe_failed(task.worker, died=isinstance(error, ActorDiedError))
+            self.dispatch.probe_failed(task.role, task.worker,
+                                       died=isinstance(error, ActorDiedError))
             return
-        pool.failed(task.worker)
+        self.pools[task.role].failed(task.worker)
         if task.role == "rollout":
             self.publisher.fall_back_to_object_store()
         if isinstance(task, WeightsLoad):        # the probe that brings it back reloads it

@@ -1,49 +1,14 @@
 """One planned step's life as a state machine: `Step` owns the step's plan and everything known
 of it, takes the events of its tasks and returns the commands the pipeline carries out
 (actors/driver/pipeline.py).  Nothing else changes a step; no Ray here, so every path is
-unit-tested with made-up events (tests/actors/test_step.py).
+unit-tested with made-up events (tests/actors/test_step.py).  Its place in its life is one field,
+`phase` (`StepPhase`: PLANNED, GENERATING, STREAMING, SEALED, TRAINING, DONE), changed only by
+`_enter` against the table of legal transitions (progress.py `NEXT`); its events, commands and
+phases are drawn in docs/ARCHITECTURE.md ("A step's life on Ray").
 
-A step's batch is generated in parts (rollout calls, one per worker) that stream its pieces
-(opd/distill/pieces.py): each piece is scored by a teacher worker as soon as its rollout call
-hands it out, delivered into the trajectory queue, and trained by every learner rank in piece
-order.  Its life, event by event (-> the commands it answers with):
-
-    start()                          -> Generate(part) for every part; a step on data runs
-                                     no rollout call -> Score(piece, teacher) for every share
-                                     (the teacher worker builds the piece from its job);
-                                     a step on a reused rollout -> Trainable
-    piece_made(part, issue, report)  a rollout call handed out a piece -> Score(piece, teacher)
-                                     for each teacher its rows need (opd/distill/teachers.py),
-                                     or, no scores needed, delivered by the worker (below)
-    part_made(part, issue, report)   the call ended: its statistics (`ended`)
-    span_made(part, issue, report)   the call handed out its next span (rollout.span) ->
-                                     ScoreSpan for each teacher of its rows; the last one ->
-                                     Score for its pieces made (none is scored before)
-    span_scored(part, issue, span, seconds)  a teacher scored that span
-    piece_scored(piece, report, teacher)  that teacher's share delivered into the queue; the
-                                     piece is delivered when every share it needs is ->
-                                     HandOut (training), or Trainable (piece 0); and Seal
-                                     with the last piece delivered
-    part_failed(part, issue, ...)    the call's worker failed or held other weights
-                                     -> Generate(part) again, or Replan (another version)
-    score_failed(piece, teacher)     a worker of that teacher's pool failed -> Score(piece,
-                                     teacher) again: only that teacher's share
-    score_lost(piece, issue, teacher)  the piece's payload died with its rollout worker
-                                     -> Score (a newer payload), Generate(part), or wait
-    seal()                           the queue holds it as one item (`Step.reusing`: born
-                                     sealed, it makes nothing) -> HandOut (its last piece,
-                                     training) or Trainable
-    begin_training(published)        the learner group starts on it (core.start_training,
-                                     when the learner is free and the step is the current one)
-    hand_out()                       -> HandOut(piece) for the pieces to train now, in order
-    piece_trained(piece, ...)        every rank answered a piece -> nothing, Trained, or the
-                                     piece made again (lost) / Replan (a prefetching step)
-    replanned(version, gen)          -> Generate(part) for every part, as a new generation
-
-Parts and pieces are different indices: `part` always numbers a rollout call, `piece` a
-streaming unit; `Layout.part_of(piece)` maps one to the other.  Each issue of a part has a
-number (`issues[part]`); answers of an earlier issue (a call that died and was issued again)
-are dropped, so nothing is counted twice.
+Its batch is made in parts (rollout calls: `part` numbers one) that stream its pieces (`piece`,
+opd/distill/pieces.py); answers of an earlier issue of a part (`issues[part]`: a call that died
+and was issued again) are dropped, so nothing is counted twice.
 """
 from __future__ import annotations
 
@@ -51,7 +16,7 @@ import time
 
 from actors.driver.commands import (Command, Generate, HandOut, Replan, Score, ScoreSpan, Seal,
                                      Trainable, Trained)
-from actors.driver.progress import PieceState, Training
+from actors.driver.progress import PieceState, StepPhase, Training, check_transition
 from actors.driver.spans import CallSpans
 from actors.driver.tasks import StageTimer
 from actors.transport.delivery import PartReport, PieceReport, SpanReport
@@ -67,10 +32,12 @@ class Step:
     `jobs` (one per part of `layout`), scored when `scored`; `gen` its plan generation."""
 
     def __init__(self, step: int, batch_id: int, source: str, version: int,
-                 jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool, phase: str,
-                 teachers: Teachers | None = None, span: int = 0):
+                 jobs: list[RolloutJob], layout: Layout, *, gen: int, scored: bool,
+                 schedule: str, teachers: Teachers | None = None, span: int = 0):
         self.step, self.batch_id, self.source = step, batch_id, source
-        self.jobs, self.layout, self.scored, self.phase = jobs, layout, scored, phase
+        self.jobs, self.layout, self.scored = jobs, layout, scored
+        self.schedule = schedule                       # the name of its schedule phase
+        self.phase = StepPhase.PLANNED                 # its place in its life: `_enter`
         self.version, self.gen = version, gen
         self.issues = [0] * len(jobs)                  # part -> its current issue
         self.generating: set[int] = set()              # parts with a call in flight
@@ -80,19 +47,23 @@ class Step:
         self.span = span if scored and source != "data" else 0     # rollout.span
         self.spans = CallSpans(jobs, self.span) if self.span else None
         self.pieces = [PieceState(s) for s in self.scorers]
-        self.sealed = False
-        self.training: Training | None = None
+        self.training: Training | None = None          # the learner's work, once it began
         self.times = StageTimer()
         self.origin: int | None = None                 # reusing the rollout of this step
 
     @classmethod
-    def reusing(cls, origin: Step, step: int, *, gen: int, phase: str) -> Step:
+    def reusing(cls, origin: Step, step: int, *, gen: int, schedule: str) -> Step:
         """Step `step` on the buffered rollout of trained step `origin` (opd/distill/reuse.py):
         its pieces delivered and sealed; the learner ranks hold their rows, so it only trains."""
         s = cls(step, origin.batch_id, origin.source, origin.version, origin.jobs, origin.layout,
-                gen=gen, scored=origin.scored, phase=phase)
-        s.origin, s.ended, s.pieces, s.sealed = origin.step, dict(origin.ended), origin.pieces, True
+                gen=gen, scored=origin.scored, schedule=schedule)
+        s.origin, s.ended, s.pieces = origin.step, dict(origin.ended), origin.pieces
+        s._enter(StepPhase.SEALED)
         return s
+
+    def _enter(self, phase: StepPhase) -> None:
+        """Go to `phase`: raises `IllegalTransition` unless `NEXT` leads there from its own."""
+        self.phase = check_transition(self.step, self.phase, phase)
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -110,8 +81,17 @@ class Step:
         return all(p.delivered is not None for p in self.pieces)
 
     @property
+    def sealed(self) -> bool:
+        return self.phase >= StepPhase.SEALED
+
+    @property
     def sealable(self) -> bool:
         return self.complete and not self.sealed
+
+    @property
+    def trains(self) -> bool:
+        """The learner group is on it (`begin_training`) and it is not done."""
+        return self.phase in (StepPhase.STREAMING, StepPhase.TRAINING)
 
     def version_at(self, published: int) -> int:
         """The version its trajectories can be made at now: a student rollout's is the
@@ -129,6 +109,10 @@ class Step:
     def start(self) -> list[Command]:
         if self.origin is not None:                    # a reused rollout: nothing to make
             return [Trainable()]
+        self._enter(StepPhase.GENERATING)
+        return self._make()
+
+    def _make(self) -> list[Command]:
         if self.source == "data":
             return self._from_data()
         self.times.begin("rollout", time.perf_counter())
@@ -140,23 +124,28 @@ class Step:
         scores it -> Score(piece, teacher) for every share."""
         out: list[Command] = []
         for c, job in enumerate(self.jobs):
-            rows, tokens = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
-            self.ended[c] = PartReport(rows, rows * tokens, RolloutStats())
+            self.ended[c] = self._unreported(c)
             for p in self.layout.parts[c]:
-                ps = self.pieces[p]
-                ps.made = PieceReport(p, self.layout.sizes[p], self.layout.sizes[p] * tokens)
-                ps.issue = self.issues[c]
+                ps, rows = self.pieces[p], self.layout.sizes[p]
+                ps.made, ps.issue = PieceReport(p, rows, rows * job.suffix_len), self.issues[c]
                 out += self._unscored(p)
         return out
 
+    def _unreported(self, part: int) -> PartReport:
+        """The end of `part` known without its call's report: its rows and tokens, no stats."""
+        rows = int(self.jobs[part].labels.shape[0])
+        return PartReport(rows, rows * self.jobs[part].suffix_len, RolloutStats())
+
     def replanned(self, version: int, gen: int) -> list[Command]:
-        """Everything again at `version`, as generation `gen`."""
-        self.version, self.gen, self.sealed, self.training = version, gen, False, None
+        """Everything again at `version`, as generation `gen`: GENERATING again (`start`), and
+        the learner group, if it was on it, stops (a prefetching step that lost a piece)."""
+        self._enter(StepPhase.GENERATING)              # raises before anything changes
+        self.version, self.gen, self.training = version, gen, None
         self.generating.clear()
         self.ended.clear()
         self.pieces = [PieceState(s) for s in self.scorers]
         self.spans = CallSpans(self.jobs, self.span) if self.span else None
-        return self.start()
+        return self._make()
 
     def _generate(self, part: int) -> Generate:
         """Issue `part` again: its pieces not delivered yet wait for the new call's payloads."""
@@ -207,23 +196,28 @@ class Step:
             self.times.busy["teacher"] += seconds
             self.spans.scored(part, issue, span, seconds)
 
-    def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> None:
+    def part_made(self, part: int, issue: int, report: PartReport, busy: float) -> list[Command]:
         """Issue `issue` of `part` ended (`busy`: seconds from its submission to its end; the
-        worker's own, `report.seconds`, count when it measured them)."""
+        worker's own, `report.seconds`, count when it measured them) -> Trained, if it was the
+        last report the trained step waited for (its row reads every call's: `_done`)."""
         if issue != self.issues[part] or part in self.ended:
-            return
+            return []
         self.generating.discard(part)
         self.ended[part] = report
         self.times.busy["rollout"] += report.seconds or busy
         if len(self.ended) == self.parts:
             self.times.end("rollout", time.perf_counter())
+        return self._done()
 
     def part_failed(self, part: int, issue: int, published: int) -> list[Command]:
         """Issue `issue` of `part` failed (its worker died, or held other weights).  A call that
-        cannot be made again at its version (`streamable`) re-plans the whole step."""
+        cannot be made again at its version (`streamable`) re-plans the whole step; the call of
+        a step trained already (`_done` waits for its report) ends without its statistics."""
         if issue != self.issues[part]:
             return []                                  # issued again since
         self.generating.discard(part)
+        if self.training is not None and self.training.results is not None:
+            return self.part_made(part, issue, self._unreported(part), 0.0)  # its stats lost
         if not self.streamable(published):
             return [Replan()]
         return [self._generate(part)]
@@ -258,12 +252,8 @@ class Step:
         self.times.busy["teacher"] += report.seconds or busy
         if len(ps.scored) < len(ps.scorers):
             return []
-        shares = list(ps.scored.values())     # `made` may be gone: its part issued again
-        rows = self.layout.sizes[piece]
         job = self.jobs[self.layout.part_of(piece)]
-        return self._delivered(piece, PieceReport(
-            piece, rows, rows * (int(job.tokens.shape[1]) - job.prefix_len),
-            sum(r.nbytes for r in shares), sum(r.seconds for r in shares)))
+        return self._delivered(piece, ps.merged(piece, self.layout.sizes[piece], job.suffix_len))
 
     def _delivered(self, piece: int, report: PieceReport) -> list[Command]:
         """`piece` is in the queue -> HandOut for what the learner ranks can train now (the
@@ -274,7 +264,7 @@ class Step:
         ps.delivered = report
         if self.scored and self.complete:
             self.times.end("teacher", time.perf_counter())
-        out: list[Command] = (self.hand_out() if self.training is not None else
+        out: list[Command] = (self.hand_out() if self.trains else
                               [Trainable()] if piece == 0 else [])
         return out + [Seal()] if self.sealable else out
 
@@ -282,13 +272,9 @@ class Step:
         """A scoring that waited for a free worker of `teacher`'s pool (issued for the payload
         of issue `issue`) is due: score the piece's latest payload, or nothing when the share is
         in, or the piece's call was issued again since (its new payload is scored when made)."""
-        ps = self.pieces[piece]
-        if ps.scoring.get(teacher) != issue:
+        if self.pieces[piece].scoring.get(teacher) != issue:
             return []
-        del ps.scoring[teacher]
-        if ps.delivered is not None or teacher in ps.scored or ps.made is None:
-            return []
-        return self._scores(piece, [teacher])
+        return self.score_failed(piece, teacher)       # the same: again, if still needed
 
     def score_failed(self, piece: int, teacher: int = 0) -> list[Command]:
         """The worker of `teacher`'s pool scoring `piece` failed: score that share again (its
@@ -318,22 +304,28 @@ class Step:
     def seal(self) -> list[Command]:
         """The queue holds the step's pieces as one item -> HandOut of its last piece (the step
         trains), or Trainable."""
-        self.sealed = True
-        return self.hand_out() if self.training is not None else [Trainable()]
+        if self.phase is StepPhase.STREAMING:
+            self._enter(StepPhase.TRAINING)
+            return self.hand_out()
+        self._enter(StepPhase.SEALED)
+        return [Trainable()]
 
     def begin_training(self, published: int) -> Training | None:
         """The learner group starts on this step: as soon as its first piece is delivered if it
         is `streamable`, else once it is sealed (None: not yet)."""
         stream = self.streamable(published)
-        if not (self.sealed or (stream and self.pieces[0].delivered is not None)):
+        if self.phase is StepPhase.SEALED:
+            self._enter(StepPhase.TRAINING)
+        elif stream and self.phase is StepPhase.GENERATING and self.pieces[0].delivered is not None:
+            self._enter(StepPhase.STREAMING)
+        else:
             return None
         self.training = Training(self.gen, prefetch=not stream)
         return self.training
 
     def hand_out(self) -> list[Command]:
-        """The pieces to hand to the learner ranks now, in piece order: each delivered one after
-        those handed already, up to the first missing one; the last only once the step is
-        sealed (taking it hands the step out of the queue)."""
+        """The pieces to hand to the learner ranks now, in piece order up to the first missing
+        one; the last only once the step is sealed (taking it hands the step out of the queue)."""
         t, out = self.training, []
         P = self.layout.pieces
         while t.submitted < P:
@@ -362,14 +354,24 @@ class Step:
         if first.lost:
             return self._lost(piece, {k for a in answers.values() for k in a.lost_at})
         if piece == self.layout.pieces - 1:
-            return [Trained([answers[r].result for r in range(ranks)])]
+            t.results = [answers[r].result for r in range(ranks)]
+            return self._done()
         return []
+
+    def _done(self) -> list[Command]:
+        """DONE -> Trained, once every rank answered the last piece and every call's report is in
+        (a report travels after its call's last piece, which may be trained first)."""
+        t = self.training
+        if t is None or t.results is None or len(self.ended) < self.parts:
+            return []
+        self._enter(StepPhase.DONE)
+        return [Trained(t.results)]
 
     def _lost(self, piece: int, lost_at: set[int]) -> list[Command]:
         """Every rank found `piece` lost (a worker that delivered it died; `lost_at`: the
         positions of the lost shares among the piece's, in teacher order; all when unknown):
-        make it again and hand it out again; those handed after it come back skipped.  A prefetching step lost it before
-        training anything: the step is re-planned."""
+        make it again and hand it out again; those handed after it come back skipped.  A
+        prefetching step lost it before training anything: the step is re-planned."""
         t = self.training
         if t.prefetch:
             self.training = None

@@ -89,6 +89,11 @@ class RolloutJob:
     image_ids: Tensor | None = None  # (B,) int64 rows of the prefix batch (None = 0..B-1); a
     #                                  sub-batch keeps its rows' ids so its random numbers match
 
+    @property
+    def suffix_len(self) -> int:
+        """N: the tokens each row completes after its prefix."""
+        return int(self.tokens.shape[1]) - self.prefix_len
+
 
 def engine_call(model, job: RolloutJob, cfg: RunConfig) -> tuple[tuple, dict]:
     """(args, kwargs) of the engine call (`generate` or `stream`) that completes `job`'s real

@@ -26,7 +26,7 @@ def plan_of(step: int, pieces: int = 2, *, source: str = "student", version: int
                      torch.zeros(4, 6, dtype=torch.int64), 3, source, 0)
     layout = Layout(tuple([4 // pieces] * pieces), tuple((p,) for p in range(pieces)), 1)
     s = Step(step, job.batch_id, source, step if version is None else version,
-             split_job(job, layout.call_rows), layout, gen=0, scored=True, phase="")
+             split_job(job, layout.call_rows), layout, gen=0, scored=True, schedule="")
     s.times = StageTimer(began={"rollout": 10.0})
     return s
 
@@ -54,8 +54,8 @@ def test_the_learner_starts_the_current_step_at_its_first_piece_once():
     t = core.start_training(state, plans, published=1)
     assert (core.in_training(plans), t.prefetch, plans[1].training is t) == (plans[1], False, True)
     assert core.start_training(state, plans, published=1) is None   # one step in flight
-    plans[1].training = None
-    state.consumed[plans[1].batch_id] = 1
+    plans[1] = plan_of(1)                               # the learner is free, and a plan's
+    state.consumed[plans[1].batch_id] = 1               # batch was trained already
     with pytest.raises(RuntimeError, match="batch 1 would be consumed twice"):
         core.start_training(state, plans, published=1)
     assert core.start_training(DriverState(version=3, end=3), plans, published=3) is None
@@ -173,7 +173,7 @@ def test_a_step_on_a_reused_rollout_only_trains_and_consumes_no_batch(tiny_overr
     core.start_training(state, {0: origin}, published=0)
     core.step_trained(state, origin, [rank(1.0, 1.0)], now=101.0, cfg=cfg,
                       rollouts_at=lambda v: False)
-    s = Step.reusing(origin, 2, gen=5, phase="p")
+    s = Step.reusing(origin, 2, gen=5, schedule="p")
     assert (s.step, s.origin, s.batch_id, s.version, s.gen, s.sealed) == (2, 0, 0, 0, 5, True)
     assert s.start() == [Trainable()] and not s.sealable      # nothing to make: it may train
     state.version = 2

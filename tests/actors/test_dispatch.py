@@ -47,5 +47,30 @@ def test_waiting_scorings_go_out_lowest_step_and_piece_first():
         d.submit(task, c, lambda actor, p=(step, piece): calls.append((actor, p)) or p,
                  "teacher/default")
     assert calls == [("t0", (4, 2)), ("t0", (4, 0))]             # the worker took two
-    assert [(t.step, t.piece) for t, _ in d.waiting()] == [(3, 1), (4, 1), (4, 3)]
-    assert d.waiting() == []                                    # given back once
+    assert d.waiting({"rollout"}) == []                          # none waits for that pool
+    assert [(t.step, t.piece) for t, _ in d.waiting({"teacher/default"})] == [(3, 1), (4, 1),
+                                                                              (4, 3)]
+    assert d.waiting({"teacher/default"}) == []                  # given back once
+
+
+def test_what_waits_goes_out_only_once_its_pool_changed():
+    """Nothing polls the backlog: the pipeline hands out the commands of the pools that changed
+    (a task ended, a worker came up after a probe or a weights load, or died for good)."""
+    groups = SimpleNamespace(rollout=["r0"], teacher_pools={"teacher/default": ["t0"]})
+    d = Dispatcher(groups, max_restarts=1)
+    d.pools["teacher/default"].failed(0)
+    task, c = scoring(3, 0)
+    assert d.submit(task, c, lambda actor: None, "teacher/default") is None
+    assert d.take_changed() == set()                            # nothing happened to the pool
+    d.probe_answered("teacher/default", 0)                      # the worker is back
+    assert d.take_changed() == {"teacher/default"} and d.take_changed() == set()
+    assert [(t.step, t.piece) for t, _ in d.waiting({"teacher/default"})] == [(3, 0)]
+    d.pools["rollout"].add("r1")                                # an elastic worker, starting
+    d.started(1)
+    assert d.take_changed() == {"rollout"} and d.pools["rollout"].up() == [0, 1]
+    d.pools["teacher/default"].failed(0)
+    for died in (True, True):
+        d.probe_failed("teacher/default", 0, died=died)
+        assert d.take_changed() == set()                        # restarting: no change yet
+    d.probe_failed("teacher/default", 0, died=True)             # dead for good
+    assert d.take_changed() == {"teacher/default"}

@@ -19,7 +19,7 @@ LAYOUT = Layout(sizes=(2, 2, 2, 2), parts=((0, 1), (2, 3)), world_size=2)
 
 def step_of(*, source="student", scored=True, version=3) -> Step:
     job = RolloutJob(7, torch.arange(4), torch.zeros(4, 6, dtype=torch.int64), 3, source, 0)
-    return Step(3, 7, source, version, [job, job], LAYOUT, gen=0, scored=scored, phase="p")
+    return Step(3, 7, source, version, [job, job], LAYOUT, gen=0, scored=scored, schedule="p")
 
 
 def piece(p: int, payload="ref") -> PieceReport:
@@ -192,6 +192,8 @@ def test_pieces_are_handed_out_in_order_and_the_last_once_sealed():
     s.piece_made(1, 1, piece(3))
     assert s.piece_scored(3, piece(3), busy=0.1) == [Seal()]    # the last waits for the seal
     assert s.seal() == [HandOut(3, 1, False)]
+    for c in (0, 1):                                             # the calls' reports are in
+        assert s.part_made(c, 1, part(), busy=1.0) == []
     assert s.piece_trained(3, 1, 0, answer(0, 3, result=result(0)), ranks=2) == []
     done = s.piece_trained(3, 1, 1, answer(1, 3, result=result(1)), ranks=2)
     assert done == [Trained([result(0), result(1)])]
@@ -260,7 +262,7 @@ def routed_step() -> Step:
         "teachers=[{name: a, classes: [0,1,2,3,4]}, {name: b, classes: [5,6,7,8,9]}]"]))
     jobs = [RolloutJob(7, torch.tensor(labels), torch.zeros(4, 6, dtype=torch.int64), 3,
                        "student", 0) for labels in ([0, 1, 2, 7], [8, 9, 3, 6])]
-    return Step(3, 7, "student", 3, jobs, LAYOUT, gen=0, scored=True, phase="p",
+    return Step(3, 7, "student", 3, jobs, LAYOUT, gen=0, scored=True, schedule="p",
                 teachers=teachers)
 
 
@@ -313,3 +315,4 @@ def test_a_share_scored_from_a_payload_whose_part_was_issued_again_still_deliver
     d = s.pieces[1].delivered
     assert (d.rows, d.generated_tokens) == (2, 6)               # 2 rows of 6 - 3 tokens
     assert s.piece_made(0, 2, piece(1)) == []                    # delivered: nothing again
+

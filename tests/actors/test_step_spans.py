@@ -12,7 +12,7 @@ from tests.actors.test_step import LAYOUT, piece
 
 def spanned_step() -> Step:
     job = RolloutJob(7, torch.arange(4), torch.zeros(4, 6, dtype=torch.int64), 3, "student", 0)
-    return Step(3, 7, "student", 3, [job, job], LAYOUT, gen=0, scored=True, phase="p", span=1)
+    return Step(3, 7, "student", 3, [job, job], LAYOUT, gen=0, scored=True, schedule="p", span=1)
 
 
 def span(k: int, midway=True) -> SpanReport:
