@@ -109,7 +109,8 @@ class WindowPolicy:
         self.hold = None                                    # (arm, explore) to repeat once
         self.explored = False                               # the last round explored
         self.calls = CallWindows(warm=bucket is None)       # the window of each call
-        self.call_seconds = 0.0                             # this call's rounds, as counted
+        self.call_seconds = self.call_raw = 0.0             # this call's rounds: as counted,
+        #                                                     as measured
 
     @property
     def largest(self) -> int:
@@ -144,16 +145,17 @@ class WindowPolicy:
         W = self.windows[0]
         self.fixed = (None if len(self.windows) > 1 else
                       (W, (W, compact, self._band(compact, self.rows)), self.rows, False, False))
-        self.previous, self.round, self.call_seconds = 0, 0, 0.0
+        self.previous, self.round, self.call_seconds, self.call_raw = 0, 0, 0.0, 0.0
         self.pending = self.hold = None
         self.explored = False
 
-    def finish(self, tokens: int, seconds: float | None = None) -> None:
-        """The call ended, its images' `tokens` committed: its rounds' seconds, each clipped
-        as its arm's mean clips it (a burst of another process moves a call's sum as much as
-        the choice between windows does), price the call's window (`CallWindows.observe`);
-        a Cached AR call's `seconds` price the `AR` arm."""
-        self.calls.observe(self.call_seconds if seconds is None else seconds, tokens)
+    def finish(self, tokens: int, seconds: float) -> None:
+        """The call ended, its images' `tokens` committed in `seconds` (the engine's, not its
+        consumer's): they price the call's window (`CallWindows.observe`), with its rounds'
+        seconds each clipped as its arm's mean clips it (a burst of another process moves a
+        call's sum as much as the choice between windows does).  What is not a round (the
+        prefill, the call's setup) counts as it was, as in a Cached AR call (the `AR` arm)."""
+        self.calls.observe(seconds - self.call_raw + self.call_seconds, tokens)
 
     def _band(self, compact: bool, active: int) -> int:
         if not compact:
@@ -267,5 +269,6 @@ class WindowPolicy:
             mean = self.seconds[key] = Mean(discount=DISCOUNT)
         seconds = mean.add(seconds, self.clock, clip=CLIP)
         self.call_seconds += seconds or raw                 # a warm-up: as it was
+        self.call_raw += raw
         self.spent = [self.spent[0] * DISCOUNT + (seconds if explore else 0.0),  # as counted
                       self.spent[1] * DISCOUNT + seconds]

@@ -14,7 +14,8 @@ from rollout.window import WINDOWS, WindowPolicy
 
 def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, lengths=None):
     """`calls` rollouts of `rows` rows through `policy` (or a function (active, left) ->
-    (W, compact)), each call's tokens then given to `policy.finish`, a round's seconds and its tokens per active row given by seconds(W,
+    (W, compact)), each call's tokens and seconds (its rounds', nothing besides) then given to
+    `policy.finish`, a round's seconds and its tokens per active row given by seconds(W,
     compact, rows run) and tokens(W) (no timing): each active row commits tokens(W) (at most
     what it has left; `lengths`: each row's tokens, else N).  -> [(call, W, compact, active)]
     of every round, in order."""
@@ -23,18 +24,19 @@ def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, length
     for call in range(calls):
         if isinstance(policy, WindowPolicy):
             policy.start(windows)
-        left = list(lengths or [N] * rows)
+        left, spent = list(lengths or [N] * rows), 0.0
         while any(left):
             active = sum(x > 0 for x in left)
             W, compact = choose(active, sum(left) / active)
             room = [x for x in left if x >= W]         # rows with a whole window left
             left = [max(0, x - tokens(W)) for x in left]
             if isinstance(policy, WindowPolicy):
-                policy.observe(tokens(W) * len(room), len(room),
-                               seconds(W, compact, active if compact else rows))
+                took = seconds(W, compact, active if compact else rows)
+                policy.observe(tokens(W) * len(room), len(room), took)
+                spent += took
             rounds.append((call, W, compact, active))
         if isinstance(policy, WindowPolicy):
-            policy.finish(sum(lengths or [N] * rows))
+            policy.finish(sum(lengths or [N] * rows), spent)
     return rounds
 
 
@@ -172,3 +174,21 @@ def test_the_bookkeeping_is_a_few_floats_a_round():
     policy = WindowPolicy(("full", "compact"), 32)
     simulate(policy, cheapest_at_8, drafts, calls=3, rows=32)
     assert not any(isinstance(v, torch.Tensor) for v in vars(policy).values())
+
+
+def test_a_call_is_priced_by_its_clipped_rounds_and_the_rest_as_it_was():
+    """A window's call costs its rounds' seconds as their means clip them (a burst counts at
+    most 1.5 times its arm's mean) plus what is not a round (prefill, setup) as it was: the
+    same seconds a Cached AR call (the `AR` arm) is priced by, so the two compare."""
+    policy = WindowPolicy(("full",), 8)
+    simulate(policy, cheapest_at_8, drafts, calls=1, rows=8)       # the rounds' rule's call
+    policy.start(WINDOWS)
+    assert policy.windows == (8,)
+    raw = [cheapest_at_8(8, False, 8)] * 9 + [10 * cheapest_at_8(8, False, 8)]   # a burst
+    for s in raw:
+        policy.choose(8, 64.0)
+        policy.observe(0, 0, s)
+    clipped = policy.call_seconds
+    assert clipped == pytest.approx(sum(raw[:9]) + 1.5 * raw[0])
+    policy.finish(512, sum(raw) + 0.003)                               # 3 ms of prefill
+    assert policy.calls.cost[8].mean == pytest.approx((clipped + 0.003) / 512)
