@@ -15,8 +15,11 @@ the seconds of whole calls per token they commit:
                  committed token (CALL_DISCOUNT a call: follows the student as it trains and
                  the machine as its load changes).  A call's seconds are its rounds' seconds,
                  each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
-                 call counts at most CLIP times the arm's mean: one burst of another process
-                 moves a call as much as a choice between windows a few per cent apart does.
+                 call counts at most CALL_CLIP times the arm's mean: one burst of another
+                 process moves a call as much as a choice between windows a few per cent apart
+                 does (on this shared VM a call of the same window took 1.4-1.5 times its
+                 median now and then, and with a 1.5 clip one such call handed the lead to a
+                 window 10 % slower).
                  Compiled, an arm's first call (its compiles) is dropped.
     choice       the cheapest arm, the leader.  UCB over the leader and the windows beside it
                  (a call's cost is unimodal in W, as a round's rate is, so the search climbs
@@ -40,6 +43,7 @@ from __future__ import annotations
 import math
 
 CLIP = 1.5              # an observation counts at most 1.5 times its mean so far (`Mean`)
+CALL_CLIP = 1.2         # a call: at most 1.2 times (a slow call was mostly a burst elsewhere)
 EXPLORE = 0.3           # UCB's width, relative to the arm's rate (rounds and calls)
 CALL_DISCOUNT = 0.9     # per call: a call's weight halves in about 6.6 calls
 CALL_HORIZON = 1 / (1 - CALL_DISCOUNT)
@@ -140,6 +144,6 @@ class CallWindows:
         self.pending = None
         self.calls += 1
         mean = self.cost.setdefault(W, Mean(self.warm, CALL_DISCOUNT))
-        counted = mean.add(seconds / tokens, self.calls, clip=CLIP) * tokens
+        counted = mean.add(seconds / tokens, self.calls, clip=CALL_CLIP) * tokens
         self.spent = [self.spent[0] * CALL_DISCOUNT + (counted if explore else 0.0),
                       self.spent[1] * CALL_DISCOUNT + counted]
