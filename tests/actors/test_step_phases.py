@@ -133,10 +133,9 @@ def test_an_illegal_transition_raises():
         done.replanned(3, gen=1)
 
 
-def test_the_step_is_done_only_with_every_call_s_report():
-    """A call's report travels after its last piece, which may be scored, sealed and trained
-    first: the step holds its Trained until the report is in (its row reads every call's), and
-    a call that fails then ends without its statistics (its pieces are trained)."""
+def sealed_and_training():
+    """A step of two calls whose four pieces are made, scored and sealed, training, before
+    either call's report."""
     s = step_of()
     s.start()
     for p, c in ((0, 0), (1, 0), (2, 1), (3, 1)):
@@ -145,18 +144,19 @@ def test_the_step_is_done_only_with_every_call_s_report():
     s.seal()
     s.begin_training(published=3)
     s.hand_out()
+    return s
+
+
+def test_the_step_is_done_only_with_every_call_s_report():
+    """A call's report travels after its last piece, which may be scored, sealed and trained
+    first: the step holds its Trained until the report is in (its row reads every call's), and
+    a call that fails then ends without its statistics (its pieces are trained)."""
+    s = sealed_and_training()
     assert s.part_made(1, 1, part(), busy=1.0) == []
     assert train_all(s) == [] and s.phase is StepPhase.TRAINING   # part 0's report is missing
     assert s.part_made(0, 1, part(), busy=1.0) == [Trained([result(0), result(1)])]
     assert s.phase is StepPhase.DONE and sorted(s.ended) == [0, 1]
-    t = step_of()
-    t.start()
-    for p, c in ((0, 0), (1, 0), (2, 1), (3, 1)):
-        t.piece_made(c, 1, piece(p))
-        t.piece_scored(p, piece(p), busy=0.1)
-    t.seal()
-    t.begin_training(published=3)
-    t.hand_out()
+    t = sealed_and_training()
     t.part_made(0, 1, part(), busy=1.0)
     assert train_all(t) == []
     assert t.part_failed(1, 1, published=3) == [Trained([result(0), result(1)])]
