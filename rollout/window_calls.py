@@ -27,13 +27,19 @@ the seconds of whole calls per token they commit:
                  n)),  n its discounted calls, t the calls so far (capped at the discount's
                  horizon); a neighbour never measured ranks first (the one the rounds rate
                  higher first; Cached AR, never measured, first of all: the baseline is
-                 measured once whatever leads).  A first measurement is one call, run at
+                 measured once, unless W 1's rounds rate below 1 / AR_MARGIN of the leader's
+                 calls: Cached AR runs W 1's forward without its bookkeeping, a small share
+                 of a round wherever the forward is dear enough for Cached AR to lead, so it
+                 cannot lead there, and its call would cost 1.8-3 times the leader's at batch
+                 1-8 on this CPU).  A first measurement is one call, run at
                  once: the search climbs a window a call.  A measured neighbour is run
                  (explored) only while the discounted seconds of exploring calls are at
                  most CALL_BUDGET of all calls' seconds, so
                  what exploring costs is bounded, a few calls of the leader separate two
                  explorations (a noisy call decides less), and a neighbour whose estimate went
-                 stale is measured again.
+                 stale is measured again (at 4 %, about one call in twelve explores: every
+                 exploring call is a call slower than the leader's, and a bench's median of 21
+                 calls moved by 1-2 % with one in eight).
 
 All of it is a few floats per call on the host, from the rounds' seconds the loop already
 reads (rollout/hbsjd.py `run_jacobi`): it adds no device synchronisation.
@@ -47,7 +53,9 @@ CALL_CLIP = 1.2         # a call: at most 1.2 times (a slow call was mostly a bu
 EXPLORE = 0.3           # UCB's width, relative to the arm's rate (rounds and calls)
 CALL_DISCOUNT = 0.9     # per call: a call's weight halves in about 6.6 calls
 CALL_HORIZON = 1 / (1 - CALL_DISCOUNT)
-CALL_BUDGET = 0.1       # most of the calls' seconds (discounted) spent exploring
+CALL_BUDGET = 0.04      # most of the calls' seconds (discounted) spent exploring
+AR_MARGIN = 1.5         # where Cached AR can lead, its rate is under 1.5 times W 1's rounds' (the
+#                         same forward less the Jacobi bookkeeping: 12 % of a round at batch 64)
 AR = 0                  # the arm that runs a whole call as Cached AR (rollout/cached_ar.py)
 
 
@@ -119,8 +127,9 @@ class CallWindows:
         best = min(cost, key=cost.get)
         i = windows.index(best)
         beside = windows[max(0, i - 1):i + 2]
-        if windows[0] == AR and AR not in cost and AR not in beside:
-            beside = (AR, *beside)          # the baseline is measured once, whatever leads
+        if (windows[0] == AR and AR not in cost and AR not in beside
+                and not (1 in rates and 1 / cost[best] > AR_MARGIN * rates[1])):
+            beside = (AR, *beside)          # the baseline is measured once, unless out of reach
         log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
 
         def index(W):                       # never measured: first (Cached AR, then the

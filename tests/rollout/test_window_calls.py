@@ -4,7 +4,7 @@ costs is followed, a compiling first call is dropped, exploration stays within i
 from collections import Counter
 
 from rollout.window import WINDOWS
-from rollout.window_calls import AR, CALL_BUDGET, CallWindows
+from rollout.window_calls import AR, AR_MARGIN, CALL_BUDGET, CallWindows
 
 TOKENS = 64
 ROUNDS = {1: 3.0, 2: 5.0, 4: 7.0, 8: 8.9, 16: 9.0}   # the rounds' rates: W 16 rates best
@@ -36,23 +36,23 @@ def test_whole_calls_decide_where_the_rounds_rates_mislead():
     """The rounds rate W 16 best (its rounds commit most per second), but its calls take 1.16
     times W 8's (a part-empty last round, the slowest image): after W 16 the search runs its
     neighbour W 8 and measures W 4 on the next call (a first measurement is not held to the
-    budget); from the third call on 84 % of the calls run W 8, the rest explore W 4 and W 16."""
+    budget); from the third call on 89 % of the calls run W 8, the rest explore W 4 and W 16."""
     cost = {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
     chosen = run(CallWindows(), cost, 40)
     assert chosen[:2] == [16, 8]
     assert chosen[:4] == [16, 8, 4, 8], chosen
-    assert Counter(chosen[2:]) == {8: 32, 4: 3, 16: 3}, chosen   # 84 % W 8
+    assert Counter(chosen[2:]) == {8: 34, 4: 2, 16: 2}, chosen   # 89 % W 8
 
 
 def test_a_change_of_costs_is_followed():
     """Settled on W 8, the costs change so that W 4 is cheapest: within 20 calls the policy
-    runs W 4 (on its sixth call: W 4 was measured, so exploring it waits for the budget), and
-    then 89 % of its calls."""
+    runs W 4 (on its eighth call: W 4 was measured, so exploring it waits for the budget), and
+    then 91 % of its calls."""
     calls = CallWindows()
     run(calls, {1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}, 40)
     chosen = run(calls, {1: 3.0, 2: 1.6, 4: 0.9, 8: 1.0, 16: 1.16}, 40)
-    assert chosen.index(4) == 5
-    assert Counter(chosen[5:]) == {4: 31, 2: 2, 8: 2}, chosen   # 89 % W 4
+    assert chosen.index(4) == 7
+    assert Counter(chosen[7:]) == {4: 30, 2: 2, 8: 1}, chosen   # 91 % W 4
 
 
 def test_a_compiling_first_call_is_dropped():
@@ -76,16 +76,20 @@ def test_exploration_stays_within_its_budget():
         chosen += run(calls, cost, 1)
         explored, total = calls.spent
         assert explored <= CALL_BUDGET * total + max(cost.values()) * TOKENS
-    assert Counter(chosen) == {8: 86, 16: 7, 4: 7}, chosen   # 14 calls in 100 explore
+    assert Counter(chosen) == {8: 92, 16: 4, 4: 4}, chosen   # 8 calls in 100 explore
 
 
 WITH_AR = (AR, *WINDOWS)
 
 
 def run_with_ar(calls: CallWindows, cost: dict, n: int) -> list[int]:
+    """n calls, Cached AR among the arms; the rounds' rates are ROUNDS scaled so that W 1's is
+    what its calls commit a second (a W-1 round commits a token a row, so its call is its
+    rounds)."""
+    rates = {W: r / ROUNDS[1] / cost[1] for W, r in ROUNDS.items()}
     chosen = []
     for _ in range(n):
-        W = calls.choose(WITH_AR, ROUNDS)
+        W = calls.choose(WITH_AR, rates)
         calls.observe(cost[W] * TOKENS, TOKENS)
         chosen.append(W)
     return chosen
@@ -99,15 +103,26 @@ def test_cached_ar_leads_where_it_is_cheapest():
     cost = {AR: 1.0, 1: 1.12, 2: 1.15, 4: 1.12, 8: 1.3, 16: 1.8}
     chosen = run_with_ar(CallWindows(), cost, 40)
     assert chosen[:2] == [16, AR], chosen
-    assert Counter(chosen[1:]) == {AR: 33, 1: 6}, chosen
+    assert Counter(chosen[1:]) == {AR: 35, 1: 4}, chosen
 
 
-def test_cached_ar_is_measured_once_where_windows_pay():
-    """Where W 8 is cheapest and Cached AR costs 2.5 times as much, Cached AR runs once (the
-    baseline is measured whatever leads, like every arm's first measurement outside the
-    exploring budget, so the search reaches W 8 on the next call) and never again: W 1 never
-    leads."""
-    cost = {AR: 2.5, 1: 3.0, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
+def test_cached_ar_is_measured_once_where_it_may_lead():
+    """W 8 is cheapest and Cached AR costs 1.3 times as much, W 1's rounds 1.45 times: within
+    AR_MARGIN of the leader, so Cached AR runs once (a first measurement, outside the exploring
+    budget, so the search reaches W 8 on the next call) and never again: W 1 never leads."""
+    cost = {AR: 1.3, 1: 1.45, 2: 1.2, 4: 1.1, 8: 1.0, 16: 1.16}
     chosen = run_with_ar(CallWindows(), cost, 60)
     assert chosen[:3] == [16, AR, 8], chosen
-    assert Counter(chosen[2:]) == {8: 50, 4: 4, 16: 4}, chosen
+    assert Counter(chosen) == {8: 53, 16: 3, 4: 3, AR: 1}, chosen
+
+
+def test_cached_ar_out_of_reach_is_not_measured():
+    """W 1's rounds commit a token a second where the leader's calls commit 3.5 (batch 1-8:
+    Cached AR took 1.8-3 times the best window's call): more than AR_MARGIN apart, so no call
+    is spent on Cached AR (one would cost 2.5 leader's calls); the windows' search is as
+    without it."""
+    cost = {AR: 2.5, 1: 3.5, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
+    assert 1 / cost[16] > AR_MARGIN * (1 / cost[1])
+    chosen = run_with_ar(CallWindows(), cost, 60)
+    assert AR not in chosen
+    assert chosen == run(CallWindows(), cost, 60)
