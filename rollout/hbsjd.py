@@ -66,7 +66,6 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     handed out, before their rows are refilled; returns the `RolloutResult`."""
     B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
     log, begun = RoundLog(B, dev), time.perf_counter()
-    away = 0.0                           # seconds the consumer held the call (not the engine's)
     if req.num_new == 1:
         result = single_token(model, req, log.times)
         yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
@@ -98,15 +97,13 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
                               low if slots.waiting == B else req.prefix_len):
             paused = time.perf_counter()
             yield slots.span(st, a, b, A > 0)
-            away += time.perf_counter() - paused
-            log.times[-1] += time.perf_counter() - paused
+            log.pause(paused)                # the consumer's time is not a round's
             spanned = b
         # 0. and the images the last round completed
         if R - A > n_handed:
             paused = time.perf_counter()
             yield slots.finished(st, (~live & ~handed).nonzero().squeeze(1), req)
-            away += time.perf_counter() - paused
-            log.times[-1] += time.perf_counter() - paused     # the consumer's time is not a round's
+            log.pause(paused)
             handed, n_handed = ~live, R - A
         # 1. refill: rows whose images are complete take the waiting images
         if A < R and slots.waiting < B:
@@ -137,7 +134,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
     if policy is not None:
-        policy.finish(B * req.num_new, time.perf_counter() - begun - away)
+        policy.finish(B * req.num_new, time.perf_counter() - begun - log.held)
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 

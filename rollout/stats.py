@@ -113,6 +113,7 @@ class RoundLog:
 
     def __init__(self, B: int, device: torch.device):
         self.times = [time.perf_counter()]     # round boundaries (each follows a device sync)
+        self.away = [0.0]                      # per interval: seconds the consumer held the call
         self.committed: list[Tensor] = []      # per round (B,) int64
         self.accepted = torch.zeros(B, dtype=torch.long, device=device)
         self.rejected = torch.zeros_like(self.accepted)
@@ -138,6 +139,17 @@ class RoundLog:
     def tick(self) -> None:
         """A round boundary (after the round's device sync)."""
         self.times.append(time.perf_counter())
+        self.away.append(0.0)
+
+    def pause(self, since: float) -> None:
+        """The consumer held the call from `since` until now (a streaming call's hand-out,
+        between a round's sync and the next round's start): not the round's time."""
+        self.away[-1] += time.perf_counter() - since
+
+    @property
+    def held(self) -> float:
+        """Seconds the consumer held the call so far."""
+        return sum(self.away)
 
     def add(self, per_image: Tensor, active: int, mode: str, W: int) -> None:
         """A verifier round: per_image (3, B) int64 committed / accepted / rejected of each
@@ -155,6 +167,7 @@ class RoundLog:
                              committed=torch.stack(self.committed), accepted=self.accepted,
                              rejected=self.rejected, active=self.active, modes=self.modes,
                              wall_time=0.0,
-                             round_times=[b - a for a, b in zip(self.times, self.times[1:])],
+                             round_times=[b - a - p for a, b, p in
+                                          zip(self.times, self.times[1:], self.away)],
                              prefills=self.prefills, first_round=self.first_round,
                              logprobs=logprobs.contiguous(), windows=list(self.windows))

@@ -76,3 +76,24 @@ def test_the_consumer_keeps_its_own_grad_mode_between_groups(tiny, batch):
     with torch.enable_grad():
         for _ in make_engine("hbsjd", window=4).stream(model, labels, prefix, 10):
             assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("window", [4, "auto"])
+def test_the_consumers_time_is_in_no_round_and_not_in_the_call(tiny, batch, monkeypatch, window):
+    """On a clock that jumps 100 s while the consumer holds each hand-out (a span or a group),
+    no round's seconds and not the call's wall time hold any of it: the rounds' seconds are
+    what the bench's per-round figures and the window policy read."""
+    import time
+    real, jumped = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + jumped[0])
+    model = tiny()
+    labels, prefix = batch(model, 6, 2)
+    stream = make_engine("hbsjd", window=window, decoding="greedy").stream(
+        model, labels, prefix, 14, seed=3, span=4)
+    handed = 0
+    for _ in stream:
+        jumped[0] += 100.0
+        handed += 1
+    res = stream.result
+    assert handed >= 3 and res.rounds > 3
+    assert max(res.round_times) < 50 and res.wall_time < 50, (res.round_times, res.wall_time)
