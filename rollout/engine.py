@@ -27,7 +27,7 @@ from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, 
                              engine_options)
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
                               sample_from, token_logprob, uniform, uses_cfg, warp)
-from rollout.spans import Span, whole_spans
+from rollout.spans import Finished, Span, whole_call
 from rollout.stats import RolloutResult
 
 ENGINES: dict[str, type[Engine]] = {}
@@ -338,19 +338,8 @@ class Engine:
         `RolloutResult`.  Here: `run` whole, then every span and image at once (Cached AR's images
         complete together); Jacobi engines hand them out as they commit (hbsjd.py `run_jacobi`)."""
         result = self.run(model, req)
-        yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
-        yield Finished(torch.arange(req.batch, device=result.tokens.device), result.tokens,
-                       result.logprobs)
+        yield from whole_call(req.prefix_len, req.span, result)
         return result
-
-
-@dataclass
-class Finished:
-    """Images of a streaming call that are complete (`Engine.stream`): their indices in the
-    call's batch, ascending, and exactly the rows of the whole call's result."""
-    images: Tensor        # (k,) int64
-    tokens: Tensor        # (k, P + N) int64
-    logprobs: Tensor      # (k, N) float32 behaviour log-probs (RolloutResult.logprobs)
 
 
 class RolloutStream:

@@ -30,13 +30,13 @@ from torch import Tensor
 
 from rollout.calibrate import calibration_path, model_signature
 from rollout.candidates import candidate_tree
-from rollout.engine import (Engine, Finished, Request, make_engine, prefill_token, register,
+from rollout.engine import (Engine, Request, make_engine, prefill_token, register,
                             synchronize)
 from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
                             window_inputs)
 from rollout.sampling import guide
 from rollout.slots import Slots, single_token
-from rollout.spans import Span, span_cuts, whole_spans
+from rollout.spans import Finished, Span, span_cuts, whole_call
 from rollout.static_states import StaticStates
 from rollout.stats import RoundLog
 from rollout.window import WINDOWS, WindowPolicy
@@ -68,8 +68,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     log, begun = RoundLog(B, dev), time.perf_counter()
     if req.num_new == 1:
         result = single_token(model, req, log.times)
-        yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
-        yield Finished(torch.arange(B, device=dev), result.tokens, result.logprobs)
+        yield from whole_call(req.prefix_len, req.span, result)
         return result
     slots = Slots(req)
     first, first_logp = prefill_token(model, req, slots.img)
@@ -150,9 +149,7 @@ def baseline_call(engine: Engine, model, req: Request,
     synchronize(req.labels.device)
     policy.finish(req.batch * req.num_new, time.perf_counter() - started)
     result.windows = [0] + [1] * (result.rounds - 1)
-    yield from whole_spans(req.prefix_len, req.span, result.tokens, result.logprobs)
-    yield Finished(torch.arange(req.batch, device=result.tokens.device), result.tokens,
-                   result.logprobs)
+    yield from whole_call(req.prefix_len, req.span, result)
     return result
 
 

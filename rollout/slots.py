@@ -14,7 +14,8 @@ import time
 import torch
 from torch import Tensor
 
-from rollout.engine import Finished, Request, prefill_token, synchronize
+from rollout.engine import Request, prefill_token, synchronize
+from rollout.spans import Finished
 from rollout.jacobi import JacobiState, Plan, init_state
 from rollout.spans import Span
 from rollout.stats import RolloutResult

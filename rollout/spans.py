@@ -1,5 +1,6 @@
-"""A rollout call streamed by position span: every image's tokens [a, b) once every image of
-the call has committed past b (`Engine.stream(..., span=S)`).
+"""What a streaming call hands out (`Engine.stream`): `Finished` groups of complete images and,
+streamed by position span, every image's tokens [a, b) once every image of the call has
+committed past b (`Engine.stream(..., span=S)`).
 
 A call of P prefix and N new tokens (T = P + N) is cut at fixed positions, P, P + S, P + 2S,
 ..., T: span k holds tokens [P + kS, min(P + (k + 1)S, T)) of every image.  The cuts depend on
@@ -19,7 +20,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+
+@dataclass
+class Finished:
+    """Images of a streaming call that are complete: their indices in the call's batch,
+    ascending, and exactly the rows of the whole call's result."""
+    images: Tensor        # (k,) int64
+    tokens: Tensor        # (k, P + N) int64
+    logprobs: Tensor      # (k, N) float32 behaviour log-probs (RolloutResult.logprobs)
 
 
 @dataclass
@@ -56,3 +67,11 @@ def whole_spans(prefix_len: int, span: int, tokens: Tensor,
     P, T = prefix_len, tokens.shape[1]
     for a, b in span_cuts(P, T, span, P, T):
         yield Span(a, b, tokens[:, a:b].clone(), logprobs[:, a - P:b - P].clone())
+
+
+def whole_call(prefix_len: int, span: int, result) -> Iterator[Span | Finished]:
+    """What a call run whole hands out (its images complete together, as Cached AR's do): its
+    spans, then every image as one group; `result` a `RolloutResult`."""
+    yield from whole_spans(prefix_len, span, result.tokens, result.logprobs)
+    yield Finished(torch.arange(result.tokens.shape[0], device=result.tokens.device),
+                   result.tokens, result.logprobs)
