@@ -21,17 +21,19 @@ the seconds of whole calls per token they commit:
                  median now and then, and with a 1.5 clip one such call handed the lead to a
                  window 10 % slower).
                  Compiled, an arm's first call (its compiles) is dropped.
-    choice       the cheapest arm, the leader.  UCB over the leader and the windows beside it
-                 (a call's cost is unimodal in W, as a round's rate is, so the search climbs
-                 to the best window): the arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t /
-                 n)),  n its discounted calls, t the calls so far (capped at the discount's
-                 horizon); a neighbour never measured ranks first (the one the rounds rate
-                 higher first; Cached AR, never measured, first of all: the baseline is
-                 measured once, unless W 1's rounds rate below 1 / AR_MARGIN of the leader's
-                 calls: Cached AR runs W 1's forward without its bookkeeping, a small share
-                 of a round wherever the forward is dear enough for Cached AR to lead, so it
-                 cannot lead there, and its call would cost 1.8-3 times the leader's at batch
-                 1-8 on this CPU).  A first measurement is one call, run at
+    choice       the cheapest arm, the leader.  UCB over the leader, Cached AR and the
+                 windows beside the cheapest window (a call's cost is unimodal in W, as a
+                 round's rate is, so the search climbs to the best window; Cached AR is no
+                 window: it runs W 1's forward without the Jacobi bookkeeping, so it can beat
+                 W 1 and lose to W 4, and the windows' search goes on while it leads): the
+                 arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t / n)),  n its discounted
+                 calls, t the calls so far (capped at the discount's horizon); an arm never
+                 measured ranks first (Cached AR first of all, then the window the rounds
+                 rate higher).  Cached AR is left out where W 1's rounds rate below
+                 1 / AR_MARGIN of the cheapest window's calls: its bookkeeping is a small
+                 share of a round wherever the forward is dear enough for Cached AR to lead,
+                 so it cannot lead there, and its call would cost 1.8-3 times the leader's at
+                 batch 1-8 on this CPU.  A first measurement is one call, run at
                  once: the search climbs a window a call.  A measured neighbour is run
                  (explored) only while the discounted seconds of exploring calls are at
                  most CALL_BUDGET of all calls' seconds, so
@@ -124,12 +126,15 @@ class CallWindows:
             W = max(rates, key=rates.get)
             self.pending = (W, False)
             return W
-        best = min(cost, key=cost.get)
-        i = windows.index(best)
-        beside = windows[max(0, i - 1):i + 2]
-        if (windows[0] == AR and AR not in cost and AR not in beside
-                and not (1 in rates and 1 / cost[best] > AR_MARGIN * rates[1])):
-            beside = (AR, *beside)          # the baseline is measured once, unless out of reach
+        best = min(cost, key=cost.get)          # the leader: a window or Cached AR
+        axis = windows[1:] if windows[0] == AR else windows
+        found = [W for W in axis if W in cost]
+        lead = min(found, key=cost.get) if found else best      # the cheapest window
+        i = axis.index(lead) if found else 0
+        beside = axis[max(0, i - 1):i + 2]      # the windows' search climbs from `lead`
+        if windows[0] == AR and (AR in cost or not (1 in rates and
+                                                    1 / cost[lead] > AR_MARGIN * rates[1])):
+            beside = (AR, *beside)          # the baseline, unless out of reach
         log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
 
         def index(W):                       # never measured: first (Cached AR, then the
