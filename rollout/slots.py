@@ -15,9 +15,8 @@ import torch
 from torch import Tensor
 
 from rollout.engine import Request, prefill_token, synchronize
-from rollout.spans import Finished
 from rollout.jacobi import JacobiState, Plan, init_state
-from rollout.spans import Span
+from rollout.spans import Finished, Span
 from rollout.stats import RolloutResult
 
 

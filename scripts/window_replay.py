@@ -84,8 +84,8 @@ def replay_one(rule, data: dict, rng: random.Random, n: int = 21) -> tuple[float
     rates = {int(W): r for W, r in data["rates"].items()}
     calls, times = rule.CallWindows(warm=True), []
     for _ in range(n):
-        W = calls.choose((window_calls.AR, *WINDOWS), rates)   # greedy, sample: Cached AR too
-        t = rng.choice(arms["AR" if W == window_calls.AR else str(W)])
+        W = calls.choose((rule.AR, *WINDOWS), rates)    # greedy, sample: Cached AR too
+        t = rng.choice(arms["AR" if W == rule.AR else str(W)])
         calls.observe(t, data["tokens"])
         times.append(t)
     medians = {k: st.median(rng.choices(v, k=n)) for k, v in arms.items()}
