@@ -8,11 +8,17 @@ more than two policies do.  This script separates the two:
              `opd bench rollout`'s machinery (launch/bench/rollout.py) and keeps every call's
              seconds, with the rounds' rates that the auto engine's first call measured (what
              the call rule starts from);
-    replay   runs `CallWindows` on draws from those seconds, many times over: per replay, the
+    replay   runs `CallWindows` on those seconds: call i of a replay runs at recorded repeat
+             s + i (or s - i; every start s, both ways, wrapping round), taking the seconds its
+             chosen arm took there, so that a burst of another process slows every arm alike,
+             as it does in the bench, whose arms take turns (a call's seconds share about half
+             their variance with the other arms' calls of the same repeat).  Per replay: the
              median of 21 timed calls (the bench's figure, after the rounds' rule's call)
-             against the fastest arm's median of 21 draws, and the mean of the calls (what a
-             user waits for) against the cheapest arm's.  A perfect policy's figure (the best
-             arm's own 21 draws) is printed beside it: the noise no policy can beat.
+             against the fastest arm's median over the same repeats, and the mean of the calls
+             (what a user waits for) against the cheapest arm's.  A perfect policy's figure
+             (the best arm's own calls at those repeats) is printed beside it: the noise no
+             policy can beat.  `--skip N` runs N calls before the timed ones: the rule once
+             its first measurements are made, as a training run sees it after a few steps.
 
     python scripts/window_replay.py record --batch 32 --threads 1 --decoding sample \\
         --set prefix_ratio=0 --set cfg_scale=null --out rec/b32_t1.json
@@ -20,8 +26,7 @@ more than two policies do.  This script separates the two:
     git show REV:rollout/window_calls.py > old.py
     python scripts/window_replay.py replay rec/*.json --policy old.py    # another commit's rule
 
-Draws are independent, so the replay ignores that a burst slows every arm alike; it ranks
-rules on one set of recorded calls, and the bench stays the measure of speed
+The replay ranks rules on one set of recorded calls; the bench stays the measure of speed
 (docs/WINDOW_POLICY.md).
 """
 from __future__ import annotations
@@ -29,7 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 import statistics as st
 from pathlib import Path
 
@@ -77,22 +81,27 @@ def record(a) -> None:
     print(a.out, {k: round(st.median(v) * 1e3, 1) for k, v in arms.items()}, "ms (medians)")
 
 
-def replay_one(rule, data: dict, rng: random.Random, n: int = 21) -> tuple[float, float, float]:
+def replay_one(rule, data: dict, start: int, step: int, skip: int = 0,
+               n: int = 21) -> tuple[float, float, float]:
     """(auto's median / the fastest arm's, the best arm's / the fastest's, auto's mean / the
-    cheapest arm's mean) of one replay of n timed calls."""
+    cheapest arm's mean) of n timed calls at repeats start + step * i (after `skip` calls)."""
     arms = {k: v for k, v in data["arms"].items() if k != "auto"}
     rates = {int(W): r for W, r in data["rates"].items()}
-    calls, times = rule.CallWindows(warm=True), []
-    for _ in range(n):
+    repeats = len(arms["1"])
+    calls, times, slots = rule.CallWindows(warm=True), [], []
+    for i in range(skip + n):
+        slot = (start + step * i) % repeats
         W = calls.choose((rule.AR, *WINDOWS), rates)    # greedy, sample: Cached AR too
-        t = rng.choice(arms["AR" if W == rule.AR else str(W)])
+        t = arms["AR" if W == rule.AR else str(W)][slot]
         calls.observe(t, data["tokens"])
-        times.append(t)
-    medians = {k: st.median(rng.choices(v, k=n)) for k, v in arms.items()}
+        if i >= skip:
+            times.append(t)
+            slots.append(slot)
+    medians = {k: st.median(v[s] for s in slots) for k, v in arms.items()}
+    means = {k: st.mean(v[s] for s in slots) for k, v in arms.items()}
     best = min(arms, key=lambda k: st.median(arms[k]))
     fastest = min(medians.values())
-    return (st.median(times) / fastest, medians[best] / fastest,
-            st.mean(times) / min(st.mean(v) for v in arms.values()))
+    return st.median(times) / fastest, medians[best] / fastest, st.mean(times) / min(means.values())
 
 
 def replay(a) -> None:
@@ -103,8 +112,9 @@ def replay(a) -> None:
         spec.loader.exec_module(rule)
     cells = []
     for f in a.files:
-        data, rng = json.loads(Path(f).read_text()), random.Random(a.seed)
-        r = [replay_one(rule, data, rng) for _ in range(a.replays)]
+        data = json.loads(Path(f).read_text())
+        r = [replay_one(rule, data, s, step, a.skip)
+             for s in range(len(data["arms"]["1"])) for step in (1, -1)]
         cells.append([st.mean(x[0] for x in r), sum(x[0] > 1.05 for x in r) / len(r),
                       st.mean(x[1] for x in r), st.mean(x[2] for x in r)])
         print(f"{Path(f).stem:24s} auto/fastest {cells[-1][0]:.3f} (over 1.05: "
@@ -129,8 +139,7 @@ def main() -> None:
     q = sub.add_parser("replay", help="the call rule on draws from recorded calls")
     q.add_argument("files", nargs="+")
     q.add_argument("--policy", help="a window_calls.py to replay instead of this tree's")
-    q.add_argument("--replays", type=int, default=400)
-    q.add_argument("--seed", type=int, default=1)
+    q.add_argument("--skip", type=int, default=0, help="calls run before the timed 21")
     a = p.parse_args()
     record(a) if a.command == "record" else replay(a)
 
