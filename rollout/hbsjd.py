@@ -84,16 +84,13 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     while True:
         live = st.cur < T
         # sync: the active rows, the least committed row's tokens, the tokens left to commit,
-        # and (a policy counting tokens) the rows with a whole window left and what they
-        # committed, cut at each of the call's windows up to the round's; then its seconds
+        # and (a policy counting tokens) the round's committed tokens; then its seconds
         stats = [live.sum(), st.cur.min(), (T - st.cur).sum()]
         if room is not None:
-            stats += [room.sum()] + [(counts[0].clamp(max=w) * room).sum()
-                                     for w in policy.windows if w <= plan.W]
+            stats += [(counts[0] * room).sum(), room.sum()]
         A, low, left, *tokens = torch.stack(stats).tolist()
         if started is not None:
-            policy.observe(tokens[1:], tokens[0] if tokens else 0,
-                           time.perf_counter() - started)
+            policy.observe(*(tokens or (0, 0)), time.perf_counter() - started)
         # 0. hand out the spans every image has committed (waiting images have none yet)
         for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
                               low if slots.waiting == B else req.prefix_len):

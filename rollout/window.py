@@ -23,17 +23,9 @@ rule:
              tokens(W): tokens committed per row by a round of window W, counted over the rows
              that had a whole window left (a row nearer its end commits at most what it has
              left whatever W is, which would price wide windows by a call's last rounds), in
-             rounds whose drafts were steady: once the window turned over since it last
-             widened (the call's start counts as a widening), its rows having committed W
-             tokens since, so that every draft entered at the window's far end and was refined
-             as in a run of W (the new columns of a wider window hold drafts never refined,
-             and a row commits about 1 token a round until then: counted from a window's
-             second round, W 4-16 rated 1 token at greedy batch 1, where their calls commit
-             2.2-3.0); weighted by those rows.  Every window w up to W counts on such a round:
-             a row that accepted a drafts commits min(a + 1, w) at window w on the same drafts
-             (rollout/verify.py), so the narrower windows are priced on the wider ones' rounds
-             too, in the same phases of the images (a digit's background commits whole
-             windows, its strokes a few tokens).  seconds: wall seconds of a round
+             rounds whose drafts were steady: not a call's first SETTLE rounds (drafts still
+             filling), not a round wider than the one before (its new columns were never
+             drafted: history fill); weighted by those rows.  seconds: wall seconds of a round
              (its forward, its verification, the loop's Python, up to the next device sync), by
              rows band: Full runs the call's R rows (one band), Compact the active rows
              (compiled: their bucket), banded by powers of two.  A Full arm's seconds,
@@ -43,18 +35,17 @@ rule:
     choice   UCB over the best arm and its neighbours (`near`: the rate is unimodal in W): the
              arm maximising  rate * (1 + EXPLORE * sqrt(ln(t) / n)),  n the arm's discounted
              observations (the fewer of its tokens' and its seconds'), t the rounds so far.  An
-             arm never measured is tried first, the widest first (its rounds count for every
-             narrower window; a narrower one needs only its seconds).  Choosing an arm other than
-             the best estimate (exploring) is allowed after a call's first SETTLE rounds (drafts
-             still filling) while the seconds spent exploring are at most BUDGET of
+             arm never measured is tried first (narrowest W first).  Choosing an arm other than
+             the best estimate (exploring) is allowed after a call's first SETTLE rounds (whose
+             tokens would not count) while the seconds spent exploring are at most BUDGET of
              all rounds' seconds (discounted; a round after a narrower exploring one counts as
              exploring too, its drafts being the exploration's), so what exploration costs is
              bounded.  A Compact arm new to a rows band starts from Full's seconds at its W, a
              prior of weight PRIOR: it rates as Full, ranks above it, and is tried.
     warm-up  an arm is run for two rounds when it is new or wider than the round before: the
              first round of a shape may compile or allocate (its seconds are not counted, in
-             its mean or in the budget); a wider window's tokens count once it turned over
-             (tokens(W), above).
+             its mean or in the budget), and the first round of a wider window checks drafts
+             the round before never proposed (its tokens are not counted).
 
 A fixed W runs no policy (its Full / Compact switch is gamma's, rollout/hbsjd.py).  The policy
 lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls:
@@ -83,7 +74,7 @@ DISCOUNT = 0.98         # per round: an observation's weight halves in about 34 
 HORIZON = 1 / (1 - DISCOUNT)    # the discounted rounds an arm played every round reaches
 PRIOR = 0.5             # the weight, in rounds, of a Compact arm's prior (Full's seconds)
 BUDGET = 0.05           # most of the seconds (discounted) spent exploring measured arms
-SETTLE = 2              # a call's first rounds, whose drafts are still filling: no exploring
+SETTLE = 2              # a call's first rounds, whose drafts are still filling: tokens not counted
 
 
 def near(rated: list, best: tuple, windows: tuple) -> list:
@@ -155,7 +146,6 @@ class WindowPolicy:
         self.fixed = (None if len(self.windows) > 1 else
                       (W, (W, compact, self._band(compact, self.rows)), self.rows, False, False))
         self.previous, self.round, self.call_seconds, self.call_raw = 0, 0, 0.0, 0.0
-        self.turned = 0.0                   # tokens a row committed since the window widened
         self.pending = self.hold = None
         self.explored = False
 
@@ -229,9 +219,9 @@ class WindowPolicy:
         else:
             rated, top = [], None
             log_t = math.log(min(self.clock, HORIZON) + 2)
-            for W, c in arms[::-1]:
+            for W, c in arms:
                 e = self.estimate(W, c, active, left)
-                if e is None:                       # never measured: try it first (widest)
+                if e is None:                       # never measured: try it first
                     top = (W, c)
                     break
                 r, n = e
@@ -247,39 +237,33 @@ class WindowPolicy:
                 else:
                     arm = best
         W, compact = arm
-        if W > self.previous:                    # new draft columns: not turned over yet
-            self.turned = 0.0
-            if self.explored:                    # a round after a narrower exploring one:
-                explore = True                   # its drafts are the exploration's too
+        if W > self.previous and self.explored:  # a round after a narrower exploring one:
+            explore = True                       # its drafts are the exploration's too
         self.explored = explore
         key = (W, compact, self._band(compact, active))
         fresh = key not in self.seconds or not self.seconds[key].weight
         held = self.hold is not None and self.hold[0] == arm
         self.hold = (arm, explore) if (W > self.previous or fresh) and not held else None
-        self.pending = (W, key, active, self.turned >= W, explore)
+        self.pending = (W, key, active, 0 < W <= self.previous and self.round > SETTLE, explore)
         self.previous = W
         return W, compact
 
-    def observe(self, tokens: list[float], rows: int, seconds: float) -> None:
-        """The last chosen round, of window W, took `seconds`; its `rows` active rows that had
-        a whole window of tokens left (a row nearer its end commits at most what it has left,
-        whatever the window: it would price wide windows by a call's last rounds) committed
-        tokens[i] at the i-th of the call's windows up to W (each row's commit cut at that
-        width; the last is W's own; empty while the call does not count tokens).  They count
-        where the window had turned over (module docstring, tokens(W))."""
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        """The last chosen round took `seconds`; its `rows` active rows that had a whole window
+        of tokens left committed `tokens` (a row nearer its end commits at most what it has
+        left, whatever the window: it would price wide windows by a call's last rounds).  The
+        tokens count where the drafts were steady: not in a call's first SETTLE rounds, nor in
+        a round wider than the one before (module docstring, warm-up)."""
         if self.pending is None:
             return
         W, key, active, steady, explore = self.pending
         self.pending = None
         self.clock += 1
-        if steady and rows:         # every window up to W: this round's drafts, cut at its width
-            for w, t in zip([w for w in self.windows if w <= W], tokens):
-                tok = self.tokens.get(w)
-                if tok is None:
-                    tok = self.tokens[w] = Mean(warm=True, discount=DISCOUNT)
-                tok.add(t / rows, self.clock, weight=rows / self.rows)
-        if rows:
-            self.turned += tokens[-1] / rows
+        if steady and rows:
+            tok = self.tokens.get(W)
+            if tok is None:
+                tok = self.tokens[W] = Mean(warm=True, discount=DISCOUNT)
+            tok.add(tokens / rows, self.clock, weight=rows / self.rows)
         raw, mean = seconds, self.seconds.get(key)
         if mean is None:
             mean = self.seconds[key] = Mean(discount=DISCOUNT)
