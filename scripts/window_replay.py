@@ -37,21 +37,17 @@ import json
 import statistics as st
 from pathlib import Path
 
-import yaml
-
 from rollout import window_calls
 from rollout.window import WINDOWS
 
 
 def record(a) -> None:
     from launch.bench import rollout as bench
+    from launch.commands.bench import _overrides
     overrides = dict(checkpoint=a.checkpoint, batch_sizes=[a.batch], decodings=[a.decoding],
                      windows=[*WINDOWS, "auto"], engines=["hbsjd-hybrid"], repeats=a.repeats,
-                     threads=a.threads)
-    for kv in a.set:
-        k, v = kv.split("=", 1)
-        overrides[k] = yaml.safe_load(v)
-    b = bench.check_bench(bench.common.load_preset(bench.RolloutBench, a.preset, overrides))
+                     threads=a.threads, **_overrides(a.set))
+    b = bench.load_bench(a.preset, overrides)
     seen, autos = {}, []
     measure, make = bench.measure, bench.make_engine
 
@@ -136,7 +132,7 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=40)
     r.add_argument("--set", action="append", default=[], help="a preset key=value")
     r.add_argument("--out", required=True)
-    q = sub.add_parser("replay", help="the call rule on draws from recorded calls")
+    q = sub.add_parser("replay", help="the call rule on recorded calls, at their repeats")
     q.add_argument("files", nargs="+")
     q.add_argument("--policy", help="a window_calls.py to replay instead of this tree's")
     q.add_argument("--skip", type=int, default=0, help="calls run before the timed 21")
