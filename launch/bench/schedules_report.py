@@ -6,8 +6,6 @@ curves (launch/bench/schedules_curves.py, which also draws schedules.png).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from launch.bench.common import markdown_table
 from launch.bench.schedules_curves import format_curves
 

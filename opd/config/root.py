@@ -200,9 +200,9 @@ def _phases(cfg: RunConfig) -> None:
 @rule
 def _score_cache(cfg: RunConfig) -> None:
     if cfg.distill.cache_data_scores and cfg.run.mode != "reference":
-        raise ConfigError(f"distill.cache_data_scores=true needs run.mode=reference (a Ray run's "
-                          f"teacher workers keep no cache); set run.mode=reference or "
-                          f"distill.cache_data_scores=false", "distill.cache_data_scores")
+        raise ConfigError("distill.cache_data_scores=true needs run.mode=reference (a Ray run's "
+                          "teacher workers keep no cache); set run.mode=reference or "
+                          "distill.cache_data_scores=false", "distill.cache_data_scores")
 
 
 @rule

@@ -373,8 +373,8 @@ def test_resume_applies_safe_overrides_and_refuses_the_others(existing, tmp_path
              "resumed steps would be another run's; only distill.steps, run.checkpoint_every, "
              "run.log_every, run.loggers, run.mlflow_uri and eval.* change on resume (start a "
              "new run for the rest)"),
-            (["--config", "tiny"], f"opd: error: --resume takes the run's own config.yaml, not "
-             f"--config tiny; pass only key=value overrides of what may change"),
+            (["--config", "tiny"], "opd: error: --resume takes the run's own config.yaml, not "
+             "--config tiny; pass only key=value overrides of what may change"),
             (["run.deterministic=false"], "opd: error: config key 'run.deterministic' was "
              "removed: runs are always reproducible (keyed random numbers, seeded "
              "initialization), so the key did nothing; drop it")]:
