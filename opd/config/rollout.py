@@ -55,7 +55,7 @@ class RolloutConfig:
     refresh: Refresh = ENGINE_DEFAULTS["refresh"]
     """Decoding speculative: the drafts after the commit point kept by maximal coupling with their new distribution, or redrawn (both lossless)."""
     compare_every: Annotated[int, Field(ge=0)] = 10
-    """Every this many prefix batches (batch id divisible by it), a student rollout call is also run by Cached AR, timed, for the run summary's measured speed-up (`rollout_vs_ar`: same tokens with greedy or sample decoding, so only time differs); timed before the call itself, so its report still follows its last piece at once; 0 = never."""
+    """Every this many prefix batches (the n-th, the 2n-th, ...: batch ids n - 1, 2n - 1, ...), a student rollout call is run by Cached AR in the engine's place, timed, for the run summary's measured speed-up (`rollout_vs_ar`: the engine's seconds against Cached AR's for calls of the same shapes; same tokens and log-probs with greedy or sample decoding, so the run trains the same); 0 = never."""
     slots: Annotated[int, Field(ge=0)] = 0
     """Physical rows of a rollout call (continuous batching: a waiting image takes the row of one that finished); 0 = all of the call's images at once."""
     span: Annotated[int, Field(ge=0)] = 0

@@ -80,8 +80,8 @@ class RolloutStats:
     """Statistics of one rollout call (or, merged, of a step's calls).  A step on data runs no
     rollout: every field keeps its default."""
     rollout_seconds: float = stat(0.0, MAX)   # the engine's wall time of the call
-    ar_seconds: float = stat(0.0, MAX)        # Cached AR's wall time of the same call, where
-    #                                           timed (rollout.compare_every), else 0
+    ar_seconds: float = stat(0.0, MAX)        # the call's wall time where Cached AR ran it
+    #                                           in the engine's place (rollout.compare_every)
     rounds: int = stat(0, MAX)                # sequential verifier forwards (prefill included)
     ar_rounds: int = stat(0, MAX)             # the rounds Cached AR needs for the same tokens
     mean_committed: float = stat(0.0, COMMITTED_MEAN)   # tokens per image per active round
@@ -146,8 +146,8 @@ class RolloutStats:
         """The metrics.parquet columns of the step these stats are of (after its other
         rollout columns; opd/run/loop.py `step_row`)."""
         return {"rounds": self.rounds, "ar_rounds": self.ar_rounds,
-                "ar_rollout_s": self.ar_seconds,      # with the engine's own seconds of the
-                "engine_rollout_s": self.rollout_seconds if self.ar_seconds else 0.0,  # call
+                "ar_rollout_s": self.ar_seconds,          # a call Cached AR ran, timed
+                "engine_rollout_s": 0.0 if self.ar_seconds else self.rollout_seconds,  # the rest
                 "mean_committed": self.mean_committed,
                 "commit_hist": self.commit_hist, "window_hist": self.window_hist,
                 "image_rounds_max": self.image_rounds_max,

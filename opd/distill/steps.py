@@ -7,6 +7,7 @@ Every random choice is keyed by (run seed, step or batch id), never drawn in cal
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass
@@ -107,27 +108,46 @@ def engine_call(model, job: RolloutJob, cfg: RunConfig) -> tuple[tuple, dict]:
                  image_ids=job.image_ids, slots=r.slots or None))
 
 
-def ar_seconds(model, job: RolloutJob, cfg: RunConfig) -> float:
-    """On a batch due for it (`rollout.compare_every`), the wall seconds of `job`'s rollout call
-    run by Cached AR with `model` (the one that rolls out; greedy and sample decoding commit the
-    same tokens in every engine, so only time differs), else 0.0.  Run before the engine's own
-    call, so that the call's report follows its last piece at once: a Ray driver may train and
-    summarise the step on its pieces before a late report."""
+def ar_timed(job: RolloutJob, cfg: RunConfig) -> bool:
+    """Whether `job`'s student rollout call is run by Cached AR in place of the engine, timed,
+    for the summary's `rollout_vs_ar` (`rollout.compare_every` n: the n-th batch, the 2n-th,
+    ..., batch ids n - 1, 2n - 1, ...; so a run of fewer than n steps runs the engine only).
+    Greedy and sample decoding commit the same tokens and spans in every engine (log-probs to
+    float32 rounding), so the run trains the same; Cached AR's seconds depend on a call's
+    shape, not its tokens, so they price every call of that shape, and they are taken in the
+    engine's place in the step.  A second call run beside the engine's is not: run before
+    it, the engine's call after it took 0.81 of the engine's calls of the same shape (a step's
+    first call shares the CPUs with the step before's tail); run after it, Cached AR took
+    1.2-1.3 of its calls in the engine's place (docs/WINDOW_POLICY.md, "What the summary's
+    rollout_vs_ar measured")."""
     r = cfg.rollout
-    if not (r.compare_every and job.batch_id % r.compare_every == 0 and job.source != "data"
-            and r.engine != "cached_ar" and r.decoding != "speculative"):
-        return 0.0
-    args, kwargs = engine_call(model, job, cfg)
-    return build_engine(cfg, "cached_ar").generate(*args, **kwargs).wall_time
+    return bool(r.compare_every and (job.batch_id + 1) % r.compare_every == 0
+                and job.source == "student" and r.engine != "cached_ar"
+                and r.decoding != "speculative")
 
 
-def rollout_stats(result, job: RolloutJob, cfg: RunConfig, ar: float = 0.0) -> RolloutStats:
+def call_engine(engine, job: RolloutJob, cfg: RunConfig):
+    """The engine that runs `job`'s rollout call: `engine`, or Cached AR where `ar_timed`
+    (with the run's options; one per process, so compiled rounds compile once)."""
+    if not ar_timed(job, cfg):
+        return engine
+    options = cfg.rollout.engine_options(engine_options("cached_ar"))
+    return _cached_ar(tuple(sorted(options.items())))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_ar(options: tuple):
+    return make_engine("cached_ar", **dict(options))
+
+
+def rollout_stats(result, job: RolloutJob, cfg: RunConfig) -> RolloutStats:
     """The statistics of `job`'s rollout call (a `RolloutResult`), against Cached AR's rounds
-    (one per token and row batch) and, where `ar_seconds` timed it, Cached AR's seconds `ar`."""
+    (one per token and row batch); a call Cached AR ran (`ar_timed`) carries its seconds as
+    `ar_seconds` too."""
     B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
     slots = cfg.rollout.slots or B
     stats = RolloutStats.of(result, N * -(-B // slots))
-    stats.ar_seconds = ar
+    stats.ar_seconds = stats.rollout_seconds if ar_timed(job, cfg) else 0.0
     return stats
 
 
@@ -150,11 +170,10 @@ def generate(model, engine, job: RolloutJob, cfg: RunConfig, policy_version: int
     if job.source == "data":
         return TrajectoryBatch(job.batch_id, job.labels, job.prefix_len, job.tokens,
                                policy_version, "data", RolloutStats())
-    ar = ar_seconds(model, job, cfg)
     args, kwargs = engine_call(model, job, cfg)
-    result = engine.generate(*args, **kwargs)
+    result = call_engine(engine, job, cfg).generate(*args, **kwargs)
     return trajectory(job, None, result.tokens, result.logprobs, policy_version,
-                      rollout_stats(result, job, cfg, ar))
+                      rollout_stats(result, job, cfg))
 
 
 @torch.no_grad()

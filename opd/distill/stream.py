@@ -17,6 +17,9 @@ With `span` S > 0 the stream also hands out the call's spans (rollout/spans.py `
 CPU): every row's next S tokens as soon as every row has committed them, in position order,
 each before the pieces of the same round; a teacher scores them as they come
 (opd/distill/span_scoring.py), so only the last span is left when the call ends.
+
+Every `rollout.compare_every`-th batch's call is run by Cached AR in place of the engine
+(`steps.ar_timed`), for the summary's `rollout_vs_ar`: same pieces, spans and log-probs.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from opd.config.schema import RunConfig
 from opd.distill.batch import TrajectoryBatch
 from opd.distill.pieces import take_rows
 from opd.distill.rollout_stats import RolloutStats
-from opd.distill.steps import (RolloutJob, ar_seconds, engine_call, generate, rollout_stats,
+from opd.distill.steps import (RolloutJob, call_engine, engine_call, generate, rollout_stats,
                                trajectory)
 from rollout.spans import Span
 
@@ -69,9 +72,8 @@ class PartStream:
                 yield Piece(k, rows, take_rows(whole, int(rows[0]), int(rows[-1]) + 1))
             self.stats = whole.rollout_stats
             return
-        ar = ar_seconds(self.model, job, self.cfg)
         args, kwargs = engine_call(self.model, job, self.cfg)
-        stream = self.engine.stream(*args, **kwargs, span=self.span)
+        stream = call_engine(self.engine, job, self.cfg).stream(*args, **kwargs, span=self.span)
         B, N = int(job.labels.shape[0]), int(job.tokens.shape[1]) - job.prefix_len
         tokens = logprobs = None                       # (B, T), (B, N): rows as they complete
         complete = torch.zeros(B, dtype=torch.bool)
@@ -92,4 +94,4 @@ class PartStream:
                 rows = self.rows[k]
                 yield Piece(k, rows, trajectory(job, rows, tokens[rows], logprobs[rows],
                                                 self.version, RolloutStats()))
-        self.stats = rollout_stats(stream.result, job, self.cfg, ar)
+        self.stats = rollout_stats(stream.result, job, self.cfg)

@@ -13,8 +13,9 @@ def summarize(rows: list[dict]) -> dict:
     """Aggregate per-step rows: first/last loss, mean step time split and, for runs with
     student rollouts, the share of steps on fresh ones, their speed and the rounds they took
     against the rounds Cached AR needs for the same tokens (`rounds_vs_ar`) and, over the calls
-    Cached AR ran again (`rollout.compare_every`), their seconds against Cached AR's
-    (`rollout_vs_ar`, measured: below 1, the engine rolled out faster); with rollout reuse, the
+    Cached AR ran in the engine's place (`rollout.compare_every`), the engine's seconds
+    against Cached AR's for calls of the same shapes (`rollout_vs_ar`, measured: below 1, the
+    engine rolled out faster; `seconds_vs_ar`); with rollout reuse, the
     steps on reused rollouts and their largest policy lag; with steps on data too, what an
     update on student rollouts (fresh or reused) costs against one on data (`onpolicy_vs_data`,
     mean step seconds); with rollout.span, the share of the teacher's seconds on fresh rollouts
@@ -34,19 +35,17 @@ def summarize(rows: list[dict]) -> dict:
         "total_s": float(col("step_s").sum()),
     }
     if student.any():
-        ar = col("ar_rounds")[student].sum()
+        timed = student & (col("ar_rollout_s") > 0)            # calls Cached AR ran, timed
+        own = student & ~timed if (student & ~timed).any() else student
+        ar = col("ar_rounds")[own].sum()
         out.update({
             "student_steps": int(student.sum()),
             "rollout_s": float(roll[student].mean()),
             "rollout_tokens_per_s": float(gen[student].sum() / max(roll[student].sum(), 1e-9)),
-            "mean_committed": float(col("mean_committed")[student].mean()),
-            "rounds_vs_ar": float(col("rounds")[student].sum() / ar) if ar > 0 else float("nan"),
+            "mean_committed": float(col("mean_committed")[own].mean()),
+            "rounds_vs_ar": float(col("rounds")[own].sum() / ar) if ar > 0 else float("nan"),
         })
-        timed = student & (col("ar_rollout_s") > 0)
-        if timed.any():
-            out["rollout_vs_ar"] = float(col("engine_rollout_s")[timed].sum()
-                                         / col("ar_rollout_s")[timed].sum())
-            out["rollout_vs_ar_calls"] = int(timed.sum())
+        out.update(seconds_vs_ar(rows, timed, own))
     onpolicy = np.array([r.get("source") == "student" for r in rows])
     if onpolicy.any() and (~onpolicy).any():
         step = col("step_s")
@@ -59,6 +58,27 @@ def summarize(rows: list[dict]) -> dict:
         out.update({"reused_steps": int(reused.sum()),
                     "reused_lag_max": int(col("policy_lag")[reused].max())})
     return out
+
+
+def seconds_vs_ar(rows: list[dict], timed: np.ndarray, own: np.ndarray) -> dict:
+    """`rollout_vs_ar`: the engine's seconds over its calls (`own`) against what Cached AR
+    takes for calls of their shapes (prefix length, tokens generated), priced by the calls
+    Cached AR ran in the engine's place (`timed`, `rollout.compare_every`: its seconds depend
+    on a call's shape, not its tokens); calls of a shape Cached AR never ran are left out.
+    `rollout_vs_ar_calls`: the calls Cached AR ran; `rollout_vs_ar_priced`: the engine's calls
+    priced.  Nothing where Cached AR ran no call."""
+    shape = [(r.get("prefix_len"), r.get("generated_tokens")) for r in rows]
+    price: dict = {}
+    for i in np.flatnonzero(timed):
+        price.setdefault(shape[i], []).append(float(rows[i]["ar_rollout_s"]))
+    priced = [i for i in np.flatnonzero(own) if shape[i] in price
+              and (rows[i].get("engine_rollout_s") or 0.0) > 0]
+    if not priced:
+        return {}
+    engine = sum(float(rows[i]["engine_rollout_s"]) for i in priced)
+    cached_ar = sum(float(np.mean(price[shape[i]])) for i in priced)
+    return {"rollout_vs_ar": engine / cached_ar, "rollout_vs_ar_calls": int(timed.sum()),
+            "rollout_vs_ar_priced": len(priced)}
 
 
 def window_lines(rows: list[dict]) -> list[str]:

@@ -90,19 +90,27 @@ def test_summary_names_phases_and_gives_rollout_figures_only_for_rollouts(tmp_pa
     assert plot_training(kd, tmp_path / "b.png") == tmp_path / "b.png"
 
 
-def test_summary_gives_the_measured_seconds_against_cached_ar_of_the_timed_calls():
-    """rollout_vs_ar: the engine's seconds over Cached AR's, summed over the student calls
-    Cached AR ran again (ar_rollout_s > 0) only."""
+def test_summary_prices_the_engines_calls_by_cached_ars_calls_of_the_same_shape():
+    """rollout_vs_ar: the engine's seconds over its calls against Cached AR's mean seconds for
+    calls of their shape (prefix length, tokens generated), from the calls Cached AR ran in
+    the engine's place (ar_rollout_s > 0); a shape Cached AR never ran is left out, and the
+    rounds figures are the engine's calls' only."""
     from opd.run.summary import summarize
-    rows = [dict(_row(1, "on", "student", 20, 64, 256, 0.5), ar_rollout_s=0.8,
-                 engine_rollout_s=0.4),
-            dict(_row(2, "on", "student", 20, 64, 256, 0.7), ar_rollout_s=0.0,
-                 engine_rollout_s=0.0),
-            dict(_row(3, "on", "student", 20, 64, 256, 0.5), ar_rollout_s=1.2,
-                 engine_rollout_s=0.6)]
+
+    def call(step, prefix, gen, engine=0.0, ar=0.0, rounds=20):
+        return dict(_row(step, "on", "student", rounds, 64, gen, 0.5), prefix_len=prefix,
+                    engine_rollout_s=engine, ar_rollout_s=ar)
+    rows = [call(0, 0, 256, ar=0.8, rounds=64), call(1, 0, 256, ar=1.2, rounds=64),  # AR: 1.0
+            call(2, 32, 128, ar=0.5, rounds=64),                                    # AR: 0.5
+            call(3, 0, 256, engine=0.6), call(4, 0, 256, engine=1.0),
+            call(5, 32, 128, engine=0.4),
+            call(6, 16, 192, engine=9.0)]                      # a shape Cached AR never ran
     s = summarize(rows)
-    assert s["rollout_vs_ar"] == pytest.approx(1.0 / 2.0) and s["rollout_vs_ar_calls"] == 2
-    assert "rollout_vs_ar" not in summarize(rows[1:2])
+    assert s["rollout_vs_ar"] == pytest.approx((0.6 + 1.0 + 0.4) / (1.0 + 1.0 + 0.5))
+    assert s["rollout_vs_ar_calls"] == 3 and s["rollout_vs_ar_priced"] == 3
+    assert s["rounds_vs_ar"] == pytest.approx(4 * 20 / (4 * 64))
+    assert "rollout_vs_ar" not in summarize(rows[3:])
+    assert "rollout_vs_ar" not in summarize(rows[:3] + rows[6:])
 
 
 def test_summary_gives_an_onpolicy_updates_cost_and_the_teachers_time_in_rollouts():
@@ -120,27 +128,37 @@ def test_summary_gives_an_onpolicy_updates_cost_and_the_teachers_time_in_rollout
     assert "teacher_in_rollout" not in summarize(rows[:2]) and "onpolicy_vs_data" not in summarize(rows[2:])
 
 
-def test_a_timed_call_runs_cached_ar_again_on_the_same_tokens(tiny_overrides):
-    """`rollout.compare_every`: a due batch's stats carry Cached AR's seconds for the same call,
-    others none; a Cached AR run times nothing."""
+def test_a_timed_call_is_run_by_cached_ar_in_the_engines_place(tiny_overrides):
+    """`rollout.compare_every` 2: a due batch's call (ids 1, 3, 5, ...) is run by Cached AR, timed (its stats'
+    ar_seconds are its own seconds), and hands out the tokens the engine would have (and their
+    log-probs, to float32 rounding: another forward's shape; no loss reads them); others run the engine and time nothing; a Cached AR run, a speculative one and a
+    SeqKD teacher rollout time nothing."""
     from opd.config.schema import load_config
     from opd.distill.steps import RolloutJob, build_engine, generate
     from opd.models.factory import load_role_model
-    cfg = load_config("tiny", [*tiny_overrides, "rollout.compare_every=2",
-                               "rollout.decoding=sample"])
+    over = [*tiny_overrides, "rollout.decoding=sample"]
+    cfg = load_config("tiny", [*over, "rollout.compare_every=2"])
     model = load_role_model(cfg, "student", progress=False)
     labels = torch.tensor([0, 1, 2])
     T = model.block_size
 
-    def job(batch_id):
-        return RolloutJob(batch_id, labels, torch.zeros(3, T, dtype=torch.long), 0, "student",
+    def job(batch_id, source="student"):
+        return RolloutJob(batch_id, labels, torch.zeros(3, T, dtype=torch.long), 0, source,
                           cfg.run.seed)
     engine = build_engine(cfg)
-    assert generate(model, engine, job(4), cfg, 0).rollout_stats.ar_seconds > 0
-    assert generate(model, engine, job(3), cfg, 0).rollout_stats.ar_seconds == 0
-    ar = load_config("tiny", [*tiny_overrides, "rollout.compare_every=2",
-                              "rollout.engine=cached_ar"])
-    assert generate(model, build_engine(ar), job(4), ar, 0).rollout_stats.ar_seconds == 0
+    timed = generate(model, engine, job(5), cfg, 0)
+    s = timed.rollout_stats
+    assert s.engine == "cached_ar" and s.ar_seconds == s.rollout_seconds > 0
+    assert s.rounds == s.ar_rounds                                  # one token a round
+    untimed = generate(model, engine, job(5), load_config("tiny", over), 0)
+    assert untimed.rollout_stats.engine == "hbsjd" and untimed.rollout_stats.ar_seconds == 0
+    assert torch.equal(timed.tokens, untimed.tokens)
+    assert torch.allclose(timed.behaviour_logprobs, untimed.behaviour_logprobs, atol=1e-5)
+    assert generate(model, engine, job(4), cfg, 0).rollout_stats.ar_seconds == 0   # not due
+    for other in (["rollout.engine=cached_ar"], ["rollout.decoding=speculative"]):
+        c = load_config("tiny", [*tiny_overrides, "rollout.compare_every=2", *other])
+        assert generate(model, build_engine(c), job(5), c, 0).rollout_stats.ar_seconds == 0
+    assert generate(model, engine, job(5, "teacher"), cfg, 0).rollout_stats.ar_seconds == 0
 
 
 def test_stage_lines_give_each_stage_busy_time_and_the_critical_path():
@@ -171,42 +189,36 @@ def test_window_lines_add_the_rounds_of_each_window_over_student_rollouts():
     assert window_lines([{"source": "student", "window_hist": None}]) == []
 
 
-def test_cached_ar_times_a_streamed_call_before_the_call_runs(tiny_overrides, monkeypatch):
-    """A streamed rollout call (`PartStream`, both run modes) times Cached AR before its own
-    engine runs, so its report follows its last piece at once (a Ray driver may train and
-    summarise the step on the pieces), and the report carries Cached AR's seconds."""
+def test_a_streamed_timed_call_is_run_by_cached_ar_and_hands_out_the_same_pieces(
+        tiny_overrides):
+    """A streamed rollout call (`PartStream`, both run modes) on a batch due for timing is run
+    by Cached AR alone (the engine does not run it: no call is run twice, and Cached AR runs
+    where the engine's calls do), hands out the same pieces, rows, tokens and log-probs as
+    the engine's call (log-probs to float32 rounding), and its report carries Cached AR's
+    seconds."""
     from opd.config.schema import load_config
-    from opd.distill import steps
     from opd.distill.steps import RolloutJob, build_engine
     from opd.distill.stream import PartStream
     from opd.models.factory import load_role_model
-    cfg = load_config("tiny", [*tiny_overrides, "rollout.compare_every=1",
-                               "rollout.decoding=sample"])
+    over = [*tiny_overrides, "rollout.decoding=sample"]
+    cfg = load_config("tiny", [*over, "rollout.compare_every=1"])
     model = load_role_model(cfg, "student", progress=False)
-    order = []
-    real = steps.build_engine
-
-    def recording(cfg, name=None):
-        engine = real(cfg, name)
-        if name == "cached_ar":
-            generate = engine.generate
-            engine.generate = lambda *a, **k: (order.append("cached_ar"), generate(*a, **k))[1]
-        return engine
-    monkeypatch.setattr(steps, "build_engine", recording)
     engine = build_engine(cfg)
+    ran = []
     stream_call = engine.stream
-
-    def stream(*a, **k):
-        order.append("engine")
-        return stream_call(*a, **k)
-    engine.stream = stream
+    engine.stream = lambda *a, **k: (ran.append("engine"), stream_call(*a, **k))[1]
     T = model.block_size
     job = RolloutJob(1, torch.tensor([0, 1, 2, 3]), torch.zeros(4, T, dtype=torch.long), 0,
                      "student", cfg.run.seed)
-    part = PartStream(model, engine, job, cfg, 0, [2, 2])
-    pieces = []
-    for piece in part:
-        pieces.append((piece.index, list(order)))
-    assert order == ["cached_ar", "engine"]
-    assert sorted(i for i, _ in pieces) == [0, 1] and all(o == order for _, o in pieces)
-    assert part.stats.ar_seconds > 0
+
+    def pieces(c):
+        part = PartStream(model, engine, job, c, 0, [2, 2])
+        got = sorted(part, key=lambda p: p.index)
+        logp = torch.cat([p.batch.behaviour_logprobs for p in got])
+        return [(p.index, p.rows.tolist(), p.batch.tokens.tolist()) for p in got], logp, part.stats
+    timed, logp, stats = pieces(cfg)
+    assert ran == [] and stats.engine == "cached_ar" and stats.ar_seconds > 0
+    untimed, logp_engine, stats = pieces(load_config("tiny", over))
+    assert ran == ["engine"] and stats.ar_seconds == 0
+    assert timed == untimed and [i for i, *_ in timed] == [0, 1]
+    assert torch.allclose(logp, logp_engine, atol=1e-5)
