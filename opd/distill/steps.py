@@ -128,7 +128,7 @@ def ar_timed(job: RolloutJob, cfg: RunConfig) -> bool:
 
 def call_engine(engine, job: RolloutJob, cfg: RunConfig):
     """The engine that runs `job`'s rollout call: `engine`, or Cached AR where `ar_timed`
-    (with the run's options; one per process, so compiled rounds compile once)."""
+    (with the run's options; one per process, its compiled rounds kept from call to call)."""
     if not ar_timed(job, cfg):
         return engine
     options = cfg.rollout.engine_options(engine_options("cached_ar"))

@@ -19,7 +19,8 @@ each before the pieces of the same round; a teacher scores them as they come
 (opd/distill/span_scoring.py), so only the last span is left when the call ends.
 
 Every `rollout.compare_every`-th batch's call is run by Cached AR in place of the engine
-(`steps.ar_timed`), for the summary's `rollout_vs_ar`: same pieces, spans and log-probs.
+(`steps.ar_timed`), for the summary's `rollout_vs_ar`: the same pieces and spans (their
+log-probs to float32 rounding).
 """
 from __future__ import annotations
 
