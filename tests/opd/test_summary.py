@@ -218,6 +218,7 @@ def test_a_streamed_timed_call_is_run_by_cached_ar_and_hands_out_the_same_pieces
         return [(p.index, p.rows.tolist(), p.batch.tokens.tolist()) for p in got], logp, part.stats
     timed, logp, stats = pieces(cfg)
     assert ran == [] and stats.engine == "cached_ar" and stats.ar_seconds > 0
+    assert stats.ar_seconds == stats.rollout_seconds and stats.rounds == stats.ar_rounds
     untimed, logp_engine, stats = pieces(load_config("tiny", over))
     assert ran == ["engine"] and stats.ar_seconds == 0
     assert timed == untimed and [i for i, *_ in timed] == [0, 1]
