@@ -336,12 +336,15 @@ class HBSJD(JacobiEngine):
 
     def policy(self, model, req: Request) -> WindowPolicy:
         """window "auto" (rollout/window.py): this engine's policy for (this model, req.rows,
-        CFG, decoding), kept across calls so that it learns from every rollout, started with
+        the call's new tokens N, CFG, decoding), kept across calls so that it learns from every
+        rollout of that shape (what a token costs moves with N: prefill and the slowest row's
+        last rounds weigh more in a short call, where windows pay less; one policy fed calls of
+        64 and 32 tokens by turns priced each arm by the calls it happened to run), started with
         the windows of `WINDOWS` a call of N new tokens can use, and (not "speculative")
         Cached AR, which may run the whole call (`baseline_call`); its modes are what option
         execution allows (hybrid: both, chosen per round; gamma is not used)."""
         o, R = self.options, req.rows
-        key = (model_signature(model), R, req.cfg, req.decoding)
+        key = (model_signature(model), R, req.num_new, req.cfg, req.decoding)
         if key not in self._policies:
             modes = {"full": ("full",), "compact": ("compact",)}.get(o["execution"],
                                                                      ("full", "compact"))

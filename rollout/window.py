@@ -48,13 +48,13 @@ rule:
              the round before never proposed (its tokens are not counted).
 
 A fixed W runs no policy (its Full / Compact switch is gamma's, rollout/hbsjd.py).  The policy
-lives in the engine, one per (model, physical rows, CFG, decoding), and learns across calls:
-its first call runs the rules above over every window; each later call runs the one window
-that whole calls price best (`CallWindows`, rollout/window_calls.py), the rules above then
-choosing only Full or Compact.  Its bookkeeping is a few floats a round on the host; a round's
-committed count, its rows with a whole window left (only while a call chooses among windows)
-and the tokens left ride the device sync the round loop already makes (rollout/hbsjd.py
-`run_jacobi`), so it adds no synchronisation on a GPU.
+lives in the engine, one per (model, physical rows, call length N, CFG, decoding), and
+learns across calls: its first call runs the rules above over every window; each later call
+runs the one window that whole calls price best (`CallWindows`, rollout/window_calls.py),
+the rules above then choosing only Full or Compact.  Its bookkeeping is a few floats a round
+on the host; a round's committed count, its rows with a whole window left (only while a call
+chooses among windows) and the tokens left ride the device sync the round loop already makes
+(rollout/hbsjd.py `run_jacobi`), so it adds no synchronisation on a GPU.
 
 The windows change time only: with greedy or "sample" decoding every window commits the same
 tokens (docs/ROLLOUTS.md, one seed one sample), so a measured choice keeps a run reproducible and

@@ -142,6 +142,24 @@ def test_speculative_calls_are_never_given_to_cached_ar(tiny, batch, monkeypatch
     assert len(offered) == 4 and all(AR not in w for w in offered)
 
 
+def test_each_call_length_has_its_own_policy(tiny, batch):
+    """Calls of 16 and 8 new tokens by turns through one engine: a policy for each length,
+    offering the windows that length can use and pricing only its own calls (what a token
+    costs moves with N, tests/rollout/test_window_calls.py); the first call of each runs the
+    rounds' rule, which is not counted."""
+    model = tiny(2)
+    labels, prefix = batch(model, 4, 8, 1)
+    engine = make_engine("hbsjd", window="auto", decoding="sample")
+    for seed in range(6):
+        P = 8 * (seed % 2)
+        engine.generate(model, labels, prefix[:, :P], T - P, seed=seed)
+    # the engine's policies by key: (model, rows, N, CFG, decoding)
+    lengths = {key[2]: policy for key, policy in engine._policies.items()}
+    assert sorted(lengths) == [8, 16]
+    assert [lengths[N].calls.calls for N in (8, 16)] == [2, 2]
+    assert all(W <= 7 for W in lengths[8].calls.cost)
+
+
 def test_w_auto_needs_no_calibration_and_writes_none(tiny, batch, tmp_path):
     """The policy measures its own rounds: no calibration file is read or written."""
     model = tiny(0)

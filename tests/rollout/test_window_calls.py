@@ -137,3 +137,32 @@ def test_cached_ar_out_of_reach_is_not_measured():
     chosen = run_with_ar(CallWindows(), cost, 60)
     assert AR not in chosen
     assert chosen == run(CallWindows(), cost, 60)
+
+
+def test_calls_of_two_lengths_are_priced_apart():
+    """What a token costs moves with the call's length: prefill and the slowest row's last
+    rounds weigh more in a short call, where windows pay less (at the default step, one
+    thread, 64-token calls of W 8 took 0.82-0.87 of Cached AR's, 32-token ones 0.96-1.11,
+    and a Cached AR token cost 1.5 times as much in the short calls).  Calls of both lengths
+    by turns: one CallWindows per length (the engine keeps a policy per N, rollout/hbsjd.py)
+    settles each on its own cheapest arm; one for both prices each arm by the lengths it
+    happened to run, and its calls take longer."""
+    costs = {64: {AR: 1.0, 1: 1.1, 2: 1.05, 4: 0.95, 8: 0.85, 16: 0.97},
+             32: {AR: 1.5, 1: 1.65, 2: 1.6, 4: 1.58, 8: 1.62, 16: 1.75}}
+    rates = {N: {W: r / ROUNDS[1] / c[1] for W, r in ROUNDS.items()} for N, c in costs.items()}
+    apart, shared = {N: CallWindows() for N in costs}, CallWindows()
+    chosen = {"apart": {64: [], 32: []}, "shared": {64: [], 32: []}}
+    seconds = {"apart": 0.0, "shared": 0.0}
+    for k in range(80):
+        N = 64 if k % 2 == 0 else 32
+        for name, calls in (("apart", apart[N]), ("shared", shared)):
+            W = calls.choose(WITH_AR, rates[N])
+            calls.observe(costs[N][W] * N, N)
+            chosen[name][N].append(W)
+            seconds[name] += costs[N][W] * N if k >= 20 else 0.0   # the last 60
+    assert Counter(chosen["apart"][64][10:]) == {8: 28, AR: 1, 4: 1}, chosen
+    assert Counter(chosen["apart"][32][10:]) == {AR: 28, 8: 1, 2: 1}, chosen
+    assert Counter(chosen["shared"][32][10:]) == {8: 21, 16: 4, AR: 3, 4: 2}, chosen
+    best = 30 * sum(min(cost.values()) * N for N, cost in costs.items())   # the last 60 calls
+    assert seconds["apart"] <= 1.01 * best                    # 1.008
+    assert seconds["shared"] >= 1.05 * best                   # 1.058
