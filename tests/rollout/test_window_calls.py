@@ -142,7 +142,7 @@ def test_cached_ar_out_of_reach_is_not_measured():
 def test_calls_of_two_lengths_are_priced_apart():
     """What a token costs moves with the call's length: prefill and the slowest row's last
     rounds weigh more in a short call, where windows pay less (at the default step, one
-    thread, 64-token calls of W 8 took 0.82-0.87 of Cached AR's, 32-token ones 0.96-1.11,
+    thread, 64-token calls of W 8 took 0.82-0.88 of Cached AR's, 32-token ones 0.96-1.11,
     and a Cached AR token cost 1.5 times as much in the short calls).  Calls of both lengths
     by turns: one CallWindows per length (the engine keeps a policy per N, rollout/hbsjd.py)
     settles each on its own cheapest arm; one for both prices each arm by the lengths it
