@@ -8,10 +8,19 @@ phase of a call rates by that phase (docs/WINDOW_POLICY.md).  So the windows are
 the seconds of whole calls per token they commit:
 
     first call   the rounds' rule over every window (`WindowPolicy`): its rounds measure each
-                 window's rate, whose best is the first window to run a whole call.
-    arms         the windows, and Cached AR (`AR`, below W 1: the call run whole by Cached AR,
-                 same tokens with greedy and "sample" decoding, rollout/hbsjd.py
-                 `baseline_call`); an arm's cost is the discounted mean of its calls' seconds per
+                 window's rate, whose best is the first window to run a whole call; where
+                 Cached AR is an arm and no window's rounds commit AR_MARGIN times W 1's a
+                 second (compute-bound: CFG, 32-64 rows on a CPU), at most the axis's middle
+                 (W 4): there a wide window's call loses most to its slowest image, which the
+                 rounds do not see (at CFG batch 32 the rounds rated W 16 best, and its calls
+                 took 1.6-2.8 times Cached AR's), and a search started at W 16 spent a call on
+                 each window down to the cheapest.
+    arms         the windows, and Cached AR (`AR`: the call run whole by Cached AR, same
+                 tokens with greedy and "sample" decoding, rollout/hbsjd.py `baseline_call`),
+                 which replaces W 1: a W-1 round commits a token a row, as Cached AR does, with
+                 the Jacobi bookkeeping on top, so W 1's call is never the cheaper of the two
+                 (where the rounds rate W 1 best, the first call is Cached AR's; W 1 runs calls
+                 only where Cached AR may not, or is the only window); an arm's cost is the discounted mean of its calls' seconds per
                  committed token (CALL_DISCOUNT a call: follows the student as it trains and
                  the machine as its load changes).  A call's seconds are its rounds' seconds,
                  each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
@@ -25,7 +34,7 @@ the seconds of whole calls per token they commit:
                  windows beside the cheapest window (a call's cost is unimodal in W, as a
                  round's rate is, so the search climbs to the best window; Cached AR is no
                  window: it runs W 1's forward without the Jacobi bookkeeping, so it can beat
-                 W 1 and lose to W 4, and the windows' search goes on while it leads): the
+                 W 16 and lose to W 4, and the windows' search goes on while it leads): the
                  arm maximising  (1 / cost) (1 + EXPLORE sqrt(ln t / n)),  n its discounted
                  calls, t the calls so far (capped at the discount's horizon); an arm never
                  measured ranks first (Cached AR first of all, then the window the rounds
@@ -119,15 +128,25 @@ class CallWindows:
         run the call), with `rates` {W: tokens per second} the rounds' estimates -> W, or
         None: run the rounds' rule (nothing measured yet)."""
         self.pending = None
+        axis = windows
+        if windows[0] == AR:                    # W 1 is Cached AR's forward plus the Jacobi
+            axis = windows[1:]                  # bookkeeping: never the cheaper call of the
+            if len(axis) > 1 and axis[0] == 1:  # two, so with Cached AR an arm it runs no call
+                windows, axis = (AR, *axis[1:]), axis[1:]
         cost = self.measured(windows)
         if not cost:
             if not rates:
                 return None
             W = max(rates, key=rates.get)
+            if windows[0] == AR and rates[W] <= AR_MARGIN * rates.get(1, 0.0):
+                # compute-bound: no window's rounds commit AR_MARGIN times W 1's a second, and
+                # a wide window's call loses most to its slowest image, which the rounds do
+                # not see; so the search starts at most at the axis's middle (Cached AR
+                # where the rounds rate W 1 best)
+                W = AR if W == 1 else min(W, axis[(len(axis) - 1) // 2])
             self.pending = (W, False)
             return W
         best = min(cost, key=cost.get)          # the leader: a window or Cached AR
-        axis = windows[1:] if windows[0] == AR else windows
         found = [W for W in axis if W in cost]
         lead = min(found, key=cost.get) if found else best      # the cheapest window
         i = axis.index(lead) if found else 0

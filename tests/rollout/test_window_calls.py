@@ -117,6 +117,39 @@ def test_cached_ar_is_no_trap():
     assert Counter(chosen[5:]) == {4: 32, AR: 1, 2: 1, 8: 1}, chosen   # 91 % W 4
 
 
+def test_w1_runs_no_call_beside_cached_ar():
+    """W 1 commits a token a row a round, as Cached AR does, with the Jacobi bookkeeping on top:
+    with Cached AR an arm, W 1 runs no call.  W 2 is the cheapest window here; before, the
+    search also measured its neighbour W 1 and explored it once more (2 of 40 calls, each 6 %
+    dearer than W 2's).  And where the rounds rate W 1 best, the first call goes to Cached AR;
+    without Cached AR (speculative decoding leaves it out), to W 1."""
+    cost = {AR: 1.0, 1: 1.03, 2: 0.97, 4: 1.05, 8: 1.3, 16: 1.8}
+    chosen = run_with_ar(CallWindows(), cost, 40)
+    assert chosen[:5] == [16, AR, 8, 4, 2], chosen
+    assert Counter(chosen) == {2: 33, AR: 3, 4: 2, 16: 1, 8: 1}, chosen
+    assert CallWindows().choose(WITH_AR, {1: 10.0, 2: 9.0, 4: 5.0}) == AR
+    assert CallWindows().choose(WINDOWS, {1: 10.0, 2: 9.0, 4: 5.0}) == 1   # no Cached AR
+
+
+def test_a_compute_bound_search_starts_at_the_middle():
+    """Compute-bound (CFG, 32-64 rows on a CPU): no window's rounds commit 1.5 times W 1's a
+    second, and the rounds rate W 16 best (at CFG batch 32 its calls took 1.6-2.8 times
+    Cached AR's: a wide window's call loses most to its slowest image).  The search starts at W 4,
+    the axis's middle, so it never runs W 16 (before: W 16, Cached AR, W 8, W 4, W 2: 22.64
+    Cached AR calls' seconds in 21 calls, now 21.84); where W 4 is cheapest, it runs W 4 from
+    the fifth call."""
+    rates = {W: r / 1.12 for W, r in {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.25, 16: 1.3}.items()}
+    assert max(rates.values()) <= AR_MARGIN * rates[1]
+    for cost, best, other in (({AR: 1.0, 1: 1.12, 2: 1.15, 4: 1.12, 8: 1.3, 16: 1.8}, AR, 4),
+                              ({AR: 1.0, 1: 1.12, 2: 0.97, 4: 0.9, 8: 1.05, 16: 1.3}, 4, AR)):
+        calls, chosen = CallWindows(), []
+        for _ in range(21):
+            chosen.append(calls.choose(WITH_AR, rates))
+            calls.observe(cost[chosen[-1]] * TOKENS, TOKENS)
+        assert chosen[:4] == [4, AR, 8, 2], chosen
+        assert Counter(chosen) == {best: 16, other: 2, 2: 2, 8: 1}, chosen
+
+
 def test_cached_ar_is_measured_where_it_may_lead():
     """W 8 is cheapest and Cached AR costs 1.3 times as much, W 1's rounds 1.45 times: within
     AR_MARGIN of the leader, so Cached AR runs on the second call (a first measurement,
