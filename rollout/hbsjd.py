@@ -39,7 +39,7 @@ from rollout.slots import Slots, single_token
 from rollout.spans import Finished, Span, span_cuts, whole_call
 from rollout.static_states import StaticStates
 from rollout.stats import RoundLog
-from rollout.window import WINDOWS, WindowPolicy
+from rollout.window import WINDOWS, WindowPolicy, policy_clock
 
 
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
@@ -51,9 +51,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
     eager rounds of exactly the active rows.  policy (W "auto", rollout/window.py, started for
     this call): each round's window and execution are `policy.choose`'s, gamma unused, each
-    round's committed tokens and wall seconds go back to `policy.observe`, and the call's
-    tokens to `policy.finish`; plan_for(W) -> the
-    call's Plan of window W (all sized for policy.largest); plan is then plan_for(policy.largest).
+    round's committed tokens and seconds (`policy.now`) go back to `policy.observe`, and the
+    call's tokens to `policy.finish`; plan_for(W) -> the call's Plan of window W (all sized for
+    policy.largest); plan is then plan_for(policy.largest).
 
     With R = req.rows < B physical rows, images run through the rows (rollout/slots.py).  A
     round, after its one device sync (the active count, with the policy's acceptance counts):
@@ -65,7 +65,16 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
     committed (`req.span`, rollout/spans.py), then the images it completed (`Finished`) are
     handed out, before their rows are refilled; returns the `RolloutResult`."""
     B, R, T, dev = req.batch, req.rows, req.total, req.labels.device
-    log, begun = RoundLog(B, dev), time.perf_counter()
+    log = RoundLog(B, dev)
+    now = policy.now if policy is not None else time.perf_counter
+    begun_now, away = now(), [0.0]      # the policy's clock; the consumer's time on it
+
+    def hand_out(item):                 # the consumer's time is not the call's
+        paused, paused_now = time.perf_counter(), now()
+        yield item
+        log.pause(paused)
+        away[0] += now() - paused_now
+
     if req.num_new == 1:
         result = single_token(model, req, log.times)
         yield from whole_call(req.prefix_len, req.span, result)
@@ -90,19 +99,15 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             stats += [(counts[0] * room).sum(), room.sum()]
         A, low, left, *tokens = torch.stack(stats).tolist()
         if started is not None:
-            policy.observe(*(tokens or (0, 0)), time.perf_counter() - started)
+            policy.observe(*(tokens or (0, 0)), now() - started)
         # 0. hand out the spans every image has committed (waiting images have none yet)
         for a, b in span_cuts(req.prefix_len, T, req.span, spanned,
                               low if slots.waiting == B else req.prefix_len):
-            paused = time.perf_counter()
-            yield slots.span(st, a, b, A > 0)
-            log.pause(paused)                # the consumer's time is not a round's
+            yield from hand_out(slots.span(st, a, b, A > 0))
             spanned = b
         # 0. and the images the last round completed
         if R - A > n_handed:
-            paused = time.perf_counter()
-            yield slots.finished(st, (~live & ~handed).nonzero().squeeze(1), req)
-            log.pause(paused)
+            yield from hand_out(slots.finished(st, (~live & ~handed).nonzero().squeeze(1), req))
             handed, n_handed = ~live, R - A
         # 1. refill: rows whose images are complete take the waiting images
         if A < R and slots.waiting < B:
@@ -116,7 +121,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             break
         # 2. Full or Compact, and the window
         if policy is not None:
-            started = time.perf_counter()
+            started = now()
         is_compact, st, plan = execution(A, left / A, gamma, policy, st, plan, plan_for,
                                          hold if compiled else None)
         if policy is not None and policy.counting:  # rows with a whole window left
@@ -133,7 +138,7 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         log.add(slots.per_image(counts, idx, compiled), A, "compact" if is_compact else "full",
                 plan.W)
     if policy is not None:
-        policy.finish(B * req.num_new, time.perf_counter() - begun - log.held)
+        policy.finish(B * req.num_new, now() - begun_now - away[0])
     tokens, logp = slots.collect(st)
     return log.result(tokens, req.prefix_len, logp[:, req.prefix_len:])
 
@@ -144,10 +149,10 @@ def baseline_call(engine: Engine, model, req: Request,
     "speculative" decoding): greedy and "sample" commit Cached AR's tokens whatever the
     window, so only time changes, and the call's seconds price the arm.  Its rounds count as
     rounds of window 1 (`RolloutResult.windows`)."""
-    started = time.perf_counter()
+    started = policy.now()
     result = engine.run(model, req)
     synchronize(req.labels.device)
-    policy.finish(req.batch * req.num_new, time.perf_counter() - started)
+    policy.finish(req.batch * req.num_new, policy.now() - started)
     result.windows = [0] + [1] * (result.rounds - 1)
     yield from whole_call(req.prefix_len, req.span, result)
     return result
@@ -348,8 +353,9 @@ class HBSJD(JacobiEngine):
         if key not in self._policies:
             modes = {"full": ("full",), "compact": ("compact",)}.get(o["execution"],
                                                                      ("full", "compact"))
-            self._policies[key] = WindowPolicy(modes, R,
-                                               (lambda a: bucket(a, R)) if self.compiles else None)
+            self._policies[key] = WindowPolicy(
+                modes, R, (lambda a: bucket(a, R)) if self.compiles else None,
+                policy_clock(req.labels.device.type, torch.get_num_threads()))
         policy = self._policies[key]
         windows = sorted({max(1, min(W, req.num_new - 1)) for W in WINDOWS})
         if req.speculative and len(windows) > 1:

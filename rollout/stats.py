@@ -146,11 +146,6 @@ class RoundLog:
         between a round's sync and the next round's start): not the round's time."""
         self.away[-1] += time.perf_counter() - since
 
-    @property
-    def held(self) -> float:
-        """Seconds the consumer held the call so far."""
-        return sum(self.away)
-
     def add(self, per_image: Tensor, active: int, mode: str, W: int) -> None:
         """A verifier round: per_image (3, B) int64 committed / accepted / rejected of each
         image, its active count, execution and window."""

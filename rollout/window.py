@@ -65,6 +65,8 @@ not the same draws from run to run (and W 1 is left out: `HBSJD.policy`, rollout
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 from rollout.window_calls import AR, CLIP, EXPLORE, CallWindows, Mean
 
@@ -75,6 +77,18 @@ HORIZON = 1 / (1 - DISCOUNT)    # the discounted rounds an arm played every roun
 PRIOR = 0.5             # the weight, in rounds, of a Compact arm's prior (Full's seconds)
 BUDGET = 0.05           # most of the seconds (discounted) spent exploring measured arms
 SETTLE = 2              # a call's first rounds, whose drafts are still filling: tokens not counted
+
+
+def policy_clock(device_type: str, threads: int) -> Callable[[], float]:
+    """The clock the policy prices arms by.  On a CPU computing on one thread (a Ray rollout
+    worker), that thread's CPU seconds: what the rollout pays.  The time it waits while other
+    processes hold the cores (the teacher and the learner share them in the default run) falls
+    alike on whichever arm runs, and it decided more than the arms did: beside a process
+    running matmuls in bursts, a call's wall seconds spread by 27-31 % (coefficient of
+    variation, Cached AR and W 8, batch 32), its CPU seconds by 10 % (docs/WINDOW_POLICY.md).
+    Elsewhere wall seconds: on a GPU the host waits for the device at the round's sync, and
+    with several threads a thread's CPU seconds are not the process's."""
+    return time.thread_time if device_type == "cpu" and threads == 1 else time.perf_counter
 
 
 def near(rated: list, best: tuple, windows: tuple) -> list:
@@ -91,11 +105,13 @@ class WindowPolicy:
 
     modes: of ("full", "compact"), what the execution option allows; rows: the call's physical
     rows R; bucket: active rows -> the rows a compiled Compact round runs (None: the active
-    rows).  Per call: `start(windows)`, then per round `choose(active, left)` and, after the round's
+    rows); clock: the seconds its rounds and calls are measured in (`policy_clock`).  Per call: `start(windows)`, then per round `choose(active, left)` and, after the round's
     sync, `observe(tokens, seconds)`."""
 
-    def __init__(self, modes: tuple = ("full", "compact"), rows: int = 1, bucket=None):
+    def __init__(self, modes: tuple = ("full", "compact"), rows: int = 1, bucket=None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.modes, self.rows, self.bucket = modes, rows, bucket
+        self.now = clock                                    # seconds (`policy_clock`)
         self.tokens: dict[int, Mean] = {}                   # W -> tokens per active row
         self.seconds: dict[tuple[int, bool, int], Mean] = {}  # (W, compact, band) -> seconds
         self.spent = [0.0, 0.0]              # discounted seconds: exploring rounds, all rounds

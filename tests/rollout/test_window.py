@@ -6,6 +6,7 @@ caught by the exact-enumeration statistics of tests/rollout/test_distribution.py
 The tests steer the windows by schedules (tests/rollout/schedules.py) where they need them to
 change, so their choices are the same on every machine; the rule itself is tested on given
 seconds and tokens, never a timing, in tests/rollout/test_window_rule.py."""
+import time
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import rollout.hbsjd
+import rollout.window
 from rollout import make_engine
 from rollout.hbsjd import full_round
 from rollout.jacobi import one_hot, rewindow
@@ -158,6 +160,35 @@ def test_each_call_length_has_its_own_policy(tiny, batch):
     assert sorted(lengths) == [8, 16]
     assert [lengths[N].calls.calls for N in (8, 16)] == [2, 2]
     assert all(W <= 7 for W in lengths[8].calls.cost)
+
+
+def test_the_policy_prices_by_its_clock_without_the_consumer(tiny, batch, monkeypatch):
+    """The policy measures rounds and calls on its clock (`policy_clock`: on a one-thread CPU
+    process this thread's CPU seconds), and a streaming call's consumer is not on it.  Here a
+    clock that ticks a second each time it is read, and that the consumer moves by 1000 s at
+    each hand-out (images, spans): no round or call is priced at 1000 s or more; without
+    `hand_out`'s accounting every call would carry several thousand."""
+    assert rollout.window.policy_clock("cpu", 1) is time.thread_time
+    assert rollout.window.policy_clock("cpu", 2) is time.perf_counter
+    assert rollout.window.policy_clock("cuda", 1) is time.perf_counter
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+    monkeypatch.setattr(rollout.hbsjd, "policy_clock", lambda device, threads: clock)
+    model = tiny(2)
+    labels, prefix = batch(model, 4, 0, 1)
+    engine = make_engine("hbsjd", window="auto", decoding="sample")
+    handed = 0
+    for seed in range(4):
+        for _ in engine.stream(model, labels, prefix, T, seed=seed, span=4):
+            now[0] += 1000.0
+            handed += 1
+    (policy,) = engine._policies.values()
+    assert handed >= 4 * 4 and policy.calls.calls == 3
+    assert all(0 < m.mean < 1000 for m in policy.seconds.values() if m.weight)
+    assert all(0 < m.mean * 4 * T < 1000 for m in policy.calls.cost.values() if m.weight)
 
 
 def test_w_auto_needs_no_calibration_and_writes_none(tiny, batch, tmp_path):
