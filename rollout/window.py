@@ -25,11 +25,12 @@ rule:
              left whatever W is, which would price wide windows by a call's last rounds), in
              rounds whose drafts were steady: not a call's first SETTLE rounds (drafts still
              filling), not a round wider than the one before (its new columns were never
-             drafted: history fill); weighted by those rows.  seconds: wall seconds of a round
-             (its forward, its verification, the loop's Python, up to the next device sync), by
-             rows band: Full runs the call's R rows (one band), Compact the active rows
-             (compiled: their bucket), banded by powers of two.  A Full arm's seconds,
-             measured while every row was active, serve every active count.
+             drafted: history fill); weighted by those rows.  seconds: seconds of a round
+             on the policy's clock (`policy_clock`: CPU seconds in a one-thread CPU process,
+             else wall; its forward, its verification, the loop's Python, up to the next
+             device sync), by rows band: Full runs the call's R rows (one band), Compact
+             the active rows (compiled: their bucket), banded by powers of two.  A Full
+             arm's seconds, measured while every row was active, serve every active count.
              Both are discounted means: an observation weighs DISCOUNT ** (rounds since), so
              the estimates follow the student as it trains and the machine as its load changes.
     choice   UCB over the best arm and its neighbours (`near`: the rate is unimodal in W): the
@@ -105,8 +106,9 @@ class WindowPolicy:
 
     modes: of ("full", "compact"), what the execution option allows; rows: the call's physical
     rows R; bucket: active rows -> the rows a compiled Compact round runs (None: the active
-    rows); clock: the seconds its rounds and calls are measured in (`policy_clock`).  Per call: `start(windows)`, then per round `choose(active, left)` and, after the round's
-    sync, `observe(tokens, seconds)`."""
+    rows); clock: the seconds its rounds and calls are measured in (`policy_clock`).  Per
+    call: `start(windows)`, then per round `choose(active, left)` and, after the round's sync,
+    `observe(tokens, seconds)`."""
 
     def __init__(self, modes: tuple = ("full", "compact"), rows: int = 1, bucket=None,
                  clock: Callable[[], float] = time.perf_counter):
