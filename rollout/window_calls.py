@@ -42,7 +42,9 @@ the seconds of whole calls per token they commit:
                  1 / AR_MARGIN of the cheapest window's calls: its bookkeeping is a small
                  share of a round wherever the forward is dear enough for Cached AR to lead,
                  so it cannot lead there, and its call would cost 1.8-3 times the leader's at
-                 batch 1-8 on this CPU.  A first measurement is one call, run at
+                 batch 1-8 on this CPU; left out until the calls have forgotten the first
+                 (CALL_HORIZON calls), then measured: W 1's rounds are measured in the first
+                 call only, and one slow W-1 round there would hold the gate for good.  A first measurement is one call, run at
                  once: the search climbs a window a call.  A measured neighbour is run
                  (explored) only while the discounted seconds of exploring calls are at
                  most CALL_BUDGET of all calls' seconds, so
@@ -151,9 +153,9 @@ class CallWindows:
         lead = min(found, key=cost.get) if found else best      # the cheapest window
         i = axis.index(lead) if found else 0
         beside = axis[max(0, i - 1):i + 2]      # the windows' search climbs from `lead`
-        if windows[0] == AR and (AR in cost or not (1 in rates and
-                                                    1 / cost[lead] > AR_MARGIN * rates[1])):
-            beside = (AR, *beside)          # the baseline, unless out of reach
+        if windows[0] == AR and (AR in cost or self.calls >= CALL_HORIZON or not (
+                1 in rates and 1 / cost[lead] > AR_MARGIN * rates[1])):
+            beside = (AR, *beside)          # the baseline, unless out of reach (for a while)
         log_t = math.log(min(self.calls, CALL_HORIZON) + 2)
 
         def index(W):                       # never measured: first (Cached AR, then the

@@ -4,7 +4,7 @@ costs is followed, a compiling first call is dropped, exploration stays within i
 from collections import Counter
 
 from rollout.window import WINDOWS
-from rollout.window_calls import AR, AR_MARGIN, CALL_BUDGET, CallWindows
+from rollout.window_calls import AR, AR_MARGIN, CALL_BUDGET, CALL_HORIZON, CallWindows
 
 TOKENS = 64
 ROUNDS = {1: 3.0, 2: 5.0, 4: 7.0, 8: 8.9, 16: 9.0}   # the rounds' rates: W 16 rates best
@@ -160,16 +160,20 @@ def test_cached_ar_is_measured_where_it_may_lead():
     assert Counter(chosen) == {8: 53, 16: 3, 4: 2, AR: 2}, chosen
 
 
-def test_cached_ar_out_of_reach_is_not_measured():
+def test_cached_ar_out_of_reach_waits_for_the_first_call_to_be_forgotten():
     """W 1's rounds commit a token a second where the leader's calls commit 3.5 (batch 1-8:
-    Cached AR took 1.8-3 times the best window's call): more than AR_MARGIN apart, so no call
-    is spent on Cached AR (one would cost 2.5 leader's calls); the windows' search is as
-    without it."""
+    Cached AR took 1.8-3 times the best window's call): more than AR_MARGIN apart, so the
+    first CALL_HORIZON calls spend none on Cached AR (one costs 2.5 leader's calls) and the
+    windows' search is as without it.  W 1's rounds are measured in the first call only (W 1
+    runs no call beside Cached AR), so the gate would hold for good on one slow W-1 round
+    there (in a default run the 32-token policy never ran Cached AR, at 1.18 of its time):
+    once the calls have forgotten that call, Cached AR is measured, once."""
     cost = {AR: 2.5, 1: 3.5, 2: 2.0, 4: 1.3, 8: 1.0, 16: 1.16}
     assert 1 / cost[16] > AR_MARGIN * (1 / cost[1])
     chosen = run_with_ar(CallWindows(), cost, 60)
-    assert AR not in chosen
-    assert chosen == run(CallWindows(), cost, 60)
+    assert chosen[:10] == run(CallWindows(), cost, 10)          # CALL_HORIZON calls
+    assert chosen.count(AR) == 1 and chosen.index(AR) >= CALL_HORIZON, chosen
+    assert Counter(chosen) == {8: 53, 16: 3, 4: 3, AR: 1}, chosen
 
 
 def test_calls_of_two_lengths_are_priced_apart():
