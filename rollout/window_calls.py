@@ -20,9 +20,11 @@ the seconds of whole calls per token they commit:
                  which replaces W 1: a W-1 round commits a token a row, as Cached AR does, with
                  the Jacobi bookkeeping on top, so W 1's call is never the cheaper of the two
                  (where the rounds rate W 1 best, the first call is Cached AR's; W 1 runs calls
-                 only where Cached AR may not, or is the only window); an arm's cost is the discounted mean of its calls' seconds per
-                 committed token (CALL_DISCOUNT a call: follows the student as it trains and
-                 the machine as its load changes).  A call's seconds are its rounds' seconds,
+                 only where Cached AR may not, or is the only window); an arm's cost is the
+                 discounted mean of its calls' seconds per committed token (CALL_DISCOUNT a
+                 call: follows the student as it trains and the machine as its load changes;
+                 on the policy's clock, rollout/window.py `policy_clock`).  A call's seconds
+                 are its rounds' seconds,
                  each clipped as its round arm's mean clips it (`WindowPolicy.finish`), and a
                  call counts at most CALL_CLIP times the arm's mean: one burst of another
                  process moves a call as much as a choice between windows a few per cent apart
@@ -44,10 +46,10 @@ the seconds of whole calls per token they commit:
                  so it cannot lead there, and its call would cost 1.8-3 times the leader's at
                  batch 1-8 on this CPU; left out until the calls have forgotten the first
                  (CALL_HORIZON calls), then measured: W 1's rounds are measured in the first
-                 call only, and one slow W-1 round there would hold the gate for good.  A first measurement is one call, run at
-                 once: the search climbs a window a call.  A measured neighbour is run
-                 (explored) only while the discounted seconds of exploring calls are at
-                 most CALL_BUDGET of all calls' seconds, so
+                 call only, and one slow W-1 round there would hold the gate for good.  A
+                 first measurement is one call, run at once: the search climbs a window a
+                 call.  A measured neighbour is run (explored) only while the discounted
+                 seconds of exploring calls are at most CALL_BUDGET of all calls' seconds, so
                  what exploring costs is bounded, a few calls of the leader separate two
                  explorations (a noisy call decides less), and a neighbour whose estimate went
                  stale is measured again (at 4 %, about one call in twelve explores: every
