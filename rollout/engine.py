@@ -29,6 +29,7 @@ from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, pe
                               sample_from, token_logprob, uniform, uses_cfg, warp)
 from rollout.spans import Finished, Span, whole_call
 from rollout.stats import RolloutResult
+from rollout.window import policy_clock
 
 ENGINES: dict[str, type[Engine]] = {}
 """Engine classes by name, each registered under its name in rollout/options.py's
@@ -345,10 +346,11 @@ class Engine:
 class RolloutStream:
     """One rollout call, iterated: `Finished` groups in the order their images complete
     (images completing in the same round form one group, in batch order), and with a span the
-    `Span`s in position order, each before the round's group; once exhausted,
-    `result` is the call's `RolloutResult` (its wall_time: the seconds spent in the engine,
-    not in the consumer between groups).  The model is in eval mode, without autograd, while
-    the engine runs."""
+    `Span`s in position order, each before the round's group; once exhausted, `result` is the
+    call's `RolloutResult` (its wall_time: the seconds spent in the engine, not in the
+    consumer between groups; its cpu_time: the same stretches on the window policy's clock
+    where that is this thread's CPU seconds, rollout/window.py `policy_clock`).  The model is
+    in eval mode, without autograd, while the engine runs."""
 
     def __init__(self, engine: Engine, model, req: Request):
         self.engine, self.model, self.req = engine, model, req
@@ -359,9 +361,10 @@ class RolloutStream:
         was_training = bool(getattr(model, "training", False))
         if was_training:
             model.eval()
-        busy = 0.0
+        clock = policy_clock(req.labels.device.type, torch.get_num_threads())
+        busy = busy_clock = 0.0
         try:
-            start = time.perf_counter()
+            start, start_clock = time.perf_counter(), clock()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
                 model.setup_cache(req.rows * (2 if req.cfg else 1), engine.cache_len(req))
                 if engine.compiles:
@@ -375,10 +378,13 @@ class RolloutStream:
                         result = stop.value
                         break
                 busy += time.perf_counter() - start
+                busy_clock += clock() - start_clock
                 yield done
-                start = time.perf_counter()
+                start, start_clock = time.perf_counter(), clock()
             synchronize(req.labels.device)
             result.wall_time = busy + time.perf_counter() - start
+            if clock is time.thread_time:
+                result.cpu_time = busy_clock + clock() - start_clock
         finally:
             if engine.compiles:
                 model.static_cache(False)

@@ -23,6 +23,7 @@ class RolloutResult:
     active: list[int]       # (R,) images active in each round
     modes: list[str]        # (R,) execution of each round: "full" | "compact"
     wall_time: float        # seconds for the whole generate call (device synchronised)
+    cpu_time: float | None = None  # its CPU seconds on a one-thread CPU (else None)
     round_times: list[float] = field(default_factory=list)  # (R,) s per round; Jacobi only
     prefills: int = 0       # prefill forwards after round 0 (slots: images admitted into rows)
     first_round: Tensor | None = None  # (B,) int64 round holding each image's prefill token

@@ -82,6 +82,8 @@ class RolloutStats:
     rollout_seconds: float = stat(0.0, MAX)   # the engine's wall time of the call
     ar_seconds: float = stat(0.0, MAX)        # the call's wall time where Cached AR ran it
     #                                           in the engine's place (rollout.compare_every)
+    cpu_seconds: float = stat(0.0, MAX)       # the call's CPU seconds (a one-thread CPU
+    #                                           rollout: `RolloutResult.cpu_time`), else 0
     rounds: int = stat(0, MAX)                # sequential verifier forwards (prefill included)
     ar_rounds: int = stat(0, MAX)             # the rounds Cached AR needs for the same tokens
     mean_committed: float = stat(0.0, COMMITTED_MEAN)   # tokens per image per active round
@@ -102,7 +104,8 @@ class RolloutStats:
     def of(cls, result, ar_rounds: int) -> RolloutStats:
         """The stats of a `rollout.stats.RolloutResult`; `ar_rounds` as the field."""
         image_rounds = result.image_rounds
-        return cls(rollout_seconds=result.wall_time, rounds=result.rounds, ar_rounds=ar_rounds,
+        return cls(rollout_seconds=result.wall_time, cpu_seconds=result.cpu_time or 0.0,
+                   rounds=result.rounds, ar_rounds=ar_rounds,
                    mean_committed=result.mean_committed, engine=result.engine,
                    generated_tokens=result.num_new_tokens * result.tokens.shape[0],
                    accepted=int(result.accepted.sum()), rejected=int(result.rejected.sum()),
@@ -148,6 +151,8 @@ class RolloutStats:
         return {"rounds": self.rounds, "ar_rounds": self.ar_rounds,
                 "ar_rollout_s": self.ar_seconds,          # a call Cached AR ran, timed
                 "engine_rollout_s": 0.0 if self.ar_seconds else self.rollout_seconds,  # the rest
+                "ar_rollout_cpu_s": self.cpu_seconds if self.ar_seconds else 0.0,  # CPU seconds
+                "engine_rollout_cpu_s": 0.0 if self.ar_seconds else self.cpu_seconds,
                 "mean_committed": self.mean_committed,
                 "commit_hist": self.commit_hist, "window_hist": self.window_hist,
                 "image_rounds_max": self.image_rounds_max,

@@ -66,19 +66,38 @@ def seconds_vs_ar(rows: list[dict], timed: np.ndarray, own: np.ndarray) -> dict:
     Cached AR ran in the engine's place (`timed`, `rollout.compare_every`: its seconds depend
     on a call's shape, not its tokens); calls of a shape Cached AR never ran are left out.
     `rollout_vs_ar_calls`: the calls Cached AR ran; `rollout_vs_ar_priced`: the engine's calls
-    priced.  Nothing where Cached AR ran no call."""
+    priced.  `rollout_vs_ar_cpu`: the same on the calls' CPU seconds, where the rollout ran on
+    one CPU thread (the window policy's clock, rollout/window.py `policy_clock`): the seconds
+    a call waited while the teacher or the learner held the cores are left out, and with
+    them most of the spread between one Cached AR call and the next.  Nothing where Cached AR
+    ran no call."""
+    out = {}
+    for column, key in (("rollout_s", "rollout_vs_ar"), ("rollout_cpu_s", "rollout_vs_ar_cpu")):
+        ratio = priced_ratio(rows, timed, own, "ar_" + column, "engine_" + column)
+        if ratio is not None:
+            out[key], priced = ratio
+            out.setdefault("rollout_vs_ar_calls", int(timed.sum()))
+            out.setdefault("rollout_vs_ar_priced", priced)
+    return out
+
+
+def priced_ratio(rows: list[dict], timed: np.ndarray, own: np.ndarray, ar_key: str,
+                 engine_key: str) -> tuple[float, int] | None:
+    """(the engine's seconds `engine_key` over its calls `own` against Cached AR's mean
+    `ar_key` for calls of their shape, the calls priced) for `seconds_vs_ar`; None where no
+    call could be priced."""
     shape = [(r.get("prefix_len"), r.get("generated_tokens")) for r in rows]
     price: dict = {}
     for i in np.flatnonzero(timed):
-        price.setdefault(shape[i], []).append(float(rows[i]["ar_rollout_s"]))
+        if (rows[i].get(ar_key) or 0.0) > 0:
+            price.setdefault(shape[i], []).append(float(rows[i][ar_key]))
     priced = [i for i in np.flatnonzero(own) if shape[i] in price
-              and (rows[i].get("engine_rollout_s") or 0.0) > 0]
+              and (rows[i].get(engine_key) or 0.0) > 0]
     if not priced:
-        return {}
-    engine = sum(float(rows[i]["engine_rollout_s"]) for i in priced)
+        return None
+    engine = sum(float(rows[i][engine_key]) for i in priced)
     cached_ar = sum(float(np.mean(price[shape[i]])) for i in priced)
-    return {"rollout_vs_ar": engine / cached_ar, "rollout_vs_ar_calls": int(timed.sum()),
-            "rollout_vs_ar_priced": len(priced)}
+    return engine / cached_ar, len(priced)
 
 
 def window_lines(rows: list[dict]) -> list[str]:

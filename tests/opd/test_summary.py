@@ -94,12 +94,14 @@ def test_summary_prices_the_engines_calls_by_cached_ars_calls_of_the_same_shape(
     """rollout_vs_ar: the engine's seconds over its calls against Cached AR's mean seconds for
     calls of their shape (prefix length, tokens generated), from the calls Cached AR ran in
     the engine's place (ar_rollout_s > 0); a shape Cached AR never ran is left out, and the
-    rounds figures are the engine's calls' only."""
+    rounds figures are the engine's calls' only.  rollout_vs_ar_cpu: the same on the calls'
+    CPU seconds (a one-thread CPU rollout), none where they were not recorded."""
     from opd.run.summary import summarize
 
     def call(step, prefix, gen, engine=0.0, ar=0.0, rounds=20):
         return dict(_row(step, "on", "student", rounds, 64, gen, 0.5), prefix_len=prefix,
-                    engine_rollout_s=engine, ar_rollout_s=ar)
+                    engine_rollout_s=engine, ar_rollout_s=ar, engine_rollout_cpu_s=engine / 2,
+                    ar_rollout_cpu_s=ar / 4)
     rows = [call(0, 0, 256, ar=0.8, rounds=64), call(1, 0, 256, ar=1.2, rounds=64),  # AR: 1.0
             call(2, 32, 128, ar=0.5, rounds=64),                                    # AR: 0.5
             call(3, 0, 256, engine=0.6), call(4, 0, 256, engine=1.0),
@@ -107,9 +109,13 @@ def test_summary_prices_the_engines_calls_by_cached_ars_calls_of_the_same_shape(
             call(6, 16, 192, engine=9.0)]                      # a shape Cached AR never ran
     s = summarize(rows)
     assert s["rollout_vs_ar"] == pytest.approx((0.6 + 1.0 + 0.4) / (1.0 + 1.0 + 0.5))
+    assert s["rollout_vs_ar_cpu"] == pytest.approx((0.6 + 1.0 + 0.4) / 2 / ((1.0 + 1.0 + 0.5) / 4))
     assert s["rollout_vs_ar_calls"] == 3 and s["rollout_vs_ar_priced"] == 3
     assert s["rounds_vs_ar"] == pytest.approx(4 * 20 / (4 * 64))
     assert "rollout_vs_ar" not in summarize(rows[3:])
+    wall_only = [{k: v for k, v in r.items() if "cpu" not in k} for r in rows]
+    assert summarize(wall_only)["rollout_vs_ar"] == s["rollout_vs_ar"]
+    assert "rollout_vs_ar_cpu" not in summarize(wall_only)
     assert "rollout_vs_ar" not in summarize(rows[:3] + rows[6:])
 
 
@@ -150,8 +156,10 @@ def test_a_timed_call_is_run_by_cached_ar_in_the_engines_place(tiny_overrides):
     s = timed.rollout_stats
     assert s.engine == "cached_ar" and s.ar_seconds == s.rollout_seconds > 0
     assert s.rounds == s.ar_rounds                                  # one token a round
+    assert s.row()["ar_rollout_cpu_s"] == s.cpu_seconds > 0         # one thread: CPU seconds
     untimed = generate(model, engine, job(5), load_config("tiny", over), 0)
     assert untimed.rollout_stats.engine == "hbsjd" and untimed.rollout_stats.ar_seconds == 0
+    assert untimed.rollout_stats.row()["engine_rollout_cpu_s"] > 0
     assert torch.equal(timed.tokens, untimed.tokens)
     assert torch.allclose(timed.behaviour_logprobs, untimed.behaviour_logprobs, atol=1e-5)
     assert generate(model, engine, job(4), cfg, 0).rollout_stats.ar_seconds == 0   # not due

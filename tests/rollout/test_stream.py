@@ -97,3 +97,32 @@ def test_the_consumers_time_is_in_no_round_and_not_in_the_call(tiny, batch, monk
     res = stream.result
     assert handed >= 3 and res.rounds > 3
     assert max(res.round_times) < 50 and res.wall_time < 50, (res.round_times, res.wall_time)
+
+
+@pytest.mark.parametrize("engine,window", [("hbsjd", "auto"), ("hbsjd", 4), ("cached_ar", None)])
+def test_a_calls_cpu_seconds_leave_the_consumer_out(tiny, batch, monkeypatch, engine, window):
+    """On a one-thread CPU a call's cpu_time is this thread's CPU seconds over the stretches
+    the engine ran (what the window policy prices by, and the run summary's
+    `rollout_vs_ar_cpu`): a thread clock that jumps 100 s while the consumer holds each
+    hand-out puts none of it there.  With two threads there is none: a thread's CPU seconds
+    are not the process's."""
+    import time
+    real, jumped = time.thread_time, [0.0]
+    monkeypatch.setattr(time, "thread_time", lambda: real() + jumped[0])
+    model = tiny()
+    labels, prefix = batch(model, 6, 2)
+    options = {} if window is None else {"window": window}
+    stream = make_engine(engine, decoding="greedy", **options).stream(model, labels, prefix,
+                                                                      14, seed=3, span=4)
+    handed = 0
+    for _ in stream:
+        jumped[0] += 100.0
+        handed += 1
+    assert handed >= 3 and 0 < stream.result.cpu_time < 50, stream.result.cpu_time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        res = make_engine(engine, decoding="greedy", **options).generate(model, labels, prefix, 14)
+    finally:
+        torch.set_num_threads(threads)
+    assert res.cpu_time is None and res.wall_time > 0
