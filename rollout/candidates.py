@@ -43,10 +43,10 @@ Each round costs (K - 1) L more query columns for every row.
 
 A plug-in: `candidate_tree` builds the call's window kind (`Plan.drafting`, the
 `jacobi_state.Drafting` methods the round calls in place of rollout/jacobi.py's `PlainWindow`):
-`CandidateTree.forward` runs the tree window (rollout/hbsjd.py `forward_window`), `path` turns
+`CandidateTree.forward` runs the tree window (rollout/rounds.py `forward_window`), `path` turns
 it into the plain window the verification reads (rollout/jacobi.py `verify`), `next` drafts
 the next candidates (`commit`), `move` moves a winning branch's cache slots into place
-(rollout/hbsjd.py `verify_window`).
+(rollout/rounds.py `verify_window`).
 """
 from __future__ import annotations
 

@@ -12,13 +12,10 @@ and no switching.
 The loop synchronises with the device once per round (the active count; eager Compact rounds
 also `nonzero` the active mask); everything per image is vectorised.
 
-With option compile a round -- verifier forward and verification -- is one compiled function
-(`full_round`, `compact_round`) with static shapes: a Compact round runs a bucket of rows, the
-active count rounded up to a power of two between R / 8 and R (`bucket`), padded with finished
-rows, whose round changes nothing they keep (`compact_round`); so a call compiles a handful
-of graphs (R = 32: Full, then Compact at 4, 8, 16 and 32 rows), not one per active count.
-The round state lives in buffers the engine keeps across calls (rollout/static_states.py), so
-on CUDA ("reduce-overhead") every replay of a round's graph sees the same addresses.
+A round itself, Full or Compact, eager or compiled into one graph (Compact rounds then in
+buckets of rows), is rollout/rounds.py's.  With option compile the round state lives in
+buffers the engine keeps across calls (rollout/static_states.py), so on CUDA
+("reduce-overhead") every replay of a round's graph sees the same addresses.
 """
 from __future__ import annotations
 
@@ -26,15 +23,13 @@ import time
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor
 
 from rollout.calibrate import calibration_path, model_signature
 from rollout.candidates import candidate_tree
 from rollout.engine import (Engine, Request, make_engine, prefill_token, register,
                             synchronize)
-from rollout.jacobi import (JacobiState, Plan, ar_round, init_state, make_plan, rewindow,
-                            window_inputs)
-from rollout.sampling import guide
+from rollout.jacobi import JacobiState, Plan, init_state, make_plan, rewindow
+from rollout.rounds import bucket, compact_round, compact_rows, full_round, full_round_in_place
 from rollout.slots import Slots, single_token
 from rollout.spans import Finished, Span, span_cuts, whole_call
 from rollout.static_states import StaticStates
@@ -173,81 +168,6 @@ def execution(active: int, left: float, gamma: int, policy: WindowPolicy | None,
         if hold is not None:
             st = hold(st)
     return compact, st, plan
-
-
-def compact_rows(live: Tensor, active: int, rows: int, compiled: bool) -> Tensor:
-    """The rows (k,) int64 of a Compact round: the active ones of live (R,) bool, padded to
-    their bucket when compiled (`bucket_rows`)."""
-    return bucket_rows(live, bucket(active, rows)) if compiled else live.nonzero().squeeze(1)
-
-
-def full_round(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
-    """A Full-execution round: the windows of every physical row (finished rows included)
-    verified and advanced in place -> counts (3, R) int64 (`verify_window`; W = 1:
-    `ar_round`)."""
-    if plan.W == 1:
-        return ar_round(model, st, req, plan, None)
-    logits, positions, offset = forward_window(model, st, req, plan, None)
-    return verify_window(model, st, logits, positions, offset, req, plan, None)
-
-
-def full_round_in_place(model, st: JacobiState, req: Request, plan: Plan) -> Tensor:
-    """`full_round` that leaves every state tensor in its storage (the next proposals q are
-    copied into the old ones): what the compiled round runs."""
-    q = st.q
-    counts = full_round(model, st, req, plan)
-    if q is not None:
-        st.q = q.copy_(st.q)
-    return counts
-
-
-def compact_round(model, st: JacobiState, idx: Tensor, req: Request, plan: Plan) -> Tensor:
-    """A Compact round over rows idx (k,) (cache rows idx, and idx + R with CFG), in place
-    -> counts (3, k) int64.  A finished row in idx (bucket padding) changes only scratch past
-    T and its unused round counter and proposals, and counts 0 (jacobi.commit_count)."""
-    sub = st.select(idx)
-    rows = torch.cat([idx, idx + req.rows]) if req.cfg else idx
-    if plan.W == 1:
-        counts = ar_round(model, sub, req, plan, rows)
-    else:
-        logits, positions, offset = forward_window(model, sub, req, plan, rows)
-        counts = verify_window(model, sub, logits, positions, offset, req, plan, rows)
-    st.assign(idx, sub)
-    return counts
-
-
-def bucket(active: int, rows: int) -> int:
-    """Rows of a compiled Compact round: `active` rounded up to a power of two, at least
-    R // 8 (a few padded rows cost less than a graph per small count), at most R."""
-    return min(rows, max(1 << (active - 1).bit_length(), rows // 8))
-
-
-def bucket_rows(live: Tensor, size: int) -> Tensor:
-    """live: (R,) bool -> (size,) int64 the active rows in ascending order, then finished rows
-    (`compact_round`'s padding); size >= the active count."""
-    return torch.sort((~live).to(torch.uint8), stable=True).indices[:size]
-
-
-def forward_window(model, st: JacobiState, req: Request, plan: Plan,
-                   rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The round's verifier forward over the windows of `st`'s rows (cache rows `rows`, None =
-    Full execution).  -> logits (2B or B, W, V), positions (B, W) and offset (B,) from
-    `window_inputs`; C columns for W with candidate drafting (`plan.drafting.forward`)."""
-    tokens, positions, offset = window_inputs(st, plan)
-    logits, positions = plan.drafting.forward(model, st, tokens, positions, offset, req, rows,
-                                              plan)
-    return logits, positions, offset
-
-
-def verify_window(model, st: JacobiState, logits: Tensor, positions: Tensor, offset: Tensor,
-                  req: Request, plan: Plan, rows: Tensor | None) -> Tensor:
-    """The round's verification step: guide the logits, verify every window and advance `st`
-    in place (`plan.update`: rollout/jacobi.py `jacobi_update`, or a baseline's); a tree
-    window's winning branch (the branch the update returns only then) then moves into place
-    (`plan.drafting.move`).  -> counts (3, B) int64: committed, accepted, rejected."""
-    counts, taken = plan.update(st, guide(logits, req.cfg_scale), positions, offset, req, plan)
-    plan.drafting.move(model, positions, offset, taken, req, rows)
-    return counts
 
 
 class JacobiEngine(Engine):

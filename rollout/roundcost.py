@@ -6,7 +6,7 @@
 The rollout runs as `hbsjd.run_jacobi` runs it with Full execution (every row in every round,
 finished rows included), one image per row.  Each round is timed in two parts, side by side
 (the same rounds, so a machine's load drifts hit both alike): the verifier forward
-(`hbsjd.forward_window`) and the verification step (`hbsjd.verify_window`: guidance,
+(`rounds.forward_window`) and the verification step (`rounds.verify_window`: guidance,
 acceptance, coupled refresh, residual draw, history fill, cursor updates).  The first round is
 a warm-up and a few rounds run under torch.profiler, both untimed, to count the aten operators
 the verification step calls: `verify_ops` counts those called from Python (each is a dispatch,
@@ -24,7 +24,8 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from rollout.engine import make_request, prefill_token, synchronize
-from rollout.hbsjd import JacobiEngine, forward_window, verify_window
+from rollout.hbsjd import JacobiEngine
+from rollout.rounds import forward_window, verify_window
 from rollout.jacobi import init_state
 
 

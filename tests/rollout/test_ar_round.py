@@ -12,7 +12,7 @@ import torch
 
 from rollout import make_engine
 from rollout.engine import make_request, prefill_token
-from rollout.hbsjd import forward_window, verify_window
+from rollout.rounds import forward_window, verify_window
 from rollout.jacobi import ar_round, init_state, one_hot
 
 from tests.rollout.test_distribution import peaked_model

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from rollout import make_engine
-from rollout.hbsjd import bucket, bucket_rows
+from rollout.rounds import bucket, bucket_rows
 
 JACOBI = [  # name, options
     ("hbsjd", dict(window=4, execution="full")),

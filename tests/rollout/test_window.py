@@ -16,7 +16,7 @@ import torch
 import rollout.hbsjd
 import rollout.window
 from rollout import make_engine
-from rollout.hbsjd import full_round
+from rollout.rounds import full_round
 from rollout.jacobi import one_hot, rewindow
 from rollout.window_calls import AR, CallWindows
 from tests.rollout.schedules import graded, steer, switching, widest
