@@ -68,9 +68,10 @@ def seconds_vs_ar(rows: list[dict], timed: np.ndarray, own: np.ndarray) -> dict:
     `rollout_vs_ar_calls`: the calls Cached AR ran; `rollout_vs_ar_priced`: the engine's calls
     priced.  `rollout_vs_ar_cpu`: the same on the calls' CPU seconds, where the rollout ran on
     one CPU thread (the window policy's clock, rollout/window.py `policy_clock`): the seconds
-    a call waited while the teacher or the learner held the cores are left out, and with
-    them most of the spread between one Cached AR call and the next.  Nothing where Cached AR
-    ran no call."""
+    a call waited while the teacher or the learner held the cores are left out (in the
+    default Ray run a Jacobi call's first pieces reach the teacher before the call ends, and
+    it scores them beside the call; docs/WINDOW_POLICY.md).  Nothing where Cached AR ran no
+    call."""
     out = {}
     for column, key in (("rollout_s", "rollout_vs_ar"), ("rollout_cpu_s", "rollout_vs_ar_cpu")):
         ratio = priced_ratio(rows, timed, own, "ar_" + column, "engine_" + column)
