@@ -361,10 +361,12 @@ class RolloutStream:
         was_training = bool(getattr(model, "training", False))
         if was_training:
             model.eval()
-        clock = policy_clock(req.labels.device.type, torch.get_num_threads())
-        busy = busy_clock = 0.0
+        # cpu_time where the window policy prices by this thread's CPU seconds (one CPU thread)
+        one_thread = policy_clock(req.labels.device.type,
+                                  torch.get_num_threads()) is time.thread_time
+        busy = busy_cpu = 0.0
         try:
-            start, start_clock = time.perf_counter(), clock()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             with torch.no_grad():    # not inference_mode: results stay normal tensors
                 model.setup_cache(req.rows * (2 if req.cfg else 1), engine.cache_len(req))
                 if engine.compiles:
@@ -378,13 +380,13 @@ class RolloutStream:
                         result = stop.value
                         break
                 busy += time.perf_counter() - start
-                busy_clock += clock() - start_clock
+                busy_cpu += time.thread_time() - start_cpu
                 yield done
-                start, start_clock = time.perf_counter(), clock()
+                start, start_cpu = time.perf_counter(), time.thread_time()
             synchronize(req.labels.device)
             result.wall_time = busy + time.perf_counter() - start
-            if clock is time.thread_time:
-                result.cpu_time = busy_clock + clock() - start_clock
+            if one_thread:
+                result.cpu_time = busy_cpu + time.thread_time() - start_cpu
         finally:
             if engine.compiles:
                 model.static_cache(False)

@@ -156,10 +156,14 @@ def test_a_timed_call_is_run_by_cached_ar_in_the_engines_place(tiny_overrides):
     s = timed.rollout_stats
     assert s.engine == "cached_ar" and s.ar_seconds == s.rollout_seconds > 0
     assert s.rounds == s.ar_rounds                                  # one token a round
-    assert s.row()["ar_rollout_cpu_s"] == s.cpu_seconds > 0         # one thread: CPU seconds
+    row = s.row()                                   # one thread: its CPU seconds, as AR's
+    assert row["ar_rollout_cpu_s"] == s.cpu_seconds and row["engine_rollout_cpu_s"] == 0
+    assert 0 < s.cpu_seconds <= s.rollout_seconds + 1e-3
     untimed = generate(model, engine, job(5), load_config("tiny", over), 0)
     assert untimed.rollout_stats.engine == "hbsjd" and untimed.rollout_stats.ar_seconds == 0
-    assert untimed.rollout_stats.row()["engine_rollout_cpu_s"] > 0
+    row, u = untimed.rollout_stats.row(), untimed.rollout_stats
+    assert row["engine_rollout_cpu_s"] == u.cpu_seconds and row["ar_rollout_cpu_s"] == 0
+    assert 0 < u.cpu_seconds <= u.rollout_seconds + 1e-3
     assert torch.equal(timed.tokens, untimed.tokens)
     assert torch.allclose(timed.behaviour_logprobs, untimed.behaviour_logprobs, atol=1e-5)
     assert generate(model, engine, job(4), cfg, 0).rollout_stats.ar_seconds == 0   # not due

@@ -118,11 +118,12 @@ def test_a_calls_cpu_seconds_leave_the_consumer_out(tiny, batch, monkeypatch, en
     for _ in stream:
         jumped[0] += 100.0
         handed += 1
-    assert handed >= 3 and 0 < stream.result.cpu_time < 50, stream.result.cpu_time
+    res = stream.result                     # CPU seconds of one thread: at most its wall time
+    assert handed >= 3 and 0 < res.cpu_time <= res.wall_time + 1e-3, (res.cpu_time, res.wall_time)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         res = make_engine(engine, decoding="greedy", **options).generate(model, labels, prefix, 14)
     finally:
         torch.set_num_threads(threads)
-    assert res.cpu_time is None and res.wall_time > 0
+    assert res.cpu_time is None
