@@ -26,9 +26,13 @@ Per batch size, Cached AR and every (engine, W, decoding) run once per warm-up r
 `repeats` rounds in a rotating order (interleaved, so drift hits all alike).  Every row reports
 rounds, their ratio to Cached AR's rounds for the same images and rows, prefill forwards of
 images admitted into freed rows, tokens per image-round, latency mean, median and P95, the
-median's ratio to Cached AR's (time/AR) and the speedup over Cached AR with the same decoding
-and batch (medians: a W "auto" engine learns over its calls, the first ones explore), and
-(greedy, sample) whether the tokens equal Cached AR's.
+median over the repeats of its call's ratio to the Cached AR call of the same round (time/AR,
+`paired`: the machine's drift cancels) and the speedup over Cached AR with the same decoding
+and batch (its inverse; medians: a W "auto" engine learns over its calls, the first ones
+explore), and (greedy, sample) whether the tokens equal Cached AR's; the JSON keeps each
+call's milliseconds (`times_ms`, in repeat order).  Where W "auto" runs, the table ends with
+its time over the fastest of Cached AR and the fixed windows, paired alike, and, where a
+window runs twice, the sweep's floor: one copy's time over the other's (`auto_lines`).
 Jacobi rows also report one round's cost from one more rollout of the same images with Full
 execution (`rollout.roundcost`): the aten operators the verification step calls per round and
 its time per round, measured side by side with the verifier forward's.
@@ -182,7 +186,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
         grid = measure([Call(kw["name"], e, model, labels, prefix, N,
                              dict(sampling(b), slots=b.slots), decoding=d)
                         for (_, d, _, kw), e in zip(configs, engines)], b.repeats, b.warmup)
-        base = {d: (np.median(m.times), m.result.rounds) for (lab, d, _, _), m in
+        base = {d: (np.asarray(m.times), m.result.rounds) for (lab, d, _, _), m in
                 zip(configs, grid) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = grid[i].result, np.asarray(grid[i].times)
@@ -202,8 +206,9 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "latency_ms": float(t.mean() * 1e3),
                 "median_ms": float(np.median(t) * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
-                "time_ratio": float(np.median(t) / base[d][0]),
-                "speedup": float(base[d][0] / np.median(t)),
+                "time_ratio": paired(t, base[d][0]),
+                "speedup": 1 / paired(t, base[d][0]),
+                "times_ms": [float(x * 1e3) for x in t],
                 "equal_ar": grid[i].equal_ar,
                 "compact_rounds": sum(m == "compact" for m in res.modes),
                 "verify_ops": cost.get("verify_ops"), "forward_ms": cost.get("forward_ms"),
@@ -220,6 +225,43 @@ def run_bench(b: RolloutBench, log=print) -> dict:
     return {"config": asdict(b), "environment": env, "block_size": model.block_size,
             "prefix_len": prefix.shape[1], "rows": rows, "curves": curves,
             "progress": best}
+
+
+def paired(times, base) -> float:
+    """The median over repeats of a call's seconds over the base call's of the same rotating
+    round.  Calls of one round run within a second of each other, and this machine's speed
+    drifts in phases tens of calls long (identical calls took 44-52 ms in one phase and 75-90
+    in the next), so the median of each call's own list moves with where its calls fell: two
+    copies of one window read up to 1.19 apart in one sweep, paired within 1.04
+    (docs/WINDOW_POLICY.md)."""
+    return float(np.median(np.asarray(times) / np.asarray(base)))
+
+
+def auto_lines(rows: list[dict]) -> list[str]:
+    """Per batch and decoding with a W "auto" row: auto over the fastest of Cached AR and the
+    fixed windows of its engine (the one it reads slowest against, `paired`), and over Cached
+    AR; a window run twice gives the sweep's floor (one copy over the other)."""
+    lines = []
+    for a in (r for r in rows if r["W"] == "auto"):
+        same = [r for r in rows if r["batch"] == a["batch"]
+                and r["verification"] == a["verification"] and r["W"] != "auto"
+                and r["engine"] in ("cached_ar", a["engine"])]
+        over = {i: paired(a["times_ms"], r["times_ms"]) for i, r in enumerate(same)}
+        i = max(over, key=over.get)
+        ar = next(r for r in same if r["engine"] == "cached_ar")
+        line = (f"auto at batch {a['batch']} ({a['verification']}): {over[i]:.3f} of the "
+                f"fastest ({'Cached AR' if same[i] is ar else 'W ' + str(same[i]['W'])}), "
+                f"{paired(a['times_ms'], ar['times_ms']):.3f} of Cached AR")
+        seen, floor = {}, []
+        for r in same:
+            if r["W"] in seen:
+                floor.append(paired(r["times_ms"], seen[r["W"]]["times_ms"]))
+            seen.setdefault(r["W"], r)
+        if floor:
+            span = f"{min(floor):.3f}" + (f"-{max(floor):.3f}" if len(floor) > 1 else "")
+            line += f"; floor (a window's copy over it) {span}"
+        lines.append(line)
+    return lines
 
 
 def best_progress(rows: list[dict], progress: dict) -> dict | None:
@@ -271,7 +313,7 @@ def format_table(rows: list[dict]) -> str:
                 refresh += f" K={r['candidates']}" if r.get("candidates") else ""
                 lines.append(f"best at batch {B} ({d}): {r['engine']}{refresh} W={r['W']} "
                              f"{r['speedup']:.2f}x over Cached AR")
-    return "\n".join(lines)
+    return "\n".join(lines + auto_lines(rows))
 
 
 def save_figures(report: dict, out_dir: str | Path) -> list[Path]:

@@ -1,12 +1,13 @@
 """`opd bench rollout` (launch/bench/rollout.py) and `opd calibrate`: presets, the sweep, the
 table, the figures and the CLI wiring, on GPT-tiny."""
 import json
+import statistics
 
 import pytest
 import yaml
 
-from launch.bench.rollout import (VARIANTS, format_table, load_bench, resolve_bench_preset,
-                               run_bench, save_figures)
+from launch.bench.rollout import (VARIANTS, auto_lines, format_table, load_bench,
+                                  resolve_bench_preset, run_bench, save_figures)
 from opd.config.files import CONFIG_DIR
 from opd.config.loader import ConfigError
 
@@ -142,9 +143,12 @@ def test_slots_and_sampling_rules_side_by_side(tiny_preset, tmp_path):
             assert r["round_ratio"] == r["rounds"] / 36 and r["prefills"] <= 4
     assert rows[2]["equal_ar"] is True and rows[3]["equal_ar"] is None
     assert "resample" in format_table(rows) and "speculative" in format_table(rows)
-    ar = {r["verification"]: r["latency_ms"] for r in rows if r["engine"] == "cached_ar"}
-    for r in rows:                       # rollout time against Cached AR's, same decoding
-        assert r["time_ratio"] == pytest.approx(r["latency_ms"] / ar[r["verification"]])
+    ar = {r["verification"]: r["times_ms"] for r in rows if r["engine"] == "cached_ar"}
+    for r in rows:      # rollout time against Cached AR's, same decoding, paired by round
+        assert len(r["times_ms"]) == b.repeats and r["latency_ms"] == pytest.approx(
+            sum(r["times_ms"]) / b.repeats)
+        assert r["time_ratio"] == pytest.approx(statistics.median(
+            t / a for t, a in zip(r["times_ms"], ar[r["verification"]])))
         assert r["time_ratio"] == pytest.approx(1 / r["speedup"])
     assert "time/AR" in format_table(rows).splitlines()[0]
 
@@ -180,3 +184,17 @@ def test_candidate_rows_side_by_side(tiny_preset):
     assert all(r["equal_ar"] for r in rows if r["engine"] != "cached_ar")
     assert rows[-1]["verify_ops"] > rows[-2]["verify_ops"]          # the tree costs operators
     assert " K" in format_table(rows).splitlines()[0]
+
+
+def test_auto_is_priced_against_the_fastest_call_by_call():
+    """auto's line: its calls over each fixed window's and Cached AR's of the same round, the
+    median of those ratios (W 8: 1.2, 1.0, 1.05; its copy, Cached AR and W 4 read lower); the
+    fastest is the one auto reads slowest against; another engine's window (hbsjd-full W 16)
+    is not auto's; W 8 run twice gives the floor (1.0, 1.1, 1.1)."""
+    def row(W, times, engine="hbsjd-hybrid"):
+        return dict(batch=8, verification="sample", engine=engine, W=W, times_ms=times)
+    rows = [row(None, [10.0, 20.0, 10.0], "cached_ar"), row(4, [8.0, 16.0, 8.0]),
+            row(8, [5.0, 12.0, 6.0]), row(8, [5.0, 13.2, 6.6]),
+            row("auto", [6.0, 12.0, 6.3]), row(16, [4.0, 8.0, 4.0], "hbsjd-full")]
+    assert auto_lines(rows) == ["auto at batch 8 (sample): 1.050 of the fastest (W 8), "
+                                "0.600 of Cached AR; floor (a window's copy over it) 1.100"]
