@@ -67,7 +67,7 @@ CLIP = 1.5              # an observation counts at most 1.5 times its mean so fa
 CALL_CLIP = 1.2         # a call: at most 1.2 times (a slow call was mostly a burst elsewhere)
 EXPLORE = 0.3           # UCB's width, relative to the arm's rate (rounds and calls)
 CALL_DISCOUNT = 0.9     # per call: a call's weight halves in about 6.6 calls
-CALL_HORIZON = round(1 / (1 - CALL_DISCOUNT))    # 10 calls (1 / 0.1 is 10.000000000000002 in floats)
+CALL_HORIZON = round(1 / (1 - CALL_DISCOUNT))    # 10 calls (1 / 0.1 is 10.000000000000002)
 CALL_BUDGET = 0.04      # most of the calls' seconds (discounted) spent exploring
 AR_MARGIN = 1.5         # where Cached AR can lead, its rate is under 1.5 times W 1's rounds' (the
 #                         same forward less the Jacobi bookkeeping: 12 % of a round at batch 64)

@@ -231,8 +231,8 @@ def paired(times, base) -> float:
     """The median over repeats of a call's seconds over the base call's of the same rotating
     round.  Calls of one round run within a second of each other, and this machine's speed
     drifts in phases tens of calls long (identical calls took 44-52 ms in one phase and 75-90
-    in the next), so the median of each call's own list moves with where its calls fell: two
-    copies of one window read up to 1.19 apart in one sweep, paired within 1.04
+    in the next), so the median of each call's own list moves with where its calls fell: in
+    six traced sweeps two copies of one window read up to 1.19 apart so, paired at most 1.04
     (docs/WINDOW_POLICY.md)."""
     return float(np.median(np.asarray(times) / np.asarray(base)))
 
