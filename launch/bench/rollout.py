@@ -190,6 +190,7 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 zip(configs, grid) if lab == "cached_ar"}
         for i, (label, d, W, kw) in enumerate(configs):
             res, t = grid[i].result, np.asarray(grid[i].times)
+            time_ratio = paired(t, base[d][0])
             cost = ({} if label == "cached_ar" or N < 2 or W == "auto" else
                     round_costs(model, engines[i], labels, prefix, N, **sampling(b)))
             rows.append({
@@ -206,8 +207,8 @@ def run_bench(b: RolloutBench, log=print) -> dict:
                 "latency_ms": float(t.mean() * 1e3),
                 "median_ms": float(np.median(t) * 1e3),
                 "p95_ms": float(np.percentile(t, 95) * 1e3),
-                "time_ratio": paired(t, base[d][0]),
-                "speedup": 1 / paired(t, base[d][0]),
+                "time_ratio": time_ratio,
+                "speedup": 1 / time_ratio,
                 "times_ms": [float(x * 1e3) for x in t],
                 "equal_ar": grid[i].equal_ar,
                 "compact_rounds": sum(m == "compact" for m in res.modes),
@@ -232,8 +233,9 @@ def paired(times, base) -> float:
     round.  Calls of one round run within a second of each other, and this machine's speed
     drifts in phases tens of calls long (identical calls took 44-52 ms in one phase and 75-90
     in the next), so the median of each call's own list moves with where its calls fell: in
-    six traced sweeps two copies of one window read up to 1.19 apart so, paired at most 1.04
-    (docs/WINDOW_POLICY.md)."""
+    six traced sweeps, two copies of one window read up to 1.19 apart by their medians and at
+    most 1.04 apart paired (docs/WINDOW_POLICY.md).  (`common.ratio` pairs the same way, base
+    over other, for the paper benches' speedups.)"""
     return float(np.median(np.asarray(times) / np.asarray(base)))
 
 
@@ -248,10 +250,10 @@ def auto_lines(rows: list[dict]) -> list[str]:
                 and r["engine"] in ("cached_ar", a["engine"])]
         over = {i: paired(a["times_ms"], r["times_ms"]) for i, r in enumerate(same)}
         i = max(over, key=over.get)
-        ar = next(r for r in same if r["engine"] == "cached_ar")
+        ar = next(j for j, r in enumerate(same) if r["engine"] == "cached_ar")
         line = (f"auto at batch {a['batch']} ({a['verification']}): {over[i]:.3f} of the "
-                f"fastest ({'Cached AR' if same[i] is ar else 'W ' + str(same[i]['W'])}), "
-                f"{paired(a['times_ms'], ar['times_ms']):.3f} of Cached AR")
+                f"fastest ({'Cached AR' if i == ar else 'W ' + str(same[i]['W'])}), "
+                f"{over[ar]:.3f} of Cached AR")
         seen, floor = {}, []
         for r in same:
             if r["W"] in seen:
