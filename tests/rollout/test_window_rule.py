@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rollout.window import WINDOWS, WindowPolicy
+from rollout.window import BUDGET, WINDOWS, WindowPolicy
 
 
 def simulate(policy, seconds, tokens, calls, rows, N=64, windows=WINDOWS, lengths=None):
@@ -133,6 +133,36 @@ def test_compact_arms_are_measured_per_rows_band_and_full_ones_reused():
     best = call_seconds(simulate(fixed(8, 8), staggered, drafts, 1, 8, lengths=lengths),
                         staggered, 8)
     assert call_seconds(rounds, staggered, 8, first=4) <= 1.1 * best
+
+
+def test_full_against_compact_explores_within_the_budget():
+    """Calls of one window (W 8, after the rounds' rule) still choose Full or Compact each
+    round once rows finish; where the two cost nearly the same (Compact 0.97-1.03 times Full
+    by rows band), UCB keeps wanting the other, and the budget bounds what it spends: in the
+    last 20 of 40 calls (the first call's exploring of windows forgotten) the rounds that
+    explore take at most BUDGET of all rounds' seconds (discounted) plus the one round that
+    crossed it, and some do explore."""
+    policy = WindowPolicy(("full", "compact"), 8)
+
+    def close(W, compact, rows):                    # Compact: its rows' share, 0.97-1.03
+        full = 1e-3 + 1e-4 * 8 * W
+        return full * (1.0 + (0.03 if rows % 2 else -0.03)) if compact else full
+
+    lengths = [8 * (i + 1) for i in range(8)]
+    simulate(policy, close, drafts, 1, 8, lengths=lengths)           # the rounds' rule
+    explored = 0
+    for call in range(40):
+        policy.start((8,))
+        left = list(lengths)
+        while any(left):
+            active = sum(x > 0 for x in left)
+            W, compact = policy.choose(active, sum(left) / active)
+            explored += call >= 20 and policy.pending[4]
+            left = [max(0, x - drafts(W)) for x in left]
+            policy.observe(0, 0, close(W, compact, active if compact else 8))
+            spent, total = policy.spent
+            assert call < 20 or spent <= BUDGET * total + close(8, True, 1), (spent, total)
+    assert explored > 0
 
 
 def test_a_first_round_that_compiles_is_not_held_against_its_window():
