@@ -144,7 +144,7 @@ def test_full_against_compact_explores_within_the_budget():
     crossed it, and some do explore."""
     policy = WindowPolicy(("full", "compact"), 8)
 
-    def close(W, compact, rows):                    # Compact: its rows' share, 0.97-1.03
+    def close(W, compact, rows):          # Compact: 0.97 or 1.03 times Full, by the rows run
         full = 1e-3 + 1e-4 * 8 * W
         return full * (1.0 + (0.03 if rows % 2 else -0.03)) if compact else full
 
@@ -161,7 +161,8 @@ def test_full_against_compact_explores_within_the_budget():
             left = [max(0, x - drafts(W)) for x in left]
             policy.observe(0, 0, close(W, compact, active if compact else 8))
             spent, total = policy.spent
-            assert call < 20 or spent <= BUDGET * total + close(8, True, 1), (spent, total)
+            dearest = close(8, True, 1)                                # one round at most
+            assert call < 20 or spent <= BUDGET * total + dearest, (spent, total)
     assert explored > 0
 
 
