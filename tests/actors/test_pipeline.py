@@ -200,6 +200,8 @@ def test_other_worker_counts_equal_the_reference(workers, decoding, ray_session,
     assert_each_batch_once(rows, tmp_path)
 
 
+@pytest.mark.slow   # 2 ranks, ZeRO 2, equal to the reference: tests/actors/test_streaming.py
+#                    (test_streamed_steps_equal_the_reference_loop, "2 ranks ZeRO 2, 4 pieces")
 def test_learner_world_size_2_zero2_matches_world_size_1(ray_session, tiny_overrides, reference,
                                                          tmp_path):
     cfg = cfg_for(tiny_overrides, "learner.world_size=2", "learner.zero_stage=2",

@@ -55,6 +55,8 @@ def assert_reuse_accounted(rows, reference, run_dir, cfg):
             assert r["delivered_bytes"] == 0 and r["onpolicy_logprob_delta_max"] > 1e-3
 
 
+@pytest.mark.slow   # the same checks on a run that also loses its workers:
+#                    test_workers_lost_while_their_rollout_is_buffered_lose_nothing
 def test_ray_reuses_the_reference_loops_rollouts(ray_session, reuse_cfg, reference, tmp_path):
     rows = run_distributed(reuse_cfg, tmp_path, progress=False)
     assert_reuse_accounted(rows, reference, tmp_path, reuse_cfg)
