@@ -139,7 +139,7 @@ def measure_verifier_latencies(model, batch: int, windows, *, cfg: bool = False,
         return time.perf_counter() - t
 
     out = {W: {"active": list(active), "full_s": [], "compact_s": []} for W in windows}
-    with torch.no_grad():
+    with torch.inference_mode():
         model.setup_cache(rows, T)
         model.prefill(labels, prefix, None)
         for _ in range(warmup):

@@ -28,7 +28,7 @@ from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, 
 from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
                               sample_from, token_logprob, uniform, uses_cfg, warp)
 from rollout.spans import Finished, Span, whole_call
-from rollout.stats import RolloutResult
+from rollout.stats import RolloutResult, normal
 from rollout.window import policy_clock
 
 ENGINES: dict[str, type[Engine]] = {}
@@ -350,7 +350,8 @@ class RolloutStream:
     call's `RolloutResult` (its wall_time: the seconds spent in the engine, not in the
     consumer between groups; its cpu_time: the same stretches on the window policy's clock
     where that is this thread's CPU seconds, rollout/window.py `policy_clock`).  The model is
-    in eval mode, without autograd, while the engine runs."""
+    in eval mode, in inference mode, while the engine runs (docs/ROLLOUTS.md, "Inference
+    mode"), and what it hands out is made of normal tensors (`stats.normal`)."""
 
     def __init__(self, engine: Engine, model, req: Request):
         self.engine, self.model, self.req = engine, model, req
@@ -367,23 +368,25 @@ class RolloutStream:
         busy = busy_cpu = 0.0
         try:
             start, start_cpu = time.perf_counter(), time.thread_time()
-            with torch.no_grad():    # not inference_mode: results stay normal tensors
+            with torch.inference_mode():     # results leave as normal tensors (`normal`)
                 model.setup_cache(req.rows * (2 if req.cfg else 1), engine.cache_len(req))
                 if engine.compiles:
                     model.static_cache(True)
                 rounds = engine.run_stream(model, req)
             while True:
-                with torch.no_grad():            # per resumption: the consumer's own mode
-                    try:                         # holds between groups
+                with torch.inference_mode():     # per resumption: the consumer's own
+                    try:                         # mode holds between groups
                         done = next(rounds)
                     except StopIteration as stop:
                         result = stop.value
                         break
+                done = normal(done)
                 busy += time.perf_counter() - start
                 busy_cpu += time.thread_time() - start_cpu
                 yield done
                 start, start_cpu = time.perf_counter(), time.thread_time()
             synchronize(req.labels.device)
+            result = normal(result)
             result.wall_time = busy + time.perf_counter() - start
             if one_thread:
                 result.cpu_time = busy_cpu + time.thread_time() - start_cpu

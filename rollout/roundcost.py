@@ -67,7 +67,7 @@ def round_costs(model, engine: JacobiEngine, labels: Tensor, prefix: Tensor | No
     model.eval()
     forward, verify, ops = [], [], []
     try:
-        with torch.no_grad():
+        with torch.inference_mode():
             model.setup_cache(req.batch * (2 if req.cfg else 1), engine.cache_len(req))
             images = torch.arange(req.batch, device=dev)
             first, first_logp = prefill_token(model, req, images)

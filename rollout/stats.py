@@ -7,7 +7,7 @@ keeps its statistics round by round in a `RoundLog` (rollout/hbsjd.py `run_jacob
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -106,6 +106,17 @@ class RolloutResult:
             "prefills": self.prefills,
             "wall_time_s": self.wall_time,
         }
+
+
+def normal(item):
+    """`item` (a `Finished`, `Span` or `RolloutResult`) with its inference tensors replaced by
+    normal copies, so that what a call hands out can be saved for backward or written in
+    place outside inference mode (a learner's teacher-forced pass, a trajectory's buffers)."""
+    for f in fields(item):
+        value = getattr(item, f.name)
+        if isinstance(value, Tensor) and value.is_inference():
+            setattr(item, f.name, value.clone())
+    return item
 
 
 class RoundLog:

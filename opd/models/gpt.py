@@ -189,8 +189,9 @@ class GPT(nn.Module):
         """`rope_operands` of the table on `device` in the compute dtype (cached)."""
         dt = torch.promote_types(dtype, torch.float32)
         key = (device.type, device.index, dt)
-        if key not in self._rope:
-            self._rope[key] = rope_operands(self._rope64, dt).to(device)
+        if key not in self._rope:       # a normal tensor (a rollout's inference mode would
+            with torch.inference_mode(False):   # make one that training cannot save)
+                self._rope[key] = rope_operands(self._rope64, dt).to(device)
         return self._rope[key]
 
     def _run(self, h: Tensor, positions: Tensor | None, rows: Tensor | None,
@@ -229,9 +230,10 @@ class GPT(nn.Module):
                 and kc.shape[0] >= max_batch and kc.shape[2] >= max_len):
             return
         shape = (max_batch, self.args.kv_heads, max_len, self.args.head_dim)
-        for layer in self.layers:
-            layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        with torch.inference_mode(False):    # normal tensors, written in place in any mode
+            for layer in self.layers:
+                layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.max_batch = max_batch
 
     def swap_cache(self, cache: list | None) -> list:
