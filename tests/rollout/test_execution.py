@@ -136,3 +136,36 @@ def test_results_are_ordinary_tensors_usable_for_training(tiny, batch):
     loss.backward()                                           # and autograd may save them
     assert model.tok_embeddings.weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+def test_rounds_run_in_inference_mode_and_what_leaves_is_normal(tiny, batch):
+    """The engine's rounds run in inference mode (no autograd bookkeeping per operator,
+    docs/ROLLOUTS.md "Inference mode"); the spans, pieces and result it hands out, and the
+    model's KV cache and rope table it made there, are normal tensors: a later no_grad cached
+    pass writes the cache in place, and training saves the rope table for backward."""
+    model = tiny(0, std=0.45)                    # a model of its own: its caches made here
+    labels, prefix = batch(model, 3, 2)
+    modes, forward = [], model.forward_cached
+
+    def spy(*args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(*args, **kwargs)
+    model.forward_cached = spy
+    try:
+        stream = make_engine("hbsjd", window=4, decoding="sample").stream(
+            model, labels, prefix, T - 2, seed=3, span=4)
+        items = list(stream)
+    finally:
+        del model.forward_cached
+    assert len(modes) >= 2 and all(modes)
+    handed = [v for item in [*items, stream.result] for v in vars(item).values()
+              if isinstance(v, torch.Tensor)]
+    assert len(handed) > 2 * len(items) and not any(t.is_inference() for t in handed)
+    caches = [c for layer in model.layers for c in (layer.attention.k_cache,
+                                                    layer.attention.v_cache)]
+    assert caches and not any(c.is_inference() for c in caches)
+    with torch.no_grad():
+        model.forward_cached(prefix[:, :1], torch.ones_like(prefix[:, :1]), None)
+    model(labels, stream.result.tokens[:, :-1]).logsumexp(-1).mean().backward()
+    assert model.layers[0].attention.wqkv.weight.grad is not None
+    model.zero_grad(set_to_none=True)
