@@ -1,6 +1,8 @@
 """Invariant 3: execution mode never changes the output, and random numbers are keyed by
 (seed, image, position, attempt) — an image's tokens do not depend on its batch.
 Also: the per-round statistics are consistent."""
+import copy
+
 import pytest
 import torch
 
@@ -144,6 +146,7 @@ def test_rounds_run_in_inference_mode_and_what_leaves_is_normal(tiny, batch):
     model's KV cache and rope table it made there, are normal tensors: a later no_grad cached
     pass writes the cache in place, and training saves the rope table for backward."""
     model = tiny(0, std=0.45)                    # a model of its own: its caches made here
+    reference = copy.deepcopy(model)             # never run in inference mode
     labels, prefix = batch(model, 3, 2)
     modes, forward = [], model.forward_cached
 
@@ -164,8 +167,13 @@ def test_rounds_run_in_inference_mode_and_what_leaves_is_normal(tiny, batch):
     caches = [c for layer in model.layers for c in (layer.attention.k_cache,
                                                     layer.attention.v_cache)]
     assert caches and not any(c.is_inference() for c in caches)
+    at = torch.zeros_like(prefix[:, :1])         # slot 0: what it attends to is written here
     with torch.no_grad():
-        model.forward_cached(prefix[:, :1], torch.ones_like(prefix[:, :1]), None)
-    model(labels, stream.result.tokens[:, :-1]).logsumexp(-1).mean().backward()
-    assert model.layers[0].attention.wqkv.weight.grad is not None
+        reference.setup_cache(caches[0].shape[0], caches[0].shape[2])
+        assert torch.equal(model.forward_cached(prefix[:, :1], at, None),
+                           reference.forward_cached(prefix[:, :1], at, None))
+    for m in (model, reference):
+        m(labels, stream.result.tokens[:, :-1]).logsumexp(-1).mean().backward()
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]
+    assert all(g is not None and torch.equal(g, h) for g, h in grads)
     model.zero_grad(set_to_none=True)
