@@ -26,10 +26,10 @@ import torch
 
 from rollout.calibrate import calibration_path, model_signature
 from rollout.candidates import candidate_tree
-from rollout.engine import (Engine, Request, make_engine, prefill_token, register,
-                            synchronize)
+from rollout.engine import Engine, Request, make_engine, register, synchronize
 from rollout.jacobi import JacobiState, Plan, init_state, make_plan, rewindow
-from rollout.rounds import bucket, compact_round, compact_rows, full_round, full_round_in_place
+from rollout.rounds import (bucket, compact_round, compact_rows, full_round, full_round_in_place,
+                            prefill_round)
 from rollout.slots import Slots, single_token
 from rollout.spans import Finished, Span, span_cuts, whole_call
 from rollout.static_states import StaticStates
@@ -40,7 +40,10 @@ from rollout.window import WINDOWS, WindowPolicy, policy_clock
 def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=None,
                hold=None, policy: WindowPolicy | None = None,
                plan_for=None) -> Iterator[Finished]:
-    """Round 0 = prefill, then Jacobi rounds until every image has T = P + N tokens.
+    """Round 0 = the prefill with every image's first window (rollout/rounds.py
+    `prefill_round`: its forward also verifies W - 1 drafts from the prefix's history, so a
+    call takes a round fewer than with a prefill alone), then Jacobi rounds until every image
+    has T = P + N tokens.
     plan: the call's constants (`JacobiEngine.plan`).  gamma: Compact execution when fewer than gamma rows are active
     (0 = always Full, > R = always Compact).  full / compact: the compiled `full_round` /
     `compact_round` (Compact rounds then run in buckets), hold: `StaticStates.hold`; None:
@@ -75,9 +78,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
         yield from whole_call(req.prefix_len, req.span, result)
         return result
     slots = Slots(req)
-    first, first_logp = prefill_token(model, req, slots.img)
-    log.prefill(slots.img)
-    st = init_state(req, slots.img, first, plan, model.vocab_size, first_logp)
+    st = init_state(req, slots.img, plan, model.vocab_size)
+    log.prefill(slots.per_image(prefill_round(model, st, slots.img, req, plan, None), None,
+                                False), R)
     compiled = full is not None
     if compiled:
         st = hold(st)
@@ -106,9 +109,9 @@ def run_jacobi(model, req: Request, plan: Plan, gamma: int, full=None, compact=N
             handed, n_handed = ~live, R - A
         # 1. refill: rows whose images are complete take the waiting images
         if A < R and slots.waiting < B:
-            new = slots.refill(model, req, st, live, plan)
-            log.admit(new)
-            left += new.shape[0] * req.num_new
+            new, first = slots.refill(model, req, st, live, plan)
+            log.admit(new, first)
+            left += new.shape[0] * (req.num_new - 1)     # (each has its first token, or more)
             A, live = A + new.shape[0], st.cur < T
             handed, n_handed = ~live, R - A
         log.tick()

@@ -122,23 +122,22 @@ def one_hot(tokens: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
-def init_state(req: Request, images: Tensor, first: Tensor, plan: Plan, V: int,
-               first_logp: Tensor) -> JacobiState:
-    """State of images `images` after their round 0 (prefill chose token P (k,), with behaviour
-    log-prob `first_logp` (k,)): cur = P + 1, drafts from history."""
-    B, P, T, W = images.shape[0], req.prefix_len, req.total, plan.W
-    seq = torch.zeros(B, T + plan.scratch_len, dtype=torch.long, device=first.device)
+def init_state(req: Request, images: Tensor, plan: Plan, V: int) -> JacobiState:
+    """State of images `images` before their first round: cur = P (the prefix), the drafts of
+    tokens P .. P + W - 2 filled from history (`fill_history`; token 0 without a prefix).  Their
+    first round is the prefill's forward (rollout/rounds.py `prefill_round`)."""
+    B, P, T, W, dev = images.shape[0], req.prefix_len, req.total, plan.W, req.labels.device
+    seq = torch.zeros(B, T + plan.scratch_len, dtype=torch.long, device=dev)
     seq[:, :P] = req.prefix[images]
-    seq[:, P] = first
-    cur = torch.full((B,), P + 1, dtype=torch.long, device=first.device)
-    fill_history(seq.unsqueeze(2), cur.view(B, 1, 1), plan)
+    cur = torch.full((B,), P, dtype=torch.long, device=dev)
+    if P:                           # without a prefix the drafts are token 0
+        fill_history(seq.unsqueeze(2), cur.view(B, 1, 1), plan)
     q = None
     if req.speculative:             # the first window starts at cur (W <= N - 1)
-        q = one_hot(seq[:, P + 1: P + 1 + W], V, torch.float32)
-    logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=first.device)
-    logp[:, P] = first_logp
-    cand, on_tree = plan.drafting.fresh(B, first.device)
-    return JacobiState(seq, cur, torch.ones_like(cur), req.keys[images], q, logp, cand, on_tree)
+        q = one_hot(seq[:, P: P + W], V, torch.float32)
+    logp = torch.zeros(B, T + plan.scratch_len, dtype=torch.float32, device=dev)
+    cand, on_tree = plan.drafting.fresh(B, dev)
+    return JacobiState(seq, cur, torch.zeros_like(cur), req.keys[images], q, logp, cand, on_tree)
 
 
 def rewindow(st: JacobiState, old: Plan, new: Plan) -> JacobiState:
@@ -177,7 +176,7 @@ def window_inputs(st: JacobiState, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     prediction of token cur (offset > 0 only for clipped windows, = W for finished rows).
     With candidate drafting the window kind's `forward` appends the branches
     (`candidates.tree_window`)."""
-    start = st.cur.clamp(max=plan.T - plan.W)                             # >= P + 1 >= 1
+    start = st.cur.clamp(max=plan.T - plan.W)                 # >= P + 1 >= 1 after the first
     positions = start[:, None] + plan.ar
     return st.seq.gather(1, positions - 1), positions, st.cur - start
 
@@ -325,6 +324,13 @@ def ar_round(model, st: JacobiState, req: Request, plan: Plan, rows: Tensor | No
     j = st.cur.clamp(max=plan.T - 1)                               # the token predicted
     x = st.seq.gather(1, (j - 1)[:, None])                         # fed at position j
     logits = model.forward_cached(cfg_rows(x, req), cfg_rows(j[:, None], req), rows)[:, 0]
+    return ar_commit(st, logits, live, j, req, plan)
+
+
+def ar_commit(st: JacobiState, logits: Tensor, live: Tensor, j: Tensor, req: Request,
+              plan: Plan) -> Tensor:
+    """`ar_round`'s step after its forward (and a prefill round's at W = 1): token j (B,) of
+    every `live` (B,) row chosen from its logits (2B or B, V), committed in place -> counts."""
     token, logp = choose_token(guide(logits, req.cfg_scale), req, j, st.rounds, st.key)
     write = torch.where(live, j, plan.T)[:, None]
     st.seq.scatter_(1, write, token[:, None])

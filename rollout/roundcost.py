@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from rollout.engine import make_request, prefill_token, synchronize
+from rollout.engine import make_request, synchronize
 from rollout.hbsjd import JacobiEngine
-from rollout.rounds import forward_window, verify_window
+from rollout.rounds import forward_window, prefill_round, verify_window
 from rollout.jacobi import init_state
 
 
@@ -70,8 +70,8 @@ def round_costs(model, engine: JacobiEngine, labels: Tensor, prefix: Tensor | No
         with torch.inference_mode():
             model.setup_cache(req.batch * (2 if req.cfg else 1), engine.cache_len(req))
             images = torch.arange(req.batch, device=dev)
-            first, first_logp = prefill_token(model, req, images)
-            st = init_state(req, images, first, plan, model.vocab_size, first_logp)
+            st = init_state(req, images, plan, model.vocab_size)
+            prefill_round(model, st, images, req, plan, None)
             r = 0
             while bool((st.cur < req.total).any()):
                 start = time.perf_counter()

@@ -1,5 +1,6 @@
 """One HB-SJD round: Full or Compact execution of a verifier forward over every row's window,
 then the verification that advances each image (rollout/hbsjd.py `run_jacobi` runs them).
+An image's first round is the prefill's forward with its first window (`prefill_round`).
 
     Full      all physical rows (rows=None), finished images logically inactive
     Compact   only the active images' rows (rows = index tensor; CFG: idx and idx + B)
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine import Request
-from rollout.jacobi import JacobiState, Plan, ar_round, window_inputs
+from rollout.jacobi import JacobiState, Plan, ar_commit, ar_round, window_inputs
 from rollout.sampling import guide
 
 
@@ -72,6 +73,30 @@ def bucket_rows(live: Tensor, size: int) -> Tensor:
     """live: (R,) bool -> (size,) int64 the active rows in ascending order, then finished rows
     (`compact_round`'s padding); size >= the active count."""
     return torch.sort((~live).to(torch.uint8), stable=True).indices[:size]
+
+
+def prefill_round(model, st: JacobiState, images: Tensor, req: Request, plan: Plan,
+                  rows: Tensor | None) -> Tensor:
+    """The first round of images `images` (k,), `st` their fresh states (`init_state`: cur =
+    P), in place: one forward prefills the class token and the prefix into cache rows `rows`
+    (None: 0..k-1; their CFG copies R rows later) and runs the first window, [token P - 1
+    (the class token without a prefix), drafts P .. P + W - 2], whose columns predict tokens
+    P .. P + W - 1, verified as every round's (`verify_window`): token P and the drafts it
+    accepts are committed.  -> counts (3, k) int64.  A round of W = 1 is the plain prefill."""
+    P, k, W = req.prefix_len, images.shape[0], plan.W
+    labels = req.labels[images]
+    tokens = torch.cat([req.prefix[images], st.seq[:, P:P + W - 1]], 1)       # (k, P + W - 1)
+    if req.cfg:
+        labels = torch.cat([labels, torch.full_like(labels, model.num_classes)])
+        tokens = torch.cat([tokens, tokens])
+        if rows is not None:
+            rows = torch.cat([rows, rows + req.rows])
+    logits = model.prefill(labels, tokens, rows)[:, P:]                        # (k or 2k, W, V)
+    if W == 1:                                                       # as `ar_round` commits
+        return ar_commit(st, logits[:, 0], st.cur < plan.T, st.cur, req, plan)
+    positions = P + plan.ar.expand(k, W)
+    return verify_window(model, st, logits, positions, torch.zeros_like(st.cur), req, plan,
+                         rows)
 
 
 def forward_window(model, st: JacobiState, req: Request, plan: Plan,

@@ -2,10 +2,11 @@
 through R <= B physical rows of a Jacobi engine.
 
 Images 0..R-1 start; whenever rows' images are complete at the start of a round and images
-wait, the rows' tokens are kept and the next waiting images are prefilled into those rows (one
-prefill forward for all of them, attributed to the round that completed the old images), then
-the round goes on (rollout/hbsjd.py `run_jacobi`).  An image's tokens never depend on its row:
-its random numbers are keyed by the image (rollout/sampling.py).
+wait, the rows' tokens are kept and the next waiting images are prefilled into those rows, each
+with its first window (one forward for all of them, rollout/rounds.py `prefill_round`,
+attributed to the round that completed the old images), then the round goes on
+(rollout/hbsjd.py `run_jacobi`).  An image's tokens never depend on its row: its random numbers
+are keyed by the image (rollout/sampling.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from rollout.engine import Request, prefill_token, synchronize
 from rollout.jacobi import JacobiState, Plan, init_state
+from rollout.rounds import prefill_round
 from rollout.spans import Finished, Span
 from rollout.stats import RolloutResult
 
@@ -31,20 +33,22 @@ class Slots:
         self.out = torch.empty(B, T, dtype=torch.long, device=dev)
         self.out_logp = torch.empty(B, T, dtype=torch.float32, device=dev)
 
-    def refill(self, model, req: Request, st: JacobiState, live: Tensor, plan: Plan) -> Tensor:
-        """Rows not `live` (R,) take the next waiting images, in place of `st`'s rows -> the
-        admitted images (k,) int64."""
+    def refill(self, model, req: Request, st: JacobiState, live: Tensor,
+               plan: Plan) -> tuple[Tensor, Tensor]:
+        """Rows not `live` (R,) take the next waiting images, in place of `st`'s rows, each after
+        its first round (`prefill_round`, window plan.W) -> the admitted images (k,) int64 and
+        that round's counts (3, k) int64."""
         B, T = req.batch, req.total
         done = (~live).nonzero().squeeze(1)[: B - self.waiting]
         new = torch.arange(self.waiting, self.waiting + done.shape[0], device=live.device)
         self.out[self.img[done]] = st.seq[done, :T]
         self.out_logp[self.img[done]] = st.logp[done, :T]
         self.img[done] = new
-        token, logp = prefill_token(model, req, new, done)
-        st.assign(done, init_state(req, new, token, plan, model.vocab_size, logp),
-                  new_images=True)
+        sub = init_state(req, new, plan, model.vocab_size)
+        counts = prefill_round(model, sub, new, req, plan, done)
+        st.assign(done, sub, new_images=True)
         self.waiting += done.shape[0]
-        return new
+        return new, counts
 
     def per_image(self, counts: Tensor, idx: Tensor | None, compiled: bool) -> Tensor:
         """A round's counts (3, k) of rows idx (None: every row) -> (3, B) per image."""

@@ -64,7 +64,7 @@ class RolloutResult:
     def commit_histogram(self, width: int) -> list[int]:
         """Image-rounds by tokens committed: entry k counts image-rounds that committed k + 1
         tokens (k < width; larger counts land in the last entry).  Its mean is
-        `mean_committed` (the prefill round counts, with its one token)."""
+        `mean_committed` (the prefill round counts, with the tokens its first window commits)."""
         c = self.committed[self.committed > 0].clamp(max=width) - 1
         return torch.bincount(c.cpu(), minlength=width).tolist()
 
@@ -135,16 +135,17 @@ class RoundLog:
         self.prefills = 0                      # prefill forwards after round 0
         self.first_round = torch.zeros_like(self.accepted)  # (B,) round of each image's prefill
 
-    def prefill(self, images: Tensor) -> None:
-        """Round 0: the prefill of `images` (B,) int64, one token each."""
-        self.committed.append(torch.zeros_like(self.accepted).index_fill_(0, images, 1))
-        self.active.append(images.shape[0])
-        self.modes.append("full")
-        self.windows.append(0)
+    def prefill(self, per_image: Tensor, active: int) -> None:
+        """Round 0: the prefill of the first `active` images with their first window
+        (rollout/rounds.py `prefill_round`), per_image (3, B) int64 as `add`'s."""
+        self.add(per_image, active, "full", 0)
 
-    def admit(self, images: Tensor) -> None:
-        """Images (k,) int64 prefilled into free rows: their token counts in the last round."""
-        self.committed[-1][images] = 1
+    def admit(self, images: Tensor, counts: Tensor) -> None:
+        """Images (k,) int64 prefilled into free rows with their first window, counts (3, k)
+        int64: their tokens count in the last round."""
+        self.committed[-1][images] = counts[0]
+        self.accepted[images] += counts[1]
+        self.rejected[images] += counts[2]
         self.first_round[images] = len(self.committed) - 1
         self.prefills += 1
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollout import make_engine
-from rollout.engine import make_request, prefill_token
-from rollout.rounds import forward_window, verify_window
+from rollout.engine import make_request
+from rollout.rounds import forward_window, prefill_round, verify_window
 from rollout.jacobi import ar_round, init_state, one_hot
 
 from tests.rollout.test_distribution import peaked_model
@@ -23,8 +23,8 @@ def state_after(model, engine, req, plan, rounds):
     """The Jacobi state of req's images after the prefill and `rounds` W = 1 rounds."""
     model.setup_cache(req.batch * (2 if req.cfg else 1), engine.cache_len(req))
     images = torch.arange(req.batch)
-    first, logp = prefill_token(model, req, images)
-    st = init_state(req, images, first, plan, model.vocab_size, logp)
+    st = init_state(req, images, plan, model.vocab_size)
+    prefill_round(model, st, images, req, plan, None)          # at W = 1: the prefill alone
     for _ in range(rounds):
         ar_round(model, st, req, plan, None)
     return st

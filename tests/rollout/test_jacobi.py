@@ -40,16 +40,20 @@ def test_fill_history_follows_the_offset_chain():
 def test_init_state_drafts_come_from_history():
     req = request(2, 9)
     plan = make_plan(16, 5, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([3, 4]), plan, 7, torch.zeros(2))
-    assert st.cur.tolist() == [10, 10] and st.rounds.tolist() == [1, 1]
-    assert st.seq[:, 9].tolist() == [3, 4]
-    assert torch.equal(st.seq[:, 10:14], st.seq[:, 6:10])              # H = 4 rows above
+    st = init_state(req, torch.arange(2), plan, 7)
+    assert st.cur.tolist() == [9, 9] and st.rounds.tolist() == [0, 0]  # before the first round
+    assert torch.equal(st.seq[:, :9], req.prefix)
+    assert torch.equal(st.seq[:, 9:13], st.seq[:, 5:9])                # H = 4 rows above
+    assert (st.seq[:, 13:] == 0).all()                                 # nothing else
     assert torch.equal(st.key, image_key(req.seeds, req.ids)) and st.q is None
-    sampled = init_state(request(2, 9, "speculative"), torch.arange(2), torch.tensor([3, 4]),
-                         plan, 7, torch.zeros(2))
+    sampled = init_state(request(2, 9, "speculative"), torch.arange(2), plan, 7)
     assert sampled.q.shape == (2, 5, 7)                                # one per window column
-    assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 10:15])
+    assert torch.equal(sampled.q.argmax(-1), sampled.seq[:, 9:14])
     assert (sampled.q.sum(-1) == 1).all()
+    short = init_state(request(2, 2), torch.arange(2), plan, 7)        # P < H: left neighbour
+    assert short.seq[:, 2:6].tolist() == [[1, 1, 0, 1], [3, 3, 2, 3]]
+    empty = init_state(request(2, 0), torch.arange(2), plan, 7)        # no prefix: token 0
+    assert empty.cur.tolist() == [0, 0] and (empty.seq == 0).all()
 
 
 def test_window_is_clipped_at_the_end():
@@ -77,9 +81,9 @@ def logits_for(pred, V=7):
 
 
 def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
-    req = request(2, 4)
+    req = request(2, 5)
     plan = make_plan(16, 4, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(2), torch.tensor([6, 6]), plan, 7, torch.zeros(2))
+    st = init_state(req, torch.arange(2), plan, 7)
     st.seq[0, 5:8] = torch.tensor([1, 2, 3])                      # drafts for tokens 5..7
     st.seq[1, 5:8] = torch.tensor([1, 0, 3])
     pred = torch.tensor([[1, 2, 5, 4], [1, 2, 3, 4]])             # predictions of tokens 5..8
@@ -87,7 +91,7 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
     assert tokens[:, 1:].tolist() == [[1, 2, 3], [1, 0, 3]]
     (m, took, rejected), _ = jacobi_update(st, logits_for(pred), positions, offset, req, plan)
     assert took.tolist() == [2, 1] and m.tolist() == [3, 2] and rejected.tolist() == [1, 1]
-    assert st.cur.tolist() == [8, 7] and st.rounds.tolist() == [2, 2]
+    assert st.cur.tolist() == [8, 7] and st.rounds.tolist() == [1, 1]
     assert st.seq[0, 5:8].tolist() == [1, 2, 5]                   # argmax replaced draft 7
     assert st.seq[1, 5:7].tolist() == [1, 2]
     # next drafts: reused predictions (token 8 = 4; image 1: tokens 7, 8 = 3, 4) ...
@@ -98,9 +102,9 @@ def test_greedy_round_commits_accepted_drafts_and_reuses_predictions():
 
 
 def test_speculative_round_records_proposals():
-    req = request(1, 4, "speculative")
+    req = request(1, 5, "speculative")
     plan = make_plan(16, 4, 4, torch.device("cpu"))
-    st = init_state(req, torch.arange(1), torch.tensor([6]), plan, 7, torch.zeros(1))
+    st = init_state(req, torch.arange(1), plan, 7)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]).repeat(4, 1)
     _, positions, offset = window_inputs(st, plan)
     (m, took, _), _ = jacobi_update(st, probs.log()[None].double(), positions, offset, req,
