@@ -2,7 +2,10 @@
 
 One row per learner step; columns are whatever the step reports (floats, ints, strings).  The
 file is rewritten atomically after every `log_every` steps, so a run that stops keeps what it
-measured, and a resumed run appends to the rows it already had.
+measured, and a resumed run appends to the rows it already had.  The rows already written are
+kept as an Arrow table, so a flush converts only the rows since the last one: rebuilding every
+column from every row made the default run's flushes quadratic, 62 % of the driver's CPU
+seconds in its on-policy steps (docs/WINDOW_POLICY.md).
 """
 from __future__ import annotations
 
@@ -25,10 +28,13 @@ class MetricsLog:
         self.path = Path(run_dir) / file
         self.flush_every = max(1, flush_every)
         self.rows: list[dict] = read_metrics(self.path) if resume and self.path.is_file() else []
+        self.table: pa.Table | None = None     # self.rows[:converted] as columns
+        self.converted = 0
 
     def truncate(self, step: int) -> None:
         """Drop rows of steps >= `step` (a resumed run repeats them)."""
         self.rows = [r for r in self.rows if r.get("step", -1) < step]
+        self.table, self.converted = None, 0
 
     def append(self, row: dict) -> None:
         self.rows.append({k: _plain(v) for k, v in row.items()})
@@ -38,10 +44,17 @@ class MetricsLog:
     def flush(self) -> None:
         if not self.rows:
             return
-        keys: dict[str, None] = {}
-        for row in self.rows:
-            keys.update(dict.fromkeys(row))
-        table = pa.table({k: [r.get(k) for r in self.rows] for k in keys})
+        new = self.rows[self.converted:]
+        if new:
+            keys: dict[str, None] = {}
+            for row in new:
+                keys.update(dict.fromkeys(row))
+            added = pa.table({k: [r.get(k) for r in new] for k in keys})
+            # columns a part lacks are nulls; an int column meeting floats becomes float
+            self.table = added if self.table is None else pa.concat_tables(
+                [self.table, added], promote_options="permissive").combine_chunks()
+            self.converted = len(self.rows)
+        table = self.table
         tmp = self.path.with_suffix(".tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.path)
