@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine import Engine, Request, cfg_rows, choose_token, prefill_token, register
+from rollout.engine import Engine, Request, cfg_rows, choose_token, register
+from rollout.prefill import prefill_token
 from rollout.sampling import guide
 from rollout.stats import RolloutResult
 

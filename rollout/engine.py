@@ -1,4 +1,4 @@
-"""Engine registry and what every engine shares (request, prefill, token choice).
+"""Engine registry and what every engine shares (request, token choice).
 
     engine = make_engine("hbsjd", window=16, decoding="greedy", execution="hybrid", gamma=24)
     result = engine.generate(model, labels, prefix, num_new_tokens, cfg_scale=2.0, seed=0)
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from rollout.options import (ENGINE_MODULES, ENGINE_OPTIONS, check_engine_name, check_options,
                              engine_options)
-from rollout.sampling import (STREAM_TOKEN, check_sampling, guide, image_key, perturb,
+from rollout.sampling import (STREAM_TOKEN, check_sampling, image_key, perturb,
                               sample_from, token_logprob, uniform, uses_cfg, warp)
 from rollout.spans import Finished, Span, whole_call
 from rollout.stats import RolloutResult, normal
@@ -226,24 +226,6 @@ def choose_token(guided: Tensor, req: Request, position: Tensor, attempt: Tensor
         token = (sample_from(p, uniform(keys, position, attempt, STREAM_TOKEN))
                  if req.speculative else guided.argmax(-1))
     return token, token_logprob(p, token)
-
-
-def prefill_token(model, req: Request, images: Tensor | None = None,
-                  rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Round 0 of images `images` (default all): prefill (class token + prefix) into physical
-    rows `rows` (default 0..k-1; their CFG copies R rows later) and choose image token P.
-    -> token (k,) int64 and its behaviour log-prob (k,) float32."""
-    labels, prefix, keys = req.labels, req.prefix, req.keys
-    if images is not None:
-        labels, prefix, keys = labels[images], prefix[images], keys[images]
-    if req.cfg:
-        labels = torch.cat([labels, torch.full_like(labels, model.num_classes)])
-        prefix = torch.cat([prefix, prefix])
-        if rows is not None:
-            rows = torch.cat([rows, rows + req.rows])
-    logits = model.prefill(labels, prefix, rows)[:, -1]
-    pos = torch.full((keys.shape[0],), req.prefix_len, dtype=torch.long, device=labels.device)
-    return choose_token(guide(logits, req.cfg_scale), req, pos, torch.zeros_like(pos), keys)
 
 
 def synchronize(device: torch.device) -> None:

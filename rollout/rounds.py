@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rollout.engine import Request
 from rollout.jacobi import JacobiState, Plan, ar_commit, ar_round, window_inputs
+from rollout.prefill import prefill_forward
 from rollout.sampling import guide
 
 
@@ -84,14 +85,9 @@ def prefill_round(model, st: JacobiState, images: Tensor, req: Request, plan: Pl
     P .. P + W - 1, verified as every round's (`verify_window`): token P and the drafts it
     accepts are committed.  -> counts (3, k) int64.  A round of W = 1 is the plain prefill."""
     P, k, W = req.prefix_len, images.shape[0], plan.W
-    labels = req.labels[images]
     tokens = torch.cat([req.prefix[images], st.seq[:, P:P + W - 1]], 1)       # (k, P + W - 1)
-    if req.cfg:
-        labels = torch.cat([labels, torch.full_like(labels, model.num_classes)])
-        tokens = torch.cat([tokens, tokens])
-        if rows is not None:
-            rows = torch.cat([rows, rows + req.rows])
-    logits = model.prefill(labels, tokens, rows)[:, P:]                        # (k or 2k, W, V)
+    logits, rows = prefill_forward(model, req, images, tokens, rows)
+    logits = logits[:, P:]                                           # (k or 2k, W, V)
     if W == 1:                                                       # as `ar_round` commits
         return ar_commit(st, logits[:, 0], st.cur < plan.T, st.cur, req, plan)
     positions = P + plan.ar.expand(k, W)

@@ -15,8 +15,9 @@ import time
 import torch
 from torch import Tensor
 
-from rollout.engine import Request, prefill_token, synchronize
+from rollout.engine import Request, synchronize
 from rollout.jacobi import JacobiState, Plan, init_state
+from rollout.prefill import prefill_token
 from rollout.rounds import prefill_round
 from rollout.spans import Finished, Span
 from rollout.stats import RolloutResult
